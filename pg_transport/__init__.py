@@ -1,0 +1,25 @@
+"""pgq: PostgreSQL as a first-class Celery broker.
+
+Installing the package registers the ``pgq://`` scheme with kombu (through a
+``.pth`` hook, so apps need not import anything); importing this package
+registers it too.
+"""
+
+from __future__ import annotations
+
+from kombu.transport import TRANSPORT_ALIASES
+
+from pg_transport.config import Options
+from pg_transport.errors import BrokerUnavailable, ConfigurationError, PgqError, SchemaError
+
+__all__ = [
+    "TRANSPORT",
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "Options",
+    "PgqError",
+    "SchemaError",
+]
+
+TRANSPORT = "pg_transport.transport:Transport"
+TRANSPORT_ALIASES.setdefault("pgq", TRANSPORT)

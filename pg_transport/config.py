@@ -1,0 +1,183 @@
+"""Transport options: ``broker_transport_options`` merged with ``PGQ_*`` environment.
+
+Every option can be overridden by ``PGQ_<KEY>``; per-queue visibility timeouts and
+attempt limits also by ``PGQ_VISIBILITY_TIMEOUT_<QUEUE>`` / ``PGQ_MAX_ATTEMPTS_<QUEUE>``,
+where ``<QUEUE>`` is the queue name upper-cased with every non-alphanumeric character
+replaced by ``_``. Bad values are refused at start-up, naming key and value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pg_transport.errors import ConfigurationError
+
+__all__ = ["Options", "env_queue_key"]
+
+T = TypeVar("T")
+
+# Options kombu or Celery themselves read from broker_transport_options; accepted
+# and ignored here so an app moving from Redis or RabbitMQ keeps working.
+KOMBU_KEYS = frozenset(
+    {
+        "max_retries",
+        "interval_start",
+        "interval_step",
+        "interval_max",
+        "body_encoding",
+        "deadletter_queue",
+        "confirm_publish",
+        "client_properties",
+        "connect_timeout",
+    }
+)
+
+_QUEUE_CHARS = re.compile(r"[^A-Za-z0-9]")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def env_queue_key(queue: str) -> str:
+    """The ``<QUEUE>`` part of a per-queue environment variable."""
+    return _QUEUE_CHARS.sub("_", queue).upper()
+
+
+def _number(key: str, value: Any, *, integer: bool, minimum: float, allow_zero: bool) -> Any:
+    if isinstance(value, bool):
+        raise ConfigurationError(f"pgq option {key}={value!r} is not a number")
+    try:
+        number = int(value) if integer and not isinstance(value, float) else float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"pgq option {key}={value!r} is not a number") from None
+    if integer and isinstance(number, float):
+        if not number.is_integer():
+            raise ConfigurationError(f"pgq option {key}={value!r} is not a whole number")
+        number = int(number)
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigurationError(f"pgq option {key}={value!r} is not a finite number")
+    if number < minimum or (not allow_zero and number == 0):
+        bound = f">= {minimum}" if allow_zero else f"> {minimum}"
+        raise ConfigurationError(f"pgq option {key}={value!r} must be {bound}")
+    return number
+
+
+def _seconds(key: str, value: Any) -> float:
+    return float(_number(key, value, integer=False, minimum=0, allow_zero=False))
+
+
+def _attempts(key: str, value: Any) -> int:
+    return int(_number(key, value, integer=True, minimum=1, allow_zero=True))
+
+
+def _interval(key: str, value: Any) -> float:
+    return float(_number(key, value, integer=False, minimum=0, allow_zero=True))
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _flag(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigurationError(f"pgq option {key}={value!r} is not a boolean (true/false)")
+
+
+def _schema(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not _IDENT.match(value) or len(value) > 48:
+        raise ConfigurationError(
+            f"pgq option {key}={value!r} must be a plain identifier "
+            "(letters, digits, underscore; at most 48 characters)"
+        )
+    return value
+
+
+def _per_queue(key: str, value: Any, parse: Callable[[str, Any], T]) -> dict[str, T]:
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"pgq option {key}={value!r} must be a mapping of queue to value")
+    return {str(q): parse(f"{key}[{q!r}]", v) for q, v in value.items()}
+
+
+_SCALARS: dict[str, Callable[[str, Any], Any]] = {
+    "schema": _schema,
+    "visibility_timeout": _seconds,
+    "max_attempts": _attempts,
+    "use_notify": _flag,
+    "polling_interval": _interval,
+    "lease_renewal": _flag,
+    "native_delayed_delivery": _flag,
+    "auto_migrate": _flag,
+}
+_MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
+    "queue_visibility_timeouts": _seconds,
+    "queue_max_attempts": _attempts,
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    schema: str = "pgq"
+    visibility_timeout: float = 30.0
+    queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
+    max_attempts: int = 5
+    queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
+    use_notify: bool = True
+    polling_interval: float = 1.0
+    lease_renewal: bool = True
+    native_delayed_delivery: bool = True
+    auto_migrate: bool = True
+    # Per-queue values from the environment, keyed by env_queue_key(queue).
+    env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
+    env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_sources(
+        cls, transport_options: Mapping[str, Any] | None, environ: Mapping[str, str]
+    ) -> Options:
+        """Validate options, then let ``PGQ_*`` environment variables override them."""
+        values: dict[str, Any] = {}
+        for key, value in (transport_options or {}).items():
+            if key in _SCALARS:
+                values[key] = _SCALARS[key](key, value)
+            elif key in _MAPPINGS:
+                values[key] = _per_queue(key, value, _MAPPINGS[key])
+            elif key not in KOMBU_KEYS:
+                known = ", ".join(sorted([*_SCALARS, *_MAPPINGS]))
+                raise ConfigurationError(
+                    f"unknown pgq transport option {key!r} (value {value!r}); known: {known}"
+                )
+        for key, parse in _SCALARS.items():
+            env_name = f"PGQ_{key.upper()}"
+            if env_name in environ:
+                values[key] = parse(env_name, environ[env_name])
+        env_vt: dict[str, float] = {}
+        env_attempts: dict[str, int] = {}
+        for name, raw in environ.items():
+            if name.startswith("PGQ_VISIBILITY_TIMEOUT_"):
+                env_vt[name.removeprefix("PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
+            elif name.startswith("PGQ_MAX_ATTEMPTS_"):
+                env_attempts[name.removeprefix("PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
+        return cls(
+            **values,
+            env_queue_visibility_timeouts=env_vt,
+            env_queue_max_attempts=env_attempts,
+        )
+
+    def visibility_timeout_for(self, queue: str) -> float:
+        env = self.env_queue_visibility_timeouts.get(env_queue_key(queue))
+        if env is not None:
+            return env
+        return self.queue_visibility_timeouts.get(queue, self.visibility_timeout)
+
+    def max_attempts_for(self, queue: str) -> int:
+        env = self.env_queue_max_attempts.get(env_queue_key(queue))
+        if env is not None:
+            return env
+        return self.queue_max_attempts.get(queue, self.max_attempts)

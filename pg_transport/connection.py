@@ -1,0 +1,234 @@
+"""Connecting to Postgres, recognising dead connections, and retrying on them.
+
+One place decides what a dead connection is (:func:`is_dead_connection`); the
+retry policy for idempotent statements (:data:`retry_idempotent`) is tenacity's,
+and :class:`Connector` hands out autocommit connections, discarding broken ones
+instead of trusting them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import conninfo as pg_conninfo
+from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
+from pg_transport.errors import BrokerUnavailable, ConfigurationError
+
+__all__ = [
+    "Connector",
+    "is_dead_connection",
+    "mask_url",
+    "retry_idempotent",
+    "url_to_conninfo",
+]
+
+logger = logging.getLogger("pg_transport.connection")
+
+T = TypeVar("T")
+
+SCHEMES = ("pgq",)
+DEFAULT_CONNECT_TIMEOUT = 10
+
+# SQLSTATEs of a server that is going away or not accepting us any more.
+_DEAD_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/?#]*):(?P<pw>[^@/?#]*)@")
+_PASSWORD_PARAM = re.compile(r"(?P<key>[?&]password=)(?P<pw>[^&#]*)", re.IGNORECASE)
+
+
+def mask_url(url: str, mask: str = "**") -> str:
+    """The URL with any password (userinfo or ``password=`` parameter) masked."""
+    url = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{mask}@", url, count=1)
+    return _PASSWORD_PARAM.sub(lambda m: f"{m['key']}{mask}", url)
+
+
+def url_to_conninfo(url: str | None) -> str:
+    """Turn ``pgq://…`` into a libpq connection string; ``pgq://`` means libpq defaults.
+
+    libpq itself parses the rest (multi-host lists, unix sockets, query parameters),
+    so everything libpq accepts in a ``postgresql://`` URL works here.
+    """
+    if not url:
+        return ""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise ConfigurationError(
+            f"malformed broker URL {mask_url(url)!r}: expected pgq://[user[:password]@]host"
+            "[:port]/dbname[?params]"
+        )
+    conninfo = "postgresql://" + rest
+    try:
+        pg_conninfo.conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as exc:
+        reason = str(exc).replace(conninfo, "<url>").strip()
+        raise ConfigurationError(f"malformed broker URL {mask_url(url)!r}: {reason}") from None
+    return conninfo
+
+
+def is_dead_connection(exc: BaseException, conn: psycopg.Connection[Any] | None = None) -> bool:
+    """True when ``exc`` means the connection is gone and a fresh one may succeed."""
+    if conn is not None and conn.closed:
+        return True
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        return state is None or state.startswith("08") or state in _DEAD_SQLSTATES
+    return False
+
+
+def retry_idempotent() -> Retrying:
+    """Retry once, on a fresh connection, after a dead-connection error."""
+    return Retrying(
+        retry=retry_if_exception(is_dead_connection),
+        stop=stop_after_attempt(2),
+        reraise=True,
+    )
+
+
+# --- fork safety -----------------------------------------------------------
+# A child process must never talk on, or close, a socket it inherited: closing
+# sends a Terminate message that ends the parent's session. After fork we point
+# every inherited connection's descriptor at /dev/null, so whatever the child
+# does with those objects later cannot reach the server.
+_live: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
+
+def _detach_inherited() -> None:
+    conns = list(_live)
+    if not conns:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for conn in conns:
+            try:
+                fd = conn.pgconn.socket
+            except psycopg.OperationalError:
+                continue
+            os.dup2(devnull, fd)
+            conn._pgq_inherited = True  # type: ignore[attr-defined]
+    finally:
+        os.close(devnull)
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_detach_inherited)
+
+
+def is_inherited(conn: psycopg.Connection[Any]) -> bool:
+    return bool(getattr(conn, "_pgq_inherited", False))
+
+
+class Connector:
+    """Autocommit connections for one conninfo, reused while they are healthy."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        display_url: str = "",
+        max_idle: int = 8,
+        application_name: str = "pgq",
+        prepare_threshold: int | None = 5,
+    ) -> None:
+        self.conninfo = conninfo
+        self.display_url = display_url or "pgq://"
+        self.max_idle = max_idle
+        self.prepare_threshold = prepare_threshold
+        self._kwargs: dict[str, Any] = {"application_name": application_name}
+        if "connect_timeout" not in pg_conninfo.conninfo_to_dict(conninfo):
+            self._kwargs["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self.closed = False
+
+    def connect(self, *, autocommit: bool = True) -> psycopg.Connection[Any]:
+        """A new connection; failures become :class:`BrokerUnavailable` naming the problem."""
+        try:
+            conn = psycopg.connect(self.conninfo, autocommit=autocommit, **self._kwargs)
+        except psycopg.Error as exc:
+            raise BrokerUnavailable(
+                f"cannot connect to Postgres at {self.display_url}: {describe(exc)}"
+            ) from exc
+        conn.prepare_threshold = self.prepare_threshold
+        _live.add(conn)
+        return conn
+
+    def _take(self) -> psycopg.Connection[Any]:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._idle.clear()  # inherited: detached at fork, never reused
+                self._pid = os.getpid()
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed and not is_inherited(conn):
+                    return conn
+        return self.connect()
+
+    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        healthy = (
+            not conn.closed
+            and not is_inherited(conn)
+            and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        )
+        if healthy and not self.closed:
+            with self._lock:
+                if len(self._idle) < self.max_idle and self._pid == os.getpid():
+                    self._idle.append(conn)
+                    return
+        if not is_inherited(conn):
+            conn.close()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        conn = self._take()
+        try:
+            yield conn
+        except BaseException as exc:
+            if is_dead_connection(exc, conn) and not conn.closed:
+                conn.close()
+            self._give_back(conn)
+            raise
+        self._give_back(conn)
+
+    def run(
+        self,
+        work: Callable[[psycopg.Connection[Any]], T],
+        *,
+        idempotent: bool,
+    ) -> T:
+        """Run ``work`` on a pooled connection; idempotent work is retried once."""
+        if not idempotent:
+            with self.connection() as conn:
+                return work(conn)
+        for attempt in retry_idempotent():
+            with attempt, self.connection() as conn:
+                return work(conn)
+        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+    def close(self) -> None:
+        self.closed = True
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            if not is_inherited(conn):
+                conn.close()
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of a driver error, without the conninfo in it."""
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # libpq reports one "connection to server … failed: reason" line per host tried.
+    return "; ".join(dict.fromkeys(lines))

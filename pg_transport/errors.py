@@ -1,0 +1,21 @@
+"""Exceptions pgq raises. Driver errors are translated into these at the boundary."""
+
+from __future__ import annotations
+
+__all__ = ["BrokerUnavailable", "ConfigurationError", "PgqError", "SchemaError"]
+
+
+class PgqError(Exception):
+    """Base of every error pgq raises on purpose."""
+
+
+class ConfigurationError(PgqError, ValueError):
+    """A transport option, environment variable or URL is invalid."""
+
+
+class BrokerUnavailable(PgqError, ConnectionError):
+    """Postgres could not be reached, or refused us (host, password, database)."""
+
+
+class SchemaError(PgqError):
+    """The pgq schema is missing, outdated, or cannot be created with our rights."""

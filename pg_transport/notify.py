@@ -1,0 +1,122 @@
+"""LISTEN/NOTIFY wake-ups, plus a self-pipe so an ack can wake the consumer.
+
+A consumer waits here when it has nothing to do: either no message was visible,
+or all its prefetch slots are full. It wakes when a publish notifies one of its
+queues, when an ack frees a slot (:meth:`Listener.wake`), or after the polling
+interval (delayed messages and expired leases need no notification).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from pg_transport.connection import Connector
+from pg_transport.sql import load_queries
+
+__all__ = ["Listener", "Wakeup"]
+
+logger = logging.getLogger("pg_transport.notify")
+
+
+@dataclass
+class Wakeup:
+    """Why a wait ended: queues notified ('' means any), and/or a local wake."""
+
+    queues: set[str] = field(default_factory=set)
+    local: bool = False
+
+    def concerns(self, active: set[str] | list[str]) -> bool:
+        if self.local or "" in self.queues:
+            return True
+        return not self.queues.isdisjoint(active)
+
+
+class Listener:
+    def __init__(self, connector: Connector, schema: str, *, use_notify: bool) -> None:
+        self.connector = connector
+        self.listen_query = load_queries(schema)["listen"]
+        self.use_notify = use_notify
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def start(self) -> None:
+        """Open the LISTEN session (idempotent)."""
+        if not self.use_notify or (self._conn is not None and not self._conn.closed):
+            return
+        conn = self.connector.connect()
+        conn.execute(self.listen_query)
+        self._conn = conn
+
+    def wake(self) -> None:
+        """Wake a waiter from any thread; cheap, never blocks."""
+        # A full pipe means a wake-up is already pending.
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def fileno(self) -> int | None:
+        return self._conn.pgconn.socket if self._conn is not None else None
+
+    def wait(self, timeout: float) -> Wakeup:
+        """Block up to ``timeout`` seconds; raises psycopg errors if LISTEN died."""
+        if self.use_notify:
+            self.start()
+        result = Wakeup()
+        fds: list[int] = [self._wake_r]
+        conn = self._conn
+        if conn is not None:
+            fds.append(conn.pgconn.socket)
+            # Notifications may already be buffered from an earlier read.
+            self._collect(conn, result)
+            if result.queues:
+                return result
+        ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
+        if self._wake_r in ready:
+            self._drain_pipe()
+            result.local = True
+        if conn is not None and len(ready) > (1 if result.local else 0):
+            try:
+                conn.pgconn.consume_input()
+            except psycopg.Error:
+                self._conn = None
+                conn.close()
+                raise
+            self._collect(conn, result)
+        return result
+
+    def _collect(self, conn: psycopg.Connection[Any], result: Wakeup) -> None:
+        pgconn = conn.pgconn
+        while True:
+            note = pgconn.notifies()
+            if note is None:
+                return
+            result.queues.add(note.extra.decode("utf-8", "replace"))
+
+    def _drain_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.close()
+            except psycopg.Error:
+                logger.debug("closing the LISTEN connection failed", exc_info=True)
+        if self._pid == os.getpid():
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1

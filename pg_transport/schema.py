@@ -1,0 +1,89 @@
+"""Creating and upgrading the pgq schema, safely from many processes at once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+from pg_transport.connection import Connector
+from pg_transport.errors import SchemaError
+from pg_transport.locks import advisory_key
+from pg_transport.sql import load_migrations, load_queries
+
+__all__ = ["current_version", "ensure_schema", "latest_version", "migrate"]
+
+_checked: set[tuple[str, str]] = set()
+_checked_lock = threading.Lock()
+
+
+def latest_version() -> int:
+    return len(load_migrations())
+
+
+def current_version(conn: psycopg.Connection[Any], schema: str) -> int | None:
+    """Applied version, or None when the schema has never been migrated."""
+    queries = load_queries(schema)
+    row = conn.execute(queries["has_version_table"], {"schema": schema}).fetchone()
+    if not row or not row[0]:
+        return None
+    row = conn.execute(queries["applied_version"]).fetchone()
+    return int(row[0]) if row else 0
+
+
+def migrate(conn: psycopg.Connection[Any], schema: str) -> list[str]:
+    """Apply pending migrations under an advisory lock; return the names applied.
+
+    The lock serialises concurrent first connects: the loser waits, then sees the
+    schema already at the latest version and applies nothing.
+    """
+    queries = load_queries(schema)
+    applied: list[str] = []
+    try:
+        with conn.transaction():
+            conn.execute(queries["migrate_lock"], {"key": advisory_key("pgq:migrate", schema)})
+            version = current_version(conn, schema)
+            if version is None:
+                conn.execute(queries["create_schema"])
+                version = 0
+            for migration in load_migrations()[version:]:
+                conn.execute(migration.composed(schema))
+                conn.execute(queries["record_version"], {"version": migration.version})
+                applied.append(migration.name)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        user = conn.info.user
+        raise SchemaError(
+            f"role {user!r} cannot create or upgrade the pgq schema {schema!r}: "
+            f"{exc.diag.message_primary or exc}. Run `pgq migrate` as the schema's owner, "
+            "or grant this role CREATE on the database"
+        ) from exc
+    return applied
+
+
+def ensure_schema(connector: Connector, schema: str, *, auto_migrate: bool) -> None:
+    """Make sure ``schema`` is at the latest version, once per process and database."""
+    key = (connector.conninfo, schema)
+    if key in _checked:
+        return
+    with _checked_lock:
+        if key in _checked:
+            return
+        with connector.connection() as conn:
+            try:
+                version = current_version(conn, schema)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise SchemaError(
+                    f"role {conn.info.user!r} cannot read the pgq schema {schema!r}: "
+                    f"{exc.diag.message_primary or exc}. Grant USAGE on the schema and DML "
+                    "on its tables to this role"
+                ) from exc
+            if version != latest_version():
+                if not auto_migrate:
+                    state = "does not exist" if version is None else f"is at version {version}"
+                    raise SchemaError(
+                        f"pgq schema {schema!r} {state}, this pgq needs version "
+                        f"{latest_version()}: run `pgq migrate` (auto_migrate is off)"
+                    )
+                migrate(conn, schema)
+        _checked.add(key)

@@ -1,0 +1,13 @@
+"""SQL of pgq: the schema, numbered migrations and named queries, loaded from files."""
+
+from __future__ import annotations
+
+from pg_transport.sql.loader import (
+    Migration,
+    load_migrations,
+    load_queries,
+    load_schema,
+    notify_channel,
+)
+
+__all__ = ["Migration", "load_migrations", "load_queries", "load_schema", "notify_channel"]

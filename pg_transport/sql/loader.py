@@ -1,0 +1,85 @@
+"""Load the ``.sql`` files of this package and compose the schema name into them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from psycopg import sql
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$")
+_MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
+
+
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def parse_named(text: str) -> dict[str, str]:
+    """Split ``-- name: x`` blocks into {name: statement}; comments are dropped."""
+    queries: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        match = _NAME.match(line)
+        if match:
+            if match.group(1) in queries:
+                raise ValueError(f"query {match.group(1)!r} is defined twice")
+            current = queries[match.group(1)] = []
+        elif current is not None and not line.lstrip().startswith("--"):
+            current.append(line)
+    return {name: "\n".join(lines).strip() for name, lines in queries.items()}
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel of a schema."""
+    return f"pgq_{schema}"
+
+
+def compose(text: str, schema: str) -> sql.Composed:
+    """Compose ``{schema}`` and ``{channel}`` into ``text`` as identifiers."""
+    return sql.SQL(text).format(
+        schema=sql.Identifier(schema), channel=sql.Identifier(notify_channel(schema))
+    )
+
+
+@cache
+def _raw_queries() -> dict[str, str]:
+    return parse_named(_read("queries.sql"))
+
+
+def load_queries(schema: str) -> dict[str, sql.Composed]:
+    """Every named query with ``schema`` composed in."""
+    return {name: compose(text, schema) for name, text in _raw_queries().items()}
+
+
+def load_schema(schema: str) -> sql.Composed:
+    """The whole current schema (``schema.sql``)."""
+    return compose(_read("schema.sql"), schema)
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    def composed(self, schema: str) -> sql.Composed:
+        return compose(self.text, schema)
+
+
+@cache
+def load_migrations() -> tuple[Migration, ...]:
+    """Numbered migrations in order; numbering must be contiguous from 1."""
+    found: list[Migration] = []
+    for entry in resources.files(__package__).joinpath("migrations").iterdir():
+        match = _MIGRATION.match(entry.name)
+        if match:
+            text = entry.read_text(encoding="utf-8")
+            found.append(Migration(int(match.group(1)), entry.name, text))
+    found.sort(key=lambda m: m.version)
+    for expected, migration in enumerate(found, start=1):
+        if migration.version != expected:
+            raise ValueError(f"migration {migration.name} breaks the numbering at {expected}")
+    return tuple(found)

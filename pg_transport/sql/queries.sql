@@ -1,0 +1,125 @@
+-- Named queries of pgq. Each block starts with "-- name: <name>" and a one-line
+-- description; {schema} is composed as an identifier, values are bound.
+
+-- name: publish
+-- Insert one message and wake listeners; a retried publish with the same key is a no-op.
+WITH inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
+    VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
+            %(publish_key)s, %(payload)s)
+    ON CONFLICT (publish_key) DO NOTHING
+    RETURNING queue
+)
+SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
+
+-- name: claim
+-- Take up to limit visible messages over several queues in one statement.
+WITH wanted AS (
+    SELECT w.name, w.vt FROM unnest(%(queues)s::text[], %(vts)s::float8[]) AS w(name, vt)
+), picked AS (
+    SELECT c.id, wanted.vt
+    FROM wanted
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.priority
+        FROM {schema}.message AS m
+        WHERE m.queue = wanted.name AND m.visible_at <= now()
+        ORDER BY m.priority DESC, m.id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+    ORDER BY c.priority DESC, c.id
+    LIMIT %(limit)s
+)
+UPDATE {schema}.message AS t
+SET visible_at = now() + make_interval(secs => picked.vt),
+    read_ct = t.read_ct + 1
+FROM picked
+WHERE t.id = picked.id
+RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
+
+-- name: ack
+-- Delete delivered messages, fenced by the read_ct each was claimed with.
+DELETE FROM {schema}.message AS m
+USING unnest(%(ids)s::bigint[], %(read_cts)s::integer[]) AS a(id, read_ct)
+WHERE m.id = a.id AND m.read_ct = a.read_ct
+
+-- name: release
+-- Make claimed messages visible again now (requeue), fenced by read_ct, and wake listeners.
+WITH released AS (
+    UPDATE {schema}.message AS m
+    SET visible_at = now()
+    FROM unnest(%(ids)s::bigint[], %(read_cts)s::integer[]) AS a(id, read_ct)
+    WHERE m.id = a.id AND m.read_ct = a.read_ct
+    RETURNING m.queue
+)
+SELECT pg_notify(%(channel)s, q.queue) FROM (SELECT DISTINCT queue FROM released) AS q
+
+-- name: renew
+-- Extend the visibility timeout of messages this consumer still holds.
+UPDATE {schema}.message AS m
+SET visible_at = now() + make_interval(secs => a.vt)
+FROM unnest(%(ids)s::bigint[], %(read_cts)s::integer[], %(vts)s::float8[]) AS a(id, read_ct, vt)
+WHERE m.id = a.id AND m.read_ct = a.read_ct
+
+-- name: dead_letter
+-- Move one claimed message to dead_letter with a reason, fenced by read_ct.
+WITH moved AS (
+    DELETE FROM {schema}.message
+    WHERE id = %(id)s AND read_ct = %(read_ct)s
+    RETURNING id, queue, priority, read_ct, enqueued_at, payload
+)
+INSERT INTO {schema}.dead_letter
+    (message_id, queue, priority, read_ct, enqueued_at, reason, task_id, task_name, payload)
+SELECT id, queue, priority, read_ct, enqueued_at, %(reason)s, %(task_id)s, %(task_name)s, payload
+FROM moved
+RETURNING id
+
+-- name: size
+-- Count the messages of a queue that are ready for delivery now.
+SELECT count(*) FROM {schema}.message WHERE queue = %(queue)s AND visible_at <= now()
+
+-- name: purge
+-- Delete a queue's waiting messages (ready or delayed, not in flight); return how many.
+WITH purged AS (
+    DELETE FROM {schema}.message
+    WHERE queue = %(queue)s AND (visible_at <= now() OR read_ct = 0)
+    RETURNING 1
+)
+SELECT count(*) FROM purged
+
+-- name: declare_queue
+-- Record a declared queue; declaring twice is a no-op.
+INSERT INTO {schema}.queue (name) VALUES (%(queue)s) ON CONFLICT (name) DO NOTHING
+
+-- name: has_queue
+-- Whether a queue has been declared.
+SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %(queue)s)
+
+-- name: delete_queue
+-- Forget a queue and every message in it.
+WITH gone AS (DELETE FROM {schema}.queue WHERE name = %(queue)s)
+DELETE FROM {schema}.message WHERE queue = %(queue)s
+
+-- name: has_version_table
+-- Whether the schema has been created (its version table exists).
+SELECT to_regclass(format('%%I.schema_version', %(schema)s::text)) IS NOT NULL
+
+-- name: applied_version
+-- The highest migration applied (the table is known to exist).
+SELECT coalesce(max(version), 0) FROM {schema}.schema_version
+
+-- name: record_version
+-- Record an applied migration.
+INSERT INTO {schema}.schema_version (version) VALUES (%(version)s)
+
+-- name: create_schema
+-- Create the schema itself (migrations create what is in it).
+CREATE SCHEMA IF NOT EXISTS {schema}
+
+-- name: migrate_lock
+-- Serialise migrations of one schema across processes until the transaction ends.
+SELECT pg_advisory_xact_lock(%(key)s)
+
+-- name: listen
+-- Subscribe this session to the schema's wake-up channel.
+LISTEN {channel}

@@ -1,0 +1,181 @@
+"""Every SQL operation on the queue tables, behind one narrow class.
+
+No kombu in here: the store speaks of queues, payloads, ids and fencing tokens.
+Statements that are safe to repeat (ack, release, renew) are retried once on a
+fresh connection after a dead-connection error; publish is made safe to repeat
+by its publish key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Json
+
+from pg_transport.connection import Connector
+from pg_transport.sql import load_queries, notify_channel
+
+__all__ = ["Claimed", "Store", "notify_channel"]
+
+# Payloads longer than this are not sent as NOTIFY payload (limit 8000 bytes);
+# an empty payload wakes every listener instead.
+_MAX_NOTIFY_PAYLOAD = 4000
+
+
+def notify_payload(queue: str) -> str:
+    return queue if len(queue.encode("utf-8")) <= _MAX_NOTIFY_PAYLOAD else ""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    queue: str
+    priority: int
+    read_ct: int
+    payload: dict[str, Any]
+
+
+class Store:
+    """SQL on one schema of one database."""
+
+    def __init__(self, connector: Connector, schema: str) -> None:
+        self.connector = connector
+        self.schema = schema
+        self.channel = notify_channel(schema)
+        self.q = load_queries(schema)
+
+    # -- publishing ----------------------------------------------------------
+    def publish(
+        self,
+        queue: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        publish_key: str | None = None,
+    ) -> None:
+        """Insert a message. With a ``publish_key`` a repeated call inserts nothing."""
+        params = {
+            "queue": queue,
+            "priority": priority,
+            "delay": max(delay, 0.0),
+            "publish_key": publish_key,
+            "payload": Json(payload),
+            "channel": self.channel,
+            "notify": delay <= 0,
+        }
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(self.q["publish"], params)
+
+        self.connector.run(work, idempotent=publish_key is not None)
+
+    # -- consuming -----------------------------------------------------------
+    def claim(
+        self, queues: Sequence[str], vts: Sequence[float], limit: int
+    ) -> list[Claimed]:
+        """Claim up to ``limit`` visible messages over ``queues``, best first.
+
+        Not retried: a claim whose result was lost is indistinguishable from a
+        consumer that died, and the visibility timeout brings those rows back.
+        """
+        if limit <= 0 or not queues:
+            return []
+        params = {"queues": list(queues), "vts": list(vts), "limit": limit}
+
+        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(self.q["claim"], params).fetchall()
+
+        rows = self.connector.run(work, idempotent=False)
+        claimed = [Claimed(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+        claimed.sort(key=lambda c: (-c.priority, c.id))
+        return claimed
+
+    def ack(self, tokens: Sequence[tuple[int, int]]) -> int:
+        """Delete delivered messages by (id, read_ct); return how many were still ours."""
+        return self._fenced("ack", tokens)
+
+    def release(self, tokens: Sequence[tuple[int, int]]) -> int:
+        """Make claimed messages visible now (requeue); return how many were still ours."""
+        return self._fenced("release", tokens, channel=self.channel)
+
+    def renew(self, tokens: Sequence[tuple[int, int, float]]) -> int:
+        """Push the visibility timeout of held messages to now + vt."""
+        if not tokens:
+            return 0
+        params = {
+            "ids": [t[0] for t in tokens],
+            "read_cts": [t[1] for t in tokens],
+            "vts": [t[2] for t in tokens],
+        }
+
+        def work(conn: psycopg.Connection[Any]) -> int:
+            return conn.execute(self.q["renew"], params).rowcount
+
+        return self.connector.run(work, idempotent=True)
+
+    def _fenced(self, name: str, tokens: Sequence[tuple[int, int]], **extra: Any) -> int:
+        if not tokens:
+            return 0
+        params = {"ids": [t[0] for t in tokens], "read_cts": [t[1] for t in tokens], **extra}
+
+        def work(conn: psycopg.Connection[Any]) -> int:
+            return conn.execute(self.q[name], params).rowcount
+
+        return self.connector.run(work, idempotent=True)
+
+    def dead_letter(
+        self,
+        token: tuple[int, int],
+        reason: str,
+        *,
+        task_id: str | None = None,
+        task_name: str | None = None,
+    ) -> int | None:
+        """Move a claimed message to dead_letter; the dead-letter id, or None if not ours."""
+        params = {
+            "id": token[0],
+            "read_ct": token[1],
+            "reason": reason,
+            "task_id": task_id,
+            "task_name": task_name,
+        }
+
+        def work(conn: psycopg.Connection[Any]) -> int | None:
+            row = conn.execute(self.q["dead_letter"], params).fetchone()
+            return int(row[0]) if row else None
+
+        return self.connector.run(work, idempotent=True)
+
+    # -- queues --------------------------------------------------------------
+    def _scalar(self, name: str, params: dict[str, Any], *, idempotent: bool = True) -> Any:
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            row = conn.execute(self.q[name], params).fetchone()
+            return row[0] if row else None
+
+        return self.connector.run(work, idempotent=idempotent)
+
+    def _command(self, name: str, params: dict[str, Any]) -> int:
+        def work(conn: psycopg.Connection[Any]) -> int:
+            return conn.execute(self.q[name], params).rowcount
+
+        return self.connector.run(work, idempotent=True)
+
+    def size(self, queue: str) -> int:
+        return int(self._scalar("size", {"queue": queue}))
+
+    def purge(self, queue: str) -> int:
+        # Not retried: a lost answer would make the retry report 0.
+        return int(self._scalar("purge", {"queue": queue}, idempotent=False))
+
+    def declare_queue(self, queue: str) -> None:
+        self._command("declare_queue", {"queue": queue})
+
+    def has_queue(self, queue: str) -> bool:
+        return bool(self._scalar("has_queue", {"queue": queue}))
+
+    def delete_queue(self, queue: str) -> int:
+        return self._command("delete_queue", {"queue": queue})

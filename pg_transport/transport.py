@@ -1,0 +1,393 @@
+"""pgq - PostgreSQL as a kombu transport (and so as a Celery broker).
+
+Features
+========
+* Type: Virtual
+* Supports Direct: Yes
+* Supports Topic: Yes (routing state is per process)
+* Supports Fanout: No
+* Supports Priority: Yes (0-255, higher first, as on RabbitMQ)
+* Supports TTL: No
+
+Connection string
+=================
+``pgq://[user[:password]@]host[:port]/dbname[?libpq params]``; ``pgq:///dbname``
+uses the unix socket, ``pgq://`` libpq's defaults and ``PG*`` environment.
+Multi-host URLs (``host1,host2``) with ``target_session_attrs`` work as in libpq.
+
+Transport options
+=================
+See :mod:`pg_transport.config`: ``schema``, ``visibility_timeout``,
+``queue_visibility_timeouts``, ``max_attempts``, ``queue_max_attempts``,
+``use_notify``, ``polling_interval``, ``lease_renewal``,
+``native_delayed_delivery``, ``auto_migrate``; each overridable by ``PGQ_<KEY>``.
+
+This module is thin: it maps kombu calls to :class:`~pg_transport.store.Store`
+calls. A delivered message carries its fencing token (row id, read_ct) in
+``delivery_info['pgq_token']``; ack, requeue and lease renewal are fenced by it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+from hashlib import blake2b
+from queue import Empty
+from time import monotonic
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+from kombu.transport import virtual
+
+from pg_transport.config import Options
+from pg_transport.connection import Connector, mask_url, url_to_conninfo
+from pg_transport.errors import BrokerUnavailable, SchemaError
+from pg_transport.notify import Listener
+from pg_transport.schema import ensure_schema
+from pg_transport.store import Claimed, Store
+
+__all__ = ["Channel", "QoS", "Transport"]
+
+logger = logging.getLogger("pg_transport.transport")
+
+TOKEN = "pgq_token"
+MAX_PRIORITY = 255
+# Claim batch when the consumer set no prefetch limit.
+UNLIMITED_BATCH = 100
+
+
+def _token(message: Any) -> tuple[int, int]:
+    ident, read_ct = message.delivery_info[TOKEN]
+    return int(ident), int(read_ct)
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects go straight to Postgres, fenced by the delivery's token.
+
+    ``_held`` mirrors the unacked deliveries as (id, read_ct, vt) under a lock so
+    the lease-renewal thread can read it while other threads ack.
+    """
+
+    def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        self._held: dict[str, tuple[int, int, float]] = {}
+        self._held_lock = threading.Lock()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        ident, read_ct = _token(message)
+        vt = self.channel.visibility_timeout(message.delivery_info["pgq_queue"])
+        with self._held_lock:
+            self._held[delivery_tag] = (ident, read_ct, vt)
+        super().append(message, delivery_tag)
+
+    def _forget(self, delivery_tag: str) -> tuple[int, int] | None:
+        with self._held_lock:
+            held = self._held.pop(delivery_tag, None)
+        self._quick_ack(delivery_tag)
+        transport = self.channel.connection
+        if transport is not None:
+            transport.wake()
+        return (held[0], held[1]) if held else None
+
+    def held(self) -> list[tuple[int, int, float]]:
+        with self._held_lock:
+            return list(self._held.values())
+
+    def ack(self, delivery_tag: str) -> None:
+        with self._held_lock:
+            held = self._held.get(delivery_tag)
+        if held is not None:
+            self.channel.store.ack([(held[0], held[1])])
+        self._forget(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        with self._held_lock:
+            held = self._held.get(delivery_tag)
+        if held is not None:
+            token = (held[0], held[1])
+            if requeue:
+                self.channel.store.release([token])
+            else:
+                message = self._delivered.get(delivery_tag)
+                headers = getattr(message, "headers", None) or {}
+                self.channel.store.dead_letter(
+                    token,
+                    "rejected without requeue",
+                    task_id=headers.get("id"),
+                    task_name=headers.get("task"),
+                )
+        self._forget(delivery_tag)
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Release every unacked delivery in one statement (shutdown, recover)."""
+        self._flush()
+        with self._held_lock:
+            held, self._held = self._held, {}
+        self._delivered.clear()
+        tokens = [(h[0], h[1]) for h in held.values()]
+        try:
+            self.channel.store.release(tokens)
+        except (psycopg.Error, BrokerUnavailable) as exc:
+            # The leases expire on their own: nothing is lost, only delayed.
+            logger.warning("could not release %d unacked messages: %s", len(tokens), exc)
+        return []
+
+
+class Channel(virtual.Channel):
+    """A kombu channel on the pgq store."""
+
+    QoS = QoS
+    do_restore = True
+    supports_fanout = False
+    default_priority = 0
+    min_priority = 0
+    max_priority = MAX_PRIORITY
+    connection: Transport
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._vt_cache: dict[str, float] = {}
+
+    @property
+    def store(self) -> Store:
+        return self.connection.store
+
+    def visibility_timeout(self, queue: str) -> float:
+        vt = self._vt_cache.get(queue)
+        if vt is None:
+            vt = self._vt_cache[queue] = self.connection.options.visibility_timeout_for(queue)
+        return vt
+
+    # -- body encoding: text bodies (JSON) stay readable in the table ----------
+    def encode_body(self, body: Any, encoding: str | None = None) -> tuple[Any, str | None]:
+        if isinstance(body, str):
+            return body, None
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            return base64.b64encode(bytes(body)).decode("ascii"), "base64"
+        return super().encode_body(body, encoding)
+
+    # -- kombu virtual channel interface ------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        props = message.setdefault("properties", {})
+        tag = props.get("delivery_tag")
+        key = None
+        if tag:
+            key = blake2b(f"{tag}\x00{queue}".encode(), digest_size=16).hexdigest()
+        self.store.publish(
+            queue,
+            message,
+            priority=self._get_message_priority(message),
+            publish_key=key,
+        )
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        claimed = self.store.claim([queue], [self.visibility_timeout(queue)], 1)
+        if not claimed:
+            raise Empty()
+        return self.connection.as_payload(claimed[0])
+
+    def _size(self, queue: str) -> int:
+        return self.store.size(queue)
+
+    def _purge(self, queue: str) -> int:
+        return self.store.purge(queue)
+
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.store.declare_queue(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.store.has_queue(queue)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self.store.delete_queue(queue)
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        if if_empty and self._size(queue):
+            return
+        super().queue_delete(queue, if_unused=if_unused, if_empty=if_empty, **kwargs)
+        # The base class only deletes through bindings; an unbound queue goes too.
+        self._delete(queue)
+
+    def _restore(self, message: Any) -> None:
+        self.store.release([_token(message)])
+
+    def consuming(self) -> list[str]:
+        return list(self._active_queues) if self._consumers and not self.closed else []
+
+
+class Transport(virtual.Transport):
+    """kombu transport for ``pgq://`` URLs."""
+
+    Channel = Channel
+    can_parse_url = True
+    default_port = 5432
+    driver_type = "postgresql"
+    driver_name = "psycopg"
+    polling_interval = 1.0
+
+    connection_errors = (
+        *virtual.Transport.connection_errors,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+        BrokerUnavailable,
+    )
+    channel_errors = (*virtual.Transport.channel_errors, SchemaError)
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic"]),
+        heartbeats=False,
+    )
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        self.options = Options.from_sources(client.transport_options, os.environ)
+        super().__init__(client, **kwargs)
+        self.polling_interval = self.options.polling_interval
+        self.url = _client_url(client)
+        self.connector = Connector(url_to_conninfo(self.url), display_url=mask_url(self.url))
+        self.store = Store(self.connector, self.options.schema)
+        self.listener = Listener(
+            self.connector, self.options.schema, use_notify=self.options.use_notify
+        )
+        self._renewer: _LeaseRenewer | None = None
+
+    def driver_version(self) -> str:
+        return str(psycopg.__version__)
+
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        return uri if include_password else mask_url(uri, mask)
+
+    def establish_connection(self) -> Any:
+        ensure_schema(self.connector, self.options.schema, auto_migrate=self.options.auto_migrate)
+        # Prove the server answers now, so a bad URL fails at connect, not later.
+        with self.connector.connection() as conn:
+            conn.execute("SELECT 1")
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            if self._renewer is not None:
+                self._renewer.stop()
+            self.listener.close()
+            self.connector.close()
+
+    def wake(self) -> None:
+        self.listener.wake()
+
+    # -- consuming -----------------------------------------------------------
+    def as_payload(self, claimed: Claimed) -> dict[str, Any]:
+        payload = claimed.payload
+        props = payload.setdefault("properties", {})
+        props["delivery_tag"] = f"{claimed.id}:{claimed.read_ct}"
+        info = props.setdefault("delivery_info", {})
+        info[TOKEN] = [claimed.id, claimed.read_ct]
+        info["pgq_queue"] = claimed.queue
+        if claimed.read_ct > 1:
+            payload["redelivered"] = True
+        return payload
+
+    def _consuming_channels(self) -> list[Channel]:
+        return [c for c in self.channels if c.consuming()]
+
+    def _claim_and_deliver(self) -> int:
+        delivered = 0
+        for channel in self._consuming_channels():
+            if not channel.qos.can_consume():
+                continue
+            limit = channel.qos.can_consume_max_estimate()
+            if limit is None:
+                limit = UNLIMITED_BATCH
+            queues = channel.consuming()
+            vts = [channel.visibility_timeout(q) for q in queues]
+            for claimed in self.store.claim(queues, vts, limit):
+                self._deliver(self.as_payload(claimed), claimed.queue)
+                delivered += 1
+        if delivered and self.options.lease_renewal:
+            self._ensure_renewer()
+        return delivered
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
+        start = monotonic()
+        while True:
+            if self._claim_and_deliver():
+                return
+            waited = monotonic() - start
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError()
+            wait = self.polling_interval or 1.0
+            if timeout is not None:
+                wait = min(wait, timeout - waited)
+            active = {q for c in self._consuming_channels() for q in c.consuming()}
+            while True:
+                woke = self.listener.wait(wait)
+                if woke.concerns(active) or not woke.queues:
+                    break
+                # Only other queues were notified: keep waiting out the rest.
+                wait -= monotonic() - start - waited
+                if wait <= 0:
+                    break
+
+    def _ensure_renewer(self) -> None:
+        if self._renewer is None or not self._renewer.is_alive():
+            self._renewer = _LeaseRenewer(self)
+            self._renewer.start()
+
+    def held(self) -> list[tuple[int, int, float]]:
+        held: list[tuple[int, int, float]] = []
+        for channel in list(self.channels):
+            qos = channel._qos
+            if qos is not None:
+                held.extend(qos.held())
+        return held
+
+
+class _LeaseRenewer(threading.Thread):
+    """Extends the vt of every held message every vt/3 while this process lives."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(name="pgq-lease-renewal", daemon=True)
+        self.transport = transport
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        default = self.transport.options.visibility_timeout
+        while not self._stop_event.is_set():
+            held = self.transport.held()
+            period = min((h[2] for h in held), default=default) / 3
+            if self._stop_event.wait(period):
+                return
+            held = self.transport.held()
+            if not held:
+                continue
+            try:
+                self.transport.store.renew(held)
+            except (psycopg.Error, BrokerUnavailable) as exc:
+                logger.warning("lease renewal of %d messages failed: %s", len(held), exc)
+
+
+def _client_url(client: Any) -> str:
+    """The pgq URL of a kombu Connection, built from its fields when not given as one."""
+    hostname = client.hostname or ""
+    if "://" in hostname:
+        return str(hostname)
+    auth = ""
+    if client.userid:
+        auth = quote(client.userid, safe="")
+        if client.password:
+            auth += ":" + quote(str(client.password), safe="")
+        auth += "@"
+    host = hostname
+    port = f":{client.port}" if client.port else ""
+    vhost = client.virtual_host or ""
+    vhost = "" if vhost == "/" else quote(vhost.lstrip("/"), safe="")
+    return f"pgq://{auth}{host}{port}/{vhost}"

@@ -1,0 +1,169 @@
+"""Real ``celery worker`` subprocesses for acceptance tests, and what their tasks wrote."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from celery import Celery
+from psycopg import sql
+
+from tests.pg import to_broker_url
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.acceptance.app"
+
+
+@dataclass
+class Env:
+    pg_url: str
+    schema: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def broker_url(self) -> str:
+        return to_broker_url(self.pg_url)
+
+    def environ(self, **overrides: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
+        env.update(
+            PGQ_BROKER_URL=self.broker_url,
+            PGQ_SCHEMA=self.schema,
+            TEST_PG_URL=self.pg_url,
+            PYTHONPATH=str(ROOT),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra)
+        env.update(overrides)
+        return env
+
+    def client(self, **conf: Any) -> Celery:
+        """A publishing app that names tasks by string, as a separate service would."""
+        app = Celery("client", broker=self.broker_url)
+        app.conf.update(broker_transport_options={"schema": self.schema}, **conf)
+        return app
+
+    def runs(self) -> list[tuple[str, str, int]]:
+        with psycopg.connect(self.pg_url) as conn:
+            return conn.execute(
+                sql.SQL("SELECT task_id, label, pid FROM {}.task_runs ORDER BY seq").format(
+                    sql.Identifier(self.schema)
+                )
+            ).fetchall()
+
+    def scalar(self, query: str, *params: Any) -> Any:
+        with psycopg.connect(self.pg_url) as conn:
+            text = sql.SQL(query).format(schema=sql.Identifier(self.schema))
+            row = conn.execute(text, params).fetchone()
+            return row[0] if row else None
+
+
+def prepare(pg_url: str, schema: str) -> Env:
+    """Migrate the schema and add the table the test tasks record runs in."""
+    from pg_transport.connection import Connector
+    from pg_transport.schema import ensure_schema
+
+    connector = Connector(pg_url)
+    ensure_schema(connector, schema, auto_migrate=True)
+    connector.close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.task_runs (seq bigserial PRIMARY KEY, task_id text NOT NULL,"
+                " label text, pid integer, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            ).format(sql.Identifier(schema))
+        )
+    return Env(pg_url, schema)
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    name: str
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
+    """Poll a condition until it holds (a wait for an outcome, never for an ordering)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+def start_worker(
+    env: Env,
+    name: str,
+    *,
+    pool: str = "threads",
+    concurrency: int = 4,
+    queues: str | None = None,
+    args: tuple[str, ...] = (),
+    environ: dict[str, str] | None = None,
+    ready_timeout: float = 60,
+) -> Worker:
+    log = Path(tempfile.mkstemp(prefix=f"pgq-worker-{name}-", suffix=".log")[1])
+    cmd = [
+        sys.executable, "-m", "celery", "-A", APP, "worker",
+        "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", *args,
+    ]
+    if queues:
+        cmd += ["-Q", queues]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env.environ(**(environ or {})), stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    worker = Worker(proc, log, name)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"worker {name} exited early:\n{worker.output()}")
+        return " ready." in worker.output()
+
+    wait_for(ready, ready_timeout, f"worker {name} to be ready")
+    return worker
+
+
+@contextmanager
+def workers(env: Env, *names: str, **kwargs: Any) -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    try:
+        for name in names:
+            started.append(start_worker(env, name, **kwargs))
+        yield started
+    finally:
+        for worker in started:
+            worker.stop()
