@@ -101,8 +101,14 @@ WITH gone AS (DELETE FROM {schema}.queue WHERE name = %(queue)s)
 DELETE FROM {schema}.message WHERE queue = %(queue)s
 
 -- name: has_version_table
--- Whether the schema has been created (its version table exists).
-SELECT to_regclass(format('%%I.schema_version', %(schema)s::text)) IS NOT NULL
+-- Whether the schema has been created (its version table exists). A plain query
+-- of pg_class, not to_regclass(): after waiting on the migration lock the catalog
+-- cache may predate the winner's commit, a fresh statement snapshot does not.
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_class AS c
+    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = %(schema)s AND c.relname = 'schema_version'
+)
 
 -- name: applied_version
 -- The highest migration applied (the table is known to exist).

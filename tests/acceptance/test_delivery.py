@@ -1,0 +1,99 @@
+"""Real celery workers on pgq: exactly-once under load, crash redelivery, priority."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from tests.acceptance.harness import Env, start_worker, wait_for, workers
+
+pytestmark = pytest.mark.acceptance
+
+MARK = "tests.acceptance.app.mark"
+SLOW = "tests.acceptance.app.slow_mark"
+
+
+def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
+    total = 2000
+    client = env.client()
+    with client.producer_or_acquire() as producer:
+        ids = [
+            client.send_task(MARK, args=[f"t{n}"], producer=producer).id for n in range(total)
+        ]
+    with workers(env, "w1", "w2", concurrency=4):
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
+                 240, f"{total} task runs")
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                 60, "every message to be acked")
+    runs = env.runs()
+    per_id = Counter(r[0] for r in runs)
+    assert set(per_id) == set(ids)
+    assert max(per_id.values()) == 1
+    assert len({r[2] for r in runs}) >= 2, "both workers should have taken part"
+
+
+def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
+    vt = 3.0
+    environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt)}
+    client = env.client()
+    result = client.send_task(SLOW, args=["crash", 4.0])
+    first = start_worker(env, "doomed", concurrency=2, environ=environ)
+    try:
+        wait_for(lambda: env.runs(), 30, "the task to start on the first worker")
+    finally:
+        first.kill()  # SIGKILL to the whole process group, mid-task
+    first.proc.wait(10)
+    killed_at = time.monotonic()
+    with workers(env, "survivor", concurrency=2, environ=environ):
+        wait_for(lambda: len(env.runs()) >= 2, 60, "the task to run again")
+        redelivered_after = time.monotonic() - killed_at
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                 60, "the redelivered task to be acked")
+    runs = env.runs()
+    assert [r[0] for r in runs] == [result.id, result.id]
+    assert runs[0][2] != runs[1][2]
+    # Not before the lease ran out (minus the time the kill took to be seen).
+    assert redelivered_after >= vt - 1.5
+
+
+def test_long_task_is_not_redelivered_while_renewed(env: Env) -> None:
+    environ = {"PGQ_VISIBILITY_TIMEOUT": "1"}
+    client = env.client()
+    client.send_task(SLOW, args=["long", 5.0])
+    with workers(env, "a", "b", concurrency=2, environ=environ):
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                 60, "the long task to finish and be acked")
+    assert len(env.runs()) == 1  # 5x its vt, yet no second run
+
+
+def test_priority_order(env: Env) -> None:
+    client = env.client()
+    sent = [(0, "low"), (9, "high"), (5, "mid"), (255, "top"), (9, "high2")]
+    for prio, label in sent:
+        client.send_task(MARK, args=[label], priority=prio)
+    environ = {"TEST_PREFETCH": "1"}
+    with workers(env, "solo", concurrency=1, environ=environ):
+        wait_for(lambda: len(env.runs()) == len(sent), 60, "all tasks")
+    assert [r[1] for r in env.runs()] == ["top", "high", "high2", "mid", "low"]
+
+
+def test_purge_returns_the_count(env: Env) -> None:
+    client = env.client()
+    for n in range(7):
+        client.send_task(MARK, args=[f"p{n}"])
+    assert client.control.purge() == 7
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+
+
+def test_passive_declare_and_qsize_report_the_count(env: Env) -> None:
+    client = env.client()
+    for n in range(5):
+        client.send_task(MARK, args=[f"c{n}"])
+    with client.connection_for_write() as conn:
+        ok = conn.default_channel.queue_declare("celery", passive=True)
+        assert ok.message_count == 5
+        queue = conn.SimpleQueue("celery")
+        assert queue.qsize() == 5
+        queue.close()

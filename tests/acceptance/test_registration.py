@@ -1,0 +1,68 @@
+"""The pgq scheme resolves in a fresh interpreter that never imports pg_transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests.acceptance.harness import ROOT, Env
+
+pytestmark = pytest.mark.acceptance
+
+ZERO_IMPORT = """
+import json, sys
+from kombu import Connection
+before = 'pg_transport' in sys.modules
+with Connection(sys.argv[1], transport_options={'schema': sys.argv[2]}) as conn:
+    queue = conn.SimpleQueue('zero-import')
+    queue.put({'hello': 'world'})
+    message = queue.get(timeout=10)
+    message.ack()
+    queue.close()
+    print(json.dumps({'before': before, 'payload': message.payload,
+                      'transport': type(conn.transport).__module__}))
+"""
+
+
+def test_scheme_resolves_without_importing_the_package(env: Env) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", ZERO_IMPORT, env.broker_url, env.schema],
+        capture_output=True, text=True, timeout=60, cwd="/", env=env.environ(),
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result == {
+        "before": False,
+        "payload": {"hello": "world"},
+        "transport": "pg_transport.transport",
+    }
+
+
+PROBE = """
+import sys
+from kombu.transport import resolve_transport
+try:
+    resolve_transport('pgq')
+    print('resolved-before')
+except KeyError:
+    print('unknown-before')
+import pg_transport
+print(resolve_transport('pgq').__module__)
+"""
+
+
+def test_import_registers_too() -> None:
+    # -S skips site, so the install-time hook does not run: only the import can register.
+    paths = [str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", PROBE], capture_output=True, text=True, timeout=60,
+        cwd="/", env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["unknown-before", "pg_transport.transport"]

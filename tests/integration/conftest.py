@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pg_transport.connection import Connector
+from pg_transport.schema import ensure_schema
+from pg_transport.store import Store
+
+
+@pytest.fixture
+def store(pg_url: str, schema: str) -> Iterator[Store]:
+    connector = Connector(pg_url)
+    ensure_schema(connector, schema, auto_migrate=True)
+    yield Store(connector, schema)
+    connector.close()
+
+
+class Peek:
+    """Direct SQL on a test schema, to look at rows behind the store's back."""
+
+    def __init__(self, pg_url: str, schema: str) -> None:
+        self.conn = psycopg.connect(pg_url, autocommit=True)
+        self.schema = schema
+
+    def __call__(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
+        text = sql.SQL(query).format(schema=sql.Identifier(self.schema))
+        cur = self.conn.execute(text, params)
+        return cur.fetchall() if cur.description else []
+
+    def expire_leases(self) -> None:
+        """What the passing of a visibility timeout does, without waiting for it."""
+        self("UPDATE {schema}.message SET visible_at = now() - interval '1 second'"
+             " WHERE visible_at > now()")
+
+
+@pytest.fixture
+def peek(pg_url: str, schema: str, store: Store) -> Iterator[Peek]:
+    p = Peek(pg_url, schema)
+    yield p
+    p.conn.close()

@@ -1,0 +1,105 @@
+"""The schema: schema.sql and the migrations agree, and first connects may race."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from pg_transport.connection import Connector
+from pg_transport.schema import current_version, ensure_schema, latest_version, migrate
+from pg_transport.sql import load_schema
+from tests.pg import drop_schema, new_schema_name
+
+
+def catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Columns, constraints and indexes of a schema, with its name blanked out."""
+
+    def rows(query: str) -> list[tuple[Any, ...]]:
+        found = conn.execute(query, {"s": schema}).fetchall()
+        return sorted(tuple(str(v).replace(schema, "<s>") for v in row) for row in found)
+
+    return {
+        "columns": rows(
+            "SELECT table_name, column_name, data_type, is_nullable, column_default,"
+            " is_identity, ordinal_position FROM information_schema.columns"
+            " WHERE table_schema = %(s)s"
+        ),
+        "constraints": rows(
+            "SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)"
+            " FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace"
+            " WHERE n.nspname = %(s)s"
+        ),
+        "indexes": rows("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(s)s"),
+        "options": rows(
+            "SELECT c.relname, c.relkind, coalesce(c.reloptions::text, '') FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %(s)s"
+        ),
+    }
+
+
+@pytest.fixture
+def two_schemas(pg_url: str) -> Iterator[tuple[str, str]]:
+    names = (new_schema_name(), new_schema_name())
+    yield names
+    for name in names:
+        drop_schema(pg_url, name)
+
+
+def test_schema_sql_equals_all_migrations(pg_url: str, two_schemas: tuple[str, str]) -> None:
+    from_file, from_migrations = two_schemas
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(psycopg.sql.Identifier(from_file)))
+        conn.execute(load_schema(from_file))
+        applied = migrate(conn, from_migrations)
+        assert len(applied) == latest_version()
+        assert catalog(conn, from_file)["columns"], "schema.sql created nothing"
+        assert catalog(conn, from_file) == catalog(conn, from_migrations)
+
+
+def test_migrate_is_idempotent(pg_url: str, schema: str) -> None:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert current_version(conn, schema) is None
+        assert migrate(conn, schema)
+        assert migrate(conn, schema) == []
+        assert current_version(conn, schema) == latest_version()
+
+
+def _first_connect(url: str, schema: str, start: Any, errors: Any) -> None:
+    connector = Connector(url)
+    start.wait()
+    try:
+        ensure_schema(connector, schema, auto_migrate=True)
+    except Exception as exc:  # reported to the parent, which fails the test
+        errors.put(repr(exc))
+    finally:
+        connector.close()
+
+
+def test_eight_processes_connecting_first_time_at_once(pg_url: str, schema: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(8)
+    errors = ctx.Queue()
+    procs = [
+        ctx.Process(target=_first_connect, args=(pg_url, schema, start, errors)) for _ in range(8)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    reported = []
+    while not errors.empty():
+        reported.append(errors.get())
+    assert reported == []
+    with psycopg.connect(pg_url) as conn:
+        assert current_version(conn, schema) == latest_version()
+        versions = conn.execute(
+            psycopg.sql.SQL("SELECT version FROM {}.schema_version ORDER BY 1").format(
+                psycopg.sql.Identifier(schema)
+            )
+        ).fetchall()
+    assert [v[0] for v in versions] == list(range(1, latest_version() + 1))

@@ -1,0 +1,178 @@
+"""The delivery model on a real Postgres: claim, fencing, priority, concurrency."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+from pg_transport.connection import Connector
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+
+
+def body(n: int) -> dict[str, Any]:
+    return {"body": f"m{n}", "properties": {"delivery_info": {}}, "headers": {}}
+
+
+def claim_all(store: Store, queue: str, vt: float = 30.0, limit: int = 100) -> list[Any]:
+    return store.claim([queue], [vt], limit)
+
+
+def test_claim_marks_rows_invisible_and_counts_deliveries(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [claimed] = claim_all(store, "q")
+    assert claimed.read_ct == 1 and claimed.payload["body"] == "m1"
+    assert claim_all(store, "q") == []  # invisible while leased
+    ((in_future,),) = peek("SELECT visible_at > now() + interval '25 s' FROM {schema}.message")
+    assert in_future
+
+
+def test_expired_lease_is_redelivered_without_a_reaper(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [first] = claim_all(store, "q")
+    peek.expire_leases()
+    [second] = claim_all(store, "q")
+    assert (second.id, second.read_ct) == (first.id, 2)
+
+
+def test_ack_is_fenced_by_read_ct(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [first] = claim_all(store, "q")
+    peek.expire_leases()
+    [second] = claim_all(store, "q")
+    # The first consumer's lease expired and the message went elsewhere: its late
+    # ack and its late requeue must not touch the new delivery.
+    assert store.ack([(first.id, first.read_ct)]) == 0
+    assert store.release([(first.id, first.read_ct)]) == 0
+    assert claim_all(store, "q") == []
+    assert store.ack([(second.id, second.read_ct)]) == 1
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_release_makes_visible_now(store: Store) -> None:
+    store.publish("q", body(1))
+    [first] = claim_all(store, "q")
+    assert store.release([(first.id, first.read_ct)]) == 1
+    [again] = claim_all(store, "q")
+    assert (again.id, again.read_ct) == (first.id, 2)
+
+
+def test_renew_extends_only_current_lease(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [c] = claim_all(store, "q", vt=1)
+    assert store.renew([(c.id, c.read_ct + 1, 600)]) == 0
+    assert store.renew([(c.id, c.read_ct, 600)]) == 1
+    ((later,),) = peek("SELECT visible_at > now() + interval '500 s' FROM {schema}.message")
+    assert later
+
+
+def test_priority_then_fifo(store: Store) -> None:
+    for n, prio in enumerate([0, 5, 255, 5, 0, 9]):
+        store.publish("q", body(n), priority=prio)
+    order = [c.payload["body"] for c in claim_all(store, "q")]
+    assert order == ["m2", "m5", "m1", "m3", "m0", "m4"]
+
+
+def test_batch_limit_and_several_queues(store: Store) -> None:
+    for n in range(5):
+        store.publish("a", body(n))
+        store.publish("b", body(10 + n))
+    store.publish("c", body(99))
+    got = store.claim(["a", "b"], [30.0, 60.0], 7)
+    assert len(got) == 7
+    assert {c.queue for c in got} == {"a", "b"}
+    assert [c.id for c in got] == sorted(c.id for c in got)
+    rest = store.claim(["a", "b"], [30.0, 60.0], 100)
+    assert len(rest) == 3
+    assert store.size("c") == 1
+
+
+def test_per_queue_visibility_timeout(store: Store, peek: Peek) -> None:
+    store.publish("short", body(1))
+    store.publish("long", body(2))
+    store.claim(["short", "long"], [5.0, 500.0], 10)
+    rows = peek(
+        "SELECT queue, visible_at - now() > interval '100 s' FROM {schema}.message ORDER BY queue"
+    )
+    assert rows == [("long", True), ("short", False)]
+
+
+def test_publish_key_makes_a_repeated_publish_a_no_op(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1), publish_key="k1")
+    store.publish("q", body(1), publish_key="k1")
+    store.publish("q", body(2), publish_key="k2")
+    assert peek("SELECT count(*) FROM {schema}.message") == [(2,)]
+
+
+def test_size_counts_ready_purge_spares_in_flight(store: Store) -> None:
+    for n in range(4):
+        store.publish("q", body(n))
+    store.publish("q", body(9), delay=3600)
+    claim_all(store, "q", limit=1)
+    assert store.size("q") == 3
+    assert store.purge("q") == 4  # 3 ready + 1 delayed; the claimed one is running
+    assert store.size("q") == 0
+
+
+def test_declare_has_delete_queue(store: Store) -> None:
+    assert not store.has_queue("q")
+    store.declare_queue("q")
+    store.declare_queue("q")
+    assert store.has_queue("q")
+    store.publish("q", body(1))
+    store.delete_queue("q")
+    assert not store.has_queue("q")
+    assert store.size("q") == 0
+
+
+def test_reject_without_requeue_dead_letters(store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [c] = claim_all(store, "q")
+    dead_id = store.dead_letter((c.id, c.read_ct), "rejected", task_id="t1", task_name="x.y")
+    assert dead_id is not None
+    assert store.dead_letter((c.id, c.read_ct), "again") is None
+    rows = peek("SELECT message_id, queue, reason, task_id, task_name FROM {schema}.dead_letter")
+    assert rows == [(c.id, "q", "rejected", "t1", "x.y")]
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, store: Store) -> None:
+    total, workers = 600, 6
+    for n in range(total):
+        store.publish("q", body(n))
+    start = threading.Barrier(workers)
+    seen: list[list[int]] = [[] for _ in range(workers)]
+
+    def consume(slot: int) -> None:
+        own = Store(Connector(pg_url), schema)
+        start.wait()
+        while batch := own.claim(["q"], [30.0], 7):
+            seen[slot].extend(c.id for c in batch)
+            own.ack([(c.id, c.read_ct) for c in batch])
+        own.connector.close()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    ids = [i for s in seen for i in s]
+    assert len(ids) == total and len(set(ids)) == total
+    assert sum(1 for s in seen if s) > 1  # they really ran side by side
+
+
+def test_ack_survives_a_terminated_backend(pg_url: str, store: Store, peek: Peek) -> None:
+    store.publish("q", body(1))
+    [c] = claim_all(store, "q")
+    with store.connector.connection() as conn:
+        pid = conn.info.backend_pid
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        # With a timeout, pg_terminate_backend returns once the backend is gone.
+        admin.execute("SELECT pg_terminate_backend(%s, 10000)", [pid])
+    # The pooled connection is dead now; the ack is retried once on a fresh one.
+    assert store.ack([(c.id, c.read_ct)]) == 1
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+    with store.connector.connection() as conn:
+        assert conn.info.backend_pid != pid
