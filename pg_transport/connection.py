@@ -145,8 +145,10 @@ class Connector:
         self.display_url = display_url or "pgq://"
         self.max_idle = max_idle
         self.prepare_threshold = prepare_threshold
-        self._kwargs: dict[str, Any] = {"application_name": application_name}
-        if "connect_timeout" not in pg_conninfo.conninfo_to_dict(conninfo):
+        given = pg_conninfo.conninfo_to_dict(conninfo)
+        self._application_name = None if "application_name" in given else application_name
+        self._kwargs: dict[str, Any] = {}
+        if "connect_timeout" not in given:
             self._kwargs["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
@@ -156,7 +158,11 @@ class Connector:
     def connect(self, *, autocommit: bool = True) -> psycopg.Connection[Any]:
         """A new connection; failures become :class:`BrokerUnavailable` naming the problem."""
         try:
-            conn = psycopg.connect(self.conninfo, autocommit=autocommit, **self._kwargs)
+            kwargs = dict(self._kwargs)
+            if self._application_name:
+                # The pid tells an operator (and pg_terminate_backend) whose session it is.
+                kwargs["application_name"] = f"{self._application_name}:{os.getpid()}"
+            conn = psycopg.connect(self.conninfo, autocommit=autocommit, **kwargs)
         except psycopg.Error as exc:
             raise BrokerUnavailable(
                 f"cannot connect to Postgres at {self.display_url}: {describe(exc)}"
@@ -196,8 +202,13 @@ class Connector:
         try:
             yield conn
         except BaseException as exc:
-            if is_dead_connection(exc, conn) and not conn.closed:
-                conn.close()
+            if is_dead_connection(exc, conn):
+                if not conn.closed:
+                    conn.close()
+                # Whatever killed this one (a restart, a pooler reaping idle
+                # sessions) most likely killed its idle siblings too: the retry
+                # must get a fresh connection, not the next corpse.
+                self._discard_idle()
             self._give_back(conn)
             raise
         self._give_back(conn)
@@ -217,13 +228,16 @@ class Connector:
                 return work(conn)
         raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
 
-    def close(self) -> None:
-        self.closed = True
+    def _discard_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
             if not is_inherited(conn):
                 conn.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self._discard_idle()
 
 
 def describe(exc: BaseException) -> str:

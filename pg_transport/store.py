@@ -89,10 +89,18 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["claim"], params).fetchall()
 
-        rows = self.connector.run(work, idempotent=False)
-        claimed = [Claimed(r[0], r[1], r[2], r[3], r[4]) for r in rows]
-        claimed.sort(key=lambda c: (-c.priority, c.id))
-        return claimed
+        return _ordered(self.connector.run(work, idempotent=False))
+
+    def pop(self, queues: Sequence[str], limit: int) -> list[Claimed]:
+        """Take and delete up to ``limit`` visible messages: delivery without ack."""
+        if limit <= 0 or not queues:
+            return []
+        params = {"queues": list(queues), "limit": limit}
+
+        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+            return conn.execute(self.q["pop"], params).fetchall()
+
+        return _ordered(self.connector.run(work, idempotent=False))
 
     def ack(self, tokens: Sequence[tuple[int, int]]) -> int:
         """Delete delivered messages by (id, read_ct); return how many were still ours."""
@@ -179,3 +187,10 @@ class Store:
 
     def delete_queue(self, queue: str) -> int:
         return self._command("delete_queue", {"queue": queue})
+
+
+def _ordered(rows: Sequence[Any]) -> list[Claimed]:
+    """Rows of a claim in delivery order (RETURNING keeps none): priority, then age."""
+    claimed = [Claimed(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+    claimed.sort(key=lambda c: (-c.priority, c.id))
+    return claimed

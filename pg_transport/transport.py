@@ -150,6 +150,8 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self._vt_cache: dict[str, float] = {}
+        # Queues consumed with no_ack: their messages are deleted as they are taken.
+        self._noack_queues: set[str] = set()
 
     @property
     def store(self) -> Store:
@@ -215,8 +217,33 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         self.store.release([_token(message)])
 
-    def consuming(self) -> list[str]:
-        return list(self._active_queues) if self._consumers and not self.closed else []
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._noack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._noack_queues.discard(queue)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        if not no_ack:
+            return super().basic_get(queue, no_ack, **kwargs)
+        popped = self.store.pop([queue], 1)
+        if not popped:
+            return None
+        return self.Message(self.connection.as_payload(popped[0]), channel=self)
+
+    def consuming(self) -> tuple[list[str], list[str]]:
+        """The queues this channel consumes: (acknowledged, no_ack)."""
+        if not self._consumers or self.closed:
+            return [], []
+        acked = [q for q in self._active_queues if q not in self._noack_queues]
+        unacked = [q for q in self._active_queues if q in self._noack_queues]
+        return acked, unacked
 
 
 class Transport(virtual.Transport):
@@ -293,24 +320,32 @@ class Transport(virtual.Transport):
         return payload
 
     def _consuming_channels(self) -> list[Channel]:
-        return [c for c in self.channels if c.consuming()]
+        return [c for c in self.channels if any(c.consuming())]
 
     def _claim_and_deliver(self) -> int:
         delivered = 0
         for channel in self._consuming_channels():
-            if not channel.qos.can_consume():
-                continue
-            limit = channel.qos.can_consume_max_estimate()
-            if limit is None:
-                limit = UNLIMITED_BATCH
-            queues = channel.consuming()
-            vts = [channel.visibility_timeout(q) for q in queues]
-            for claimed in self.store.claim(queues, vts, limit):
-                self._deliver(self.as_payload(claimed), claimed.queue)
-                delivered += 1
+            acked, unacked = channel.consuming()
+            if unacked:
+                delivered += self._deliver_all(self.store.pop(unacked, UNLIMITED_BATCH), False)
+            if acked and channel.qos.can_consume():
+                limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
+                vts = [channel.visibility_timeout(q) for q in acked]
+                delivered += self._deliver_all(self.store.claim(acked, vts, limit), True)
         if delivered and self.options.lease_renewal:
             self._ensure_renewer()
         return delivered
+
+    def _deliver_all(self, batch: list[Claimed], leased: bool) -> int:
+        for n, claimed in enumerate(batch):
+            try:
+                self._deliver(self.as_payload(claimed), claimed.queue)
+            except BaseException:
+                if leased:
+                    # Hand the rest back now rather than after their lease expires.
+                    self.store.release([(c.id, c.read_ct) for c in batch[n + 1 :]])
+                raise
+        return len(batch)
 
     def drain_events(self, connection: Any, timeout: float | None = None) -> None:
         """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
@@ -324,7 +359,7 @@ class Transport(virtual.Transport):
             wait = self.polling_interval or 1.0
             if timeout is not None:
                 wait = min(wait, timeout - waited)
-            active = {q for c in self._consuming_channels() for q in c.consuming()}
+            active = {q for c in self._consuming_channels() for qs in c.consuming() for q in qs}
             while True:
                 woke = self.listener.wait(wait)
                 if woke.concerns(active) or not woke.queues:

@@ -37,6 +37,29 @@ FROM picked
 WHERE t.id = picked.id
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
 
+-- name: pop
+-- Take and delete up to limit visible messages at once, for consumers that never ack (no_ack).
+WITH wanted AS (
+    SELECT w.name FROM unnest(%(queues)s::text[]) AS w(name)
+), picked AS (
+    SELECT c.id
+    FROM wanted
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.priority
+        FROM {schema}.message AS m
+        WHERE m.queue = wanted.name AND m.visible_at <= now()
+        ORDER BY m.priority DESC, m.id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+    ORDER BY c.priority DESC, c.id
+    LIMIT %(limit)s
+)
+DELETE FROM {schema}.message AS t
+USING picked
+WHERE t.id = picked.id
+RETURNING t.id, t.queue, t.priority, t.read_ct + 1, t.payload
+
 -- name: ack
 -- Delete delivered messages, fenced by the read_ct each was claimed with.
 DELETE FROM {schema}.message AS m
