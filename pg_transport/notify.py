@@ -66,6 +66,10 @@ class Listener:
     def fileno(self) -> int | None:
         return self._conn.pgconn.socket if self._conn is not None else None
 
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
     def wait(self, timeout: float) -> Wakeup:
         """Block up to ``timeout`` seconds; raises psycopg errors if LISTEN died."""
         if self.use_notify:

@@ -369,6 +369,21 @@ class Transport(virtual.Transport):
                 if wait <= 0:
                     break
 
+    # -- Celery's event loop (hub) ------------------------------------------
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Claim when the LISTEN socket or the wake pipe is readable, and on each poll."""
+        self.listener.start()
+        loop.add_reader(self.listener.wake_fd, self.on_readable)
+        fd = self.listener.fileno()
+        if fd is not None:
+            loop.add_reader(fd, self.on_readable)
+        loop.call_repeatedly(self.polling_interval or 1.0, self.on_readable)
+        loop.call_soon(self.on_readable)
+
+    def on_readable(self, *args: Any) -> None:
+        self.listener.wait(0)
+        self._claim_and_deliver()
+
     def _ensure_renewer(self) -> None:
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = _LeaseRenewer(self)

@@ -49,9 +49,16 @@ def _raw_queries() -> dict[str, str]:
     return parse_named(_read("queries.sql"))
 
 
-def load_queries(schema: str) -> dict[str, sql.Composed]:
-    """Every named query with ``schema`` composed in."""
-    return {name: compose(text, schema) for name, text in _raw_queries().items()}
+@cache
+def load_queries(schema: str) -> dict[str, str]:
+    """Every named query with ``schema`` composed in, rendered once per schema.
+
+    Rendered to text so psycopg's query cache (and server-side prepared
+    statements) see the same string every time instead of re-composing it.
+    """
+    return {
+        name: compose(text, schema).as_string(None) for name, text in _raw_queries().items()
+    }
 
 
 def load_schema(schema: str) -> sql.Composed:

@@ -152,3 +152,11 @@ SELECT pg_advisory_xact_lock(%(key)s)
 -- name: listen
 -- Subscribe this session to the schema's wake-up channel.
 LISTEN {channel}
+
+-- name: create_schema_strict
+-- Create a schema that must not exist yet (the demo drops only what it created).
+CREATE SCHEMA {schema}
+
+-- name: drop_schema
+-- Drop a throwaway schema and everything in it.
+DROP SCHEMA {schema} CASCADE

@@ -1,0 +1,54 @@
+"""The pgq command without a database: its shape, and errors caught before connecting."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner, Result
+
+from pg_transport.cli import main
+
+
+def invoke(*args: str) -> Result:
+    # No PGQ_* from the developer's shell may change what a test sees.
+    env = {name: None for name in ("PGQ_URL", "PGQ_SCHEMA")}
+    return CliRunner(env=env).invoke(main, list(args))
+
+
+def test_help_lists_the_commands_implemented_so_far() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("migrate", "purge", "demo"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", [["migrate"], ["purge", "celery"], ["demo"]])
+def test_every_command_takes_url(command: list[str]) -> None:
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert "--url" in result.output and "PGQ_URL" in result.output
+    assert "--schema" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["migrate", "--url", "postgres://x/db"], "malformed broker URL"),
+        (["purge", "q", "--url", "http://h/db"], "malformed broker URL"),
+        (["migrate", "--url", "pgq://h/db?nonsense=1"], "malformed broker URL"),
+        (["migrate", "--url", "pgq://h/db", "--schema", "no-dashes"], "schema='no-dashes'"),
+        (["demo", "--url", "pgq://h/db", "--schema", "a b"], "schema='a b'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_1(args: list[str], expected: str) -> None:
+    result = invoke(*args)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ") and expected in lines[0]
+
+
+def test_password_never_printed() -> None:
+    result = invoke("migrate", "--url", "pgq://u:s3cret@h/db?bogus=1")
+    assert result.exit_code == 1
+    assert "s3cret" not in result.stderr
