@@ -45,35 +45,58 @@ def env_queue_key(queue: str) -> str:
     return _QUEUE_CHARS.sub("_", queue).upper()
 
 
-def _number(key: str, value: Any, *, integer: bool, minimum: float, allow_zero: bool) -> Any:
+# Upper bound of every duration: longer ones overflow Postgres timestamps
+# (now() + vt) or the platform's timer limit long before they mean anything.
+MAX_SECONDS = 10 * 365 * 24 * 3600
+# read_ct, which max_attempts is compared with, is a Postgres integer.
+MAX_ATTEMPTS = 2**31 - 1
+
+
+def _number(
+    key: str,
+    value: Any,
+    *,
+    integer: bool,
+    minimum: float,
+    allow_zero: bool,
+    maximum: float | None = None,
+) -> Any:
     if isinstance(value, bool):
         raise ConfigurationError(f"pgq option {key}={value!r} is not a number")
     try:
-        number = int(value) if integer and not isinstance(value, float) else float(value)
-    except (TypeError, ValueError):
+        number = value if isinstance(value, int) else float(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"pgq option {key}={value!r} is not a number") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigurationError(f"pgq option {key}={value!r} is not a finite number")
     if integer and isinstance(number, float):
         if not number.is_integer():
             raise ConfigurationError(f"pgq option {key}={value!r} is not a whole number")
         number = int(number)
-    if isinstance(number, float) and not math.isfinite(number):
-        raise ConfigurationError(f"pgq option {key}={value!r} is not a finite number")
     if number < minimum or (not allow_zero and number == 0):
         bound = f">= {minimum}" if allow_zero else f"> {minimum}"
         raise ConfigurationError(f"pgq option {key}={value!r} must be {bound}")
+    if maximum is not None and number > maximum:
+        raise ConfigurationError(f"pgq option {key}={value!r} must be <= {maximum}")
     return number
 
 
 def _seconds(key: str, value: Any) -> float:
-    return float(_number(key, value, integer=False, minimum=0, allow_zero=False))
+    return float(
+        _number(key, value, integer=False, minimum=0, allow_zero=False, maximum=MAX_SECONDS)
+    )
 
 
 def _attempts(key: str, value: Any) -> int:
-    return int(_number(key, value, integer=True, minimum=1, allow_zero=True))
+    return int(
+        _number(key, value, integer=True, minimum=1, allow_zero=True, maximum=MAX_ATTEMPTS)
+    )
 
 
 def _interval(key: str, value: Any) -> float:
-    return float(_number(key, value, integer=False, minimum=0, allow_zero=True))
+    return float(
+        _number(key, value, integer=False, minimum=0, allow_zero=True, maximum=MAX_SECONDS)
+    )
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -96,6 +119,11 @@ def _schema(key: str, value: Any) -> str:
             f"pgq option {key}={value!r} must be a plain identifier "
             "(letters, digits, underscore; at most 48 characters)"
         )
+    if value.startswith("pg_"):
+        raise ConfigurationError(
+            f"pgq option {key}={value!r}: schema names starting with pg_ are reserved "
+            "by PostgreSQL"
+        )
     return value
 
 
@@ -103,6 +131,18 @@ def _per_queue(key: str, value: Any, parse: Callable[[str, Any], T]) -> dict[str
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"pgq option {key}={value!r} must be a mapping of queue to value")
     return {str(q): parse(f"{key}[{q!r}]", v) for q, v in value.items()}
+
+
+def _env_queue(name: str, prefix: str) -> str:
+    """The ``<QUEUE>`` of a per-queue variable; one no queue can match is refused."""
+    queue = name.removeprefix(prefix)
+    if not queue or env_queue_key(queue) != queue:
+        raise ConfigurationError(
+            f"environment variable {name} matches no queue: the part after {prefix} must be "
+            f"the queue name upper-cased with every other character as _ "
+            f"(e.g. {prefix}{env_queue_key(queue) or 'CELERY'})"
+        )
+    return queue
 
 
 _SCALARS: dict[str, Callable[[str, Any], Any]] = {
@@ -161,9 +201,9 @@ class Options:
         env_attempts: dict[str, int] = {}
         for name, raw in environ.items():
             if name.startswith("PGQ_VISIBILITY_TIMEOUT_"):
-                env_vt[name.removeprefix("PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
+                env_vt[_env_queue(name, "PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
             elif name.startswith("PGQ_MAX_ATTEMPTS_"):
-                env_attempts[name.removeprefix("PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
+                env_attempts[_env_queue(name, "PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
         return cls(
             **values,
             env_queue_visibility_timeouts=env_vt,

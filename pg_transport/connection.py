@@ -51,26 +51,49 @@ def mask_url(url: str, mask: str = "**") -> str:
     return _PASSWORD_PARAM.sub(lambda m: f"{m['key']}{mask}", url)
 
 
+def _hide_passwords(text: str, url: str, mask: str = "**") -> str:
+    """``text`` with every password written in ``url`` masked (libpq may echo them)."""
+    secrets = [m["pw"] for m in _USERINFO.finditer(url)]
+    secrets += [m["pw"] for m in _PASSWORD_PARAM.finditer(url)]
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(secret, mask)
+    return text
+
+
+_URL_FORM = "pgq://[user[:password]@]host[:port]/dbname[?params]"
+
+
 def url_to_conninfo(url: str | None) -> str:
     """Turn ``pgq://…`` into a libpq connection string; ``pgq://`` means libpq defaults.
 
     libpq itself parses the rest (multi-host lists, unix sockets, query parameters),
-    so everything libpq accepts in a ``postgresql://`` URL works here.
+    so everything libpq accepts in a ``postgresql://`` URL works here. Ports are
+    checked here too: libpq would only notice a non-numeric port when connecting.
     """
     if not url:
         return ""
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in SCHEMES:
+    if not sep:
         raise ConfigurationError(
-            f"malformed broker URL {mask_url(url)!r}: expected pgq://[user[:password]@]host"
-            "[:port]/dbname[?params]"
+            f"malformed broker URL {mask_url(url)!r}: no scheme, expected {_URL_FORM}"
+        )
+    if scheme.lower() not in SCHEMES:
+        raise ConfigurationError(
+            f"malformed broker URL {mask_url(url)!r}: scheme {scheme + '://'!r} is not "
+            f"pgq://, expected {_URL_FORM}"
         )
     conninfo = "postgresql://" + rest
     try:
-        pg_conninfo.conninfo_to_dict(conninfo)
+        params = pg_conninfo.conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as exc:
-        reason = str(exc).replace(conninfo, "<url>").strip()
+        reason = _hide_passwords(str(exc).replace(conninfo, "<url>").strip(), url)
         raise ConfigurationError(f"malformed broker URL {mask_url(url)!r}: {reason}") from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+            raise ConfigurationError(
+                f"malformed broker URL {mask_url(url)!r}: port {port!r} is not a number "
+                "between 1 and 65535"
+            )
     return conninfo
 
 
@@ -140,11 +163,13 @@ class Connector:
         max_idle: int = 8,
         application_name: str = "pgq",
         prepare_threshold: int | None = 5,
+        on_connect: Callable[[psycopg.Connection[Any]], None] | None = None,
     ) -> None:
         self.conninfo = conninfo
         self.display_url = display_url or "pgq://"
         self.max_idle = max_idle
         self.prepare_threshold = prepare_threshold
+        self.on_connect = on_connect
         given = pg_conninfo.conninfo_to_dict(conninfo)
         self._application_name = None if "application_name" in given else application_name
         self._kwargs: dict[str, Any] = {}
@@ -169,6 +194,12 @@ class Connector:
             ) from exc
         conn.prepare_threshold = self.prepare_threshold
         _live.add(conn)
+        if self.on_connect is not None:
+            try:
+                self.on_connect(conn)
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
     def _take(self) -> psycopg.Connection[Any]:

@@ -41,8 +41,14 @@ class Claimed:
 class Store:
     """SQL on one schema of one database."""
 
-    def __init__(self, connector: Connector, schema: str) -> None:
+    def __init__(
+        self, connector: Connector, schema: str, *, relaxed: Connector | None = None
+    ) -> None:
+        """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
+        commit may be lost in a server crash at the price of a redelivery, never of a
+        message (see the ``relax_commit`` query)."""
         self.connector = connector
+        self.relaxed = relaxed or connector
         self.schema = schema
         self.channel = notify_channel(schema)
         self.q = load_queries(schema)
@@ -89,7 +95,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["claim"], params).fetchall()
 
-        return _ordered(self.connector.run(work, idempotent=False))
+        return _ordered(self.relaxed.run(work, idempotent=False))
 
     def pop(self, queues: Sequence[str], limit: int) -> list[Claimed]:
         """Take and delete up to ``limit`` visible messages: delivery without ack."""
@@ -100,7 +106,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["pop"], params).fetchall()
 
-        return _ordered(self.connector.run(work, idempotent=False))
+        return _ordered(self.relaxed.run(work, idempotent=False))
 
     def ack(self, tokens: Sequence[tuple[int, int]]) -> int:
         """Delete delivered messages by (id, read_ct); return how many were still ours."""
@@ -123,7 +129,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(self.q["renew"], params).rowcount
 
-        return self.connector.run(work, idempotent=True)
+        return self.relaxed.run(work, idempotent=True)
 
     def _fenced(self, name: str, tokens: Sequence[tuple[int, int]], **extra: Any) -> int:
         if not tokens:
@@ -133,7 +139,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(self.q[name], params).rowcount
 
-        return self.connector.run(work, idempotent=True)
+        return self.relaxed.run(work, idempotent=True)
 
     def dead_letter(
         self,

@@ -47,6 +47,7 @@ from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.errors import BrokerUnavailable, SchemaError
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
+from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Store
 
 __all__ = ["Channel", "QoS", "Transport"]
@@ -275,8 +276,17 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self.url = _client_url(client)
-        self.connector = Connector(url_to_conninfo(self.url), display_url=mask_url(self.url))
-        self.store = Store(self.connector, self.options.schema)
+        conninfo, shown = url_to_conninfo(self.url), mask_url(self.url)
+        self.connector = Connector(conninfo, display_url=shown)
+        # Session settings need sessions of our own; behind a transaction pooler
+        # (use_notify off) every statement commits synchronously.
+        relax = load_queries(self.options.schema)["relax_commit"]
+        self.relaxed = (
+            Connector(conninfo, display_url=shown, on_connect=lambda c: c.execute(relax))
+            if self.options.use_notify
+            else self.connector
+        )
+        self.store = Store(self.connector, self.options.schema, relaxed=self.relaxed)
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify
         )
@@ -302,6 +312,7 @@ class Transport(virtual.Transport):
             if self._renewer is not None:
                 self._renewer.stop()
             self.listener.close()
+            self.relaxed.close()
             self.connector.close()
 
     def wake(self) -> None:
