@@ -1,0 +1,122 @@
+"""The kombu transport against a real Postgres: wake-ups, acks, rejects, restores."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+from tests.integration.conftest import Peek
+
+
+@pytest.fixture
+def conn(broker_url: str, schema: str) -> Iterator[Connection]:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+        yield c
+
+
+@pytest.fixture
+def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
+    p = Peek(pg_url, schema)
+    yield p
+    p.conn.close()
+
+
+def setting(connector: Any, name: str) -> str:
+    with connector.connection() as c:
+        return str(c.execute(f"SHOW {name}").fetchone()[0])
+
+
+def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
+    conn: Connection, broker_url: str, schema: str
+) -> None:
+    transport = conn.transport
+    assert setting(transport.relaxed, "synchronous_commit") == "off"
+    assert setting(transport.connector, "synchronous_commit") == "on"
+    options = {"schema": schema, "use_notify": False}
+    with Connection(broker_url, transport_options=options) as pooled:
+        pooled.connect()
+        # Behind a transaction pooler no session state is set at all.
+        assert pooled.transport.relaxed is pooled.transport.connector
+        assert setting(pooled.transport.relaxed, "synchronous_commit") == "on"
+
+
+def test_idle_consumer_is_woken_by_notify_not_by_polling(
+    broker_url: str, schema: str
+) -> None:
+    options = {"schema": schema, "polling_interval": 30}
+    got: list[float] = []
+    waiting = threading.Event()
+    with Connection(broker_url, transport_options=options) as consumer_conn:
+        queue = Queue("wake", Exchange("wake"), "wake")
+        consumer = Consumer(consumer_conn, [queue], accept=["json"],
+                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
+        consumer.consume()
+        listener = consumer_conn.transport.listener
+        real_wait = listener.wait
+
+        def signalling_wait(timeout: float) -> Any:
+            waiting.set()  # the claim found nothing: from here only a wake-up helps
+            return real_wait(timeout)
+
+        listener.wait = signalling_wait
+        thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
+        thread.start()
+        assert waiting.wait(10)
+        with Connection(broker_url, transport_options=options) as pub:
+            sent = time.monotonic()
+            Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="wake",
+                                  declare=[queue])
+        thread.join(20)
+    assert got, "the message was never delivered"
+    assert got[0] - sent < 5  # the poll would have taken 30 s
+
+
+def test_polling_delivers_without_notify(broker_url: str, schema: str) -> None:
+    options = {"schema": schema, "use_notify": False, "polling_interval": 0.05}
+    with Connection(broker_url, transport_options=options) as c:
+        queue = c.SimpleQueue("polled")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}
+        queue.close()
+
+
+def test_no_ack_consumer_takes_and_deletes(conn: Connection, rows: Peek) -> None:
+    buffer = conn.SimpleBuffer("fire-and-forget")
+    buffer.put({"n": 1})
+    assert buffer.get(timeout=5).payload == {"n": 1}
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+    buffer.close()
+
+
+def test_reject_with_requeue_and_without(conn: Connection, rows: Peek) -> None:
+    queue = conn.SimpleQueue("rej")
+    queue.put({"n": 1})
+    first = queue.get(timeout=5)
+    first.requeue()
+    again = queue.get(timeout=5)
+    assert again.payload == {"n": 1}
+    assert again.delivery_info["pgq_token"][1] == 2
+    again.reject()
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+    assert rows("SELECT queue, reason FROM {schema}.dead_letter") == [
+        ("rej", "rejected without requeue")
+    ]
+    queue.close()
+
+
+def test_unacked_messages_are_released_when_the_channel_closes(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        queue = c.SimpleQueue("held")
+        queue.put({"n": 1})
+        queue.get(timeout=5)  # never acked
+        assert rows("SELECT visible_at > now() FROM {schema}.message") == [(True,)]
+    # Closed: visible again at once, not after the visibility timeout.
+    assert rows("SELECT visible_at <= now(), read_ct FROM {schema}.message") == [(True, 1)]
