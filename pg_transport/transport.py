@@ -170,7 +170,8 @@ class Channel(virtual.Channel):
             return body, None
         if isinstance(body, (bytes, bytearray, memoryview)):
             return base64.b64encode(bytes(body)).decode("ascii"), "base64"
-        return super().encode_body(body, encoding)
+        encoded: tuple[Any, str | None] = super().encode_body(body, encoding)
+        return encoded
 
     # -- kombu virtual channel interface ------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
@@ -247,12 +248,15 @@ class Channel(virtual.Channel):
         return acked, unacked
 
 
+PgChannel = Channel  # the name "Channel" is a class attribute inside Transport
+
+
 class Transport(virtual.Transport):
     """kombu transport for ``pgq://`` URLs."""
 
     Channel = Channel
     can_parse_url = True
-    default_port = 5432
+    default_port = 5432  # type: ignore[assignment]
     driver_type = "postgresql"
     driver_name = "psycopg"
     polling_interval = 1.0
@@ -262,8 +266,8 @@ class Transport(virtual.Transport):
         psycopg.OperationalError,
         psycopg.InterfaceError,
         BrokerUnavailable,
-    )
-    channel_errors = (*virtual.Transport.channel_errors, SchemaError)
+    )  # type: ignore[assignment]
+    channel_errors = (*virtual.Transport.channel_errors, SchemaError)  # type: ignore[assignment]
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False,
@@ -282,7 +286,7 @@ class Transport(virtual.Transport):
         # (use_notify off) every statement commits synchronously.
         relax = load_queries(self.options.schema)["relax_commit"]
         self.relaxed = (
-            Connector(conninfo, display_url=shown, on_connect=lambda c: c.execute(relax))
+            Connector(conninfo, display_url=shown, on_connect=lambda c: _run(c, relax))
             if self.options.use_notify
             else self.connector
         )
@@ -330,7 +334,7 @@ class Transport(virtual.Transport):
             payload["redelivered"] = True
         return payload
 
-    def _consuming_channels(self) -> list[Channel]:
+    def _consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
 
     def _claim_and_deliver(self) -> int:
@@ -358,7 +362,9 @@ class Transport(virtual.Transport):
                 raise
         return len(batch)
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    def drain_events(  # type: ignore[override]
+        self, connection: Any, timeout: float | None = None
+    ) -> None:
         """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
         start = monotonic()
         while True:
@@ -452,3 +458,7 @@ def _client_url(client: Any) -> str:
     vhost = client.virtual_host or ""
     vhost = "" if vhost == "/" else quote(vhost.lstrip("/"), safe="")
     return f"pgq://{auth}{host}{port}/{vhost}"
+
+
+def _run(conn: psycopg.Connection[Any], query: str) -> None:
+    conn.execute(query)
