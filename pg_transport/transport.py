@@ -367,6 +367,9 @@ class Transport(virtual.Transport):
     ) -> None:
         """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
         start = monotonic()
+        # LISTEN before the first claim: a publish landing between an empty claim
+        # and the LISTEN would otherwise wait for the next poll.
+        self.listener.start()
         while True:
             if self._claim_and_deliver():
                 return
