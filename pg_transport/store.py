@@ -64,6 +64,29 @@ class Store:
         publish_key: str | None = None,
     ) -> None:
         """Insert a message. With a ``publish_key`` a repeated call inserts nothing."""
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            self.publish_on(
+                conn, queue, payload, priority=priority, delay=delay, publish_key=publish_key
+            )
+
+        self.connector.run(work, idempotent=publish_key is not None)
+
+    def publish_on(
+        self,
+        conn: psycopg.Connection[Any],
+        queue: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        publish_key: str | None = None,
+    ) -> None:
+        """Insert a message on the caller's connection, inside the caller's transaction.
+
+        For work that must commit together with its message (a barrier firing its
+        callback): the message exists exactly when the transaction commits.
+        """
         params = {
             "queue": queue,
             "priority": priority,
@@ -73,11 +96,7 @@ class Store:
             "channel": self.channel,
             "notify": delay <= 0,
         }
-
-        def work(conn: psycopg.Connection[Any]) -> None:
-            conn.execute(self.q["publish"], params)
-
-        self.connector.run(work, idempotent=publish_key is not None)
+        conn.execute(self.q["publish"], params)
 
     # -- consuming -----------------------------------------------------------
     def claim(
