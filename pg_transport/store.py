@@ -36,6 +36,8 @@ class Claimed:
     priority: int
     read_ct: int
     payload: dict[str, Any]
+    #: Set when the claim found this message past max_attempts and dead-lettered it.
+    dead_letter_id: int | None = None
 
 
 class Store:
@@ -100,16 +102,27 @@ class Store:
 
     # -- consuming -----------------------------------------------------------
     def claim(
-        self, queues: Sequence[str], vts: Sequence[float], limit: int
+        self,
+        queues: Sequence[str],
+        vts: Sequence[float],
+        limit: int,
+        max_attempts: Sequence[int] | None = None,
     ) -> list[Claimed]:
         """Claim up to ``limit`` visible messages over ``queues``, best first.
+
+        A message already delivered ``max_attempts`` times (per queue; unlimited
+        when not given) is dead-lettered by the same statement and comes back with
+        ``dead_letter_id`` set instead of being delivered.
 
         Not retried: a claim whose result was lost is indistinguishable from a
         consumer that died, and the visibility timeout brings those rows back.
         """
         if limit <= 0 or not queues:
             return []
-        params = {"queues": list(queues), "vts": list(vts), "limit": limit}
+        attempts = list(max_attempts) if max_attempts is not None else [2**31 - 1] * len(queues)
+        params = {
+            "queues": list(queues), "vts": list(vts), "max_attempts": attempts, "limit": limit
+        }
 
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["claim"], params).fetchall()
@@ -160,26 +173,48 @@ class Store:
 
         return self.relaxed.run(work, idempotent=True)
 
-    def dead_letter(
-        self,
-        token: tuple[int, int],
-        reason: str,
-        *,
-        task_id: str | None = None,
-        task_name: str | None = None,
-    ) -> int | None:
+    def dead_letter(self, token: tuple[int, int], reason: str) -> int | None:
         """Move a claimed message to dead_letter; the dead-letter id, or None if not ours."""
-        params = {
-            "id": token[0],
-            "read_ct": token[1],
-            "reason": reason,
-            "task_id": task_id,
-            "task_name": task_name,
-        }
+        params = {"id": token[0], "read_ct": token[1], "reason": reason}
 
         def work(conn: psycopg.Connection[Any]) -> int | None:
             row = conn.execute(self.q["dead_letter"], params).fetchone()
             return int(row[0]) if row else None
+
+        return self.connector.run(work, idempotent=True)
+
+    def identify_dead_letter(
+        self,
+        dead_letter_id: int,
+        *,
+        task_id: str | None,
+        task_name: str | None,
+        identity: dict[str, Any],
+        reasons: Sequence[str],
+    ) -> None:
+        """Record the task and identity recovered from a dead-lettered message."""
+        self._command(
+            "dead_letter_identify",
+            {
+                "id": dead_letter_id,
+                "task_id": task_id,
+                "task_name": task_name,
+                "identity": Json(identity),
+                "note": "".join(f"; {r}" for r in reasons),
+            },
+        )
+
+    def record_hooks(self, dead_letter_id: int, hooks: list[dict[str, Any]]) -> None:
+        self._command("dead_letter_hooks", {"id": dead_letter_id, "hooks": Json(hooks)})
+
+    def get_dead_letter(self, dead_letter_id: int) -> dict[str, Any] | None:
+        def work(conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
+            cur = conn.execute(self.q["dead_letter_get"], {"id": dead_letter_id})
+            row = cur.fetchone()
+            if row is None:
+                return None
+            names = [d.name for d in cur.description or ()]
+            return dict(zip(names, row, strict=True))
 
         return self.connector.run(work, idempotent=True)
 
@@ -216,6 +251,6 @@ class Store:
 
 def _ordered(rows: Sequence[Any]) -> list[Claimed]:
     """Rows of a claim in delivery order (RETURNING keeps none): priority, then age."""
-    claimed = [Claimed(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+    claimed = [Claimed(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
     claimed.sort(key=lambda c: (-c.priority, c.id))
     return claimed

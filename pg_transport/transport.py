@@ -42,6 +42,7 @@ from urllib.parse import quote
 import psycopg
 from kombu.transport import virtual
 
+from pg_transport import identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.errors import BrokerUnavailable, SchemaError
@@ -113,13 +114,7 @@ class QoS(virtual.QoS):
                 self.channel.store.release([token])
             else:
                 message = self._delivered.get(delivery_tag)
-                headers = getattr(message, "headers", None) or {}
-                self.channel.store.dead_letter(
-                    token,
-                    "rejected without requeue",
-                    task_id=headers.get("id"),
-                    task_name=headers.get("task"),
-                )
+                self.channel.dead_letter(token, "rejected without requeue", message)
         self._forget(delivery_tag)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
@@ -151,6 +146,7 @@ class Channel(virtual.Channel):
     def __init__(self, connection: Transport, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self._vt_cache: dict[str, float] = {}
+        self._attempts_cache: dict[str, int] = {}
         # Queues consumed with no_ack: their messages are deleted as they are taken.
         self._noack_queues: set[str] = set()
 
@@ -163,6 +159,26 @@ class Channel(virtual.Channel):
         if vt is None:
             vt = self._vt_cache[queue] = self.connection.options.visibility_timeout_for(queue)
         return vt
+
+    def max_attempts(self, queue: str) -> int:
+        attempts = self._attempts_cache.get(queue)
+        if attempts is None:
+            attempts = self._attempts_cache[queue] = self.connection.options.max_attempts_for(
+                queue
+            )
+        return attempts
+
+    def dead_letter(self, token: tuple[int, int], reason: str, message: Any) -> int | None:
+        """Move a delivery to dead_letter and record what it was (no poison signal)."""
+        dead_id = self.store.dead_letter(token, reason)
+        if dead_id is not None and message is not None:
+            decoded = poison.decode(self.connection.raw_payload(message))
+            found, why = identity.recover(decoded.task_name, decoded.args, decoded.kwargs)
+            self.store.identify_dead_letter(
+                dead_id, task_id=decoded.task_id, task_name=decoded.task_name,
+                identity=found, reasons=decoded.reasons + why,
+            )
+        return dead_id
 
     # -- body encoding: text bodies (JSON) stay readable in the table ----------
     def encode_body(self, body: Any, encoding: str | None = None) -> tuple[Any, str | None]:
@@ -188,10 +204,15 @@ class Channel(virtual.Channel):
         )
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
-        claimed = self.store.claim([queue], [self.visibility_timeout(queue)], 1)
-        if not claimed:
-            raise Empty()
-        return self.connection.as_payload(claimed[0])
+        while True:
+            claimed = self.store.claim(
+                [queue], [self.visibility_timeout(queue)], 1, [self.max_attempts(queue)]
+            )
+            if not claimed:
+                raise Empty()
+            if claimed[0].dead_letter_id is None:
+                return self.connection.as_payload(claimed[0])
+            self.connection._deliver_all(claimed, True)  # poisoned: handled, not delivered
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
@@ -334,6 +355,19 @@ class Transport(virtual.Transport):
             payload["redelivered"] = True
         return payload
 
+    @staticmethod
+    def raw_payload(message: Any) -> dict[str, Any]:
+        """The transport payload of a delivered kombu message, as it was stored."""
+        raw = getattr(message, "_raw", None)
+        if isinstance(raw, dict):
+            return raw
+        return {
+            "body": message.body,
+            "content-type": message.content_type,
+            "headers": message.headers,
+            "properties": {},
+        }
+
     def _consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
 
@@ -346,7 +380,9 @@ class Transport(virtual.Transport):
             if acked and channel.qos.can_consume():
                 limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
                 vts = [channel.visibility_timeout(q) for q in acked]
-                delivered += self._deliver_all(self.store.claim(acked, vts, limit), True)
+                attempts = [channel.max_attempts(q) for q in acked]
+                batch = self.store.claim(acked, vts, limit, attempts)
+                delivered += self._deliver_all(batch, True)
         if delivered and self.options.lease_renewal:
             self._ensure_renewer()
         return delivered
@@ -354,11 +390,21 @@ class Transport(virtual.Transport):
     def _deliver_all(self, batch: list[Claimed], leased: bool) -> int:
         for n, claimed in enumerate(batch):
             try:
+                if claimed.dead_letter_id is not None:
+                    poison.handle_poisoned(
+                        self.store,
+                        dead_letter_id=claimed.dead_letter_id,
+                        queue=claimed.queue,
+                        payload=claimed.payload,
+                        attempts=claimed.read_ct,
+                    )
+                    continue
                 self._deliver(self.as_payload(claimed), claimed.queue)
             except BaseException:
                 if leased:
                     # Hand the rest back now rather than after their lease expires.
-                    self.store.release([(c.id, c.read_ct) for c in batch[n + 1 :]])
+                    rest = [c for c in batch[n + 1 :] if c.dead_letter_id is None]
+                    self.store.release([(c.id, c.read_ct) for c in rest])
                 raise
         return len(batch)
 

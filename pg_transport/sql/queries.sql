@@ -13,14 +13,18 @@ WITH inserted AS (
 SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
 
 -- name: claim
--- Take up to limit visible messages over several queues in one statement.
+-- Take up to limit visible messages over several queues in one statement. A message
+-- whose next delivery would exceed its queue's max_attempts is moved to dead_letter
+-- instead, in the same statement: it is never delivered again and never lost.
 WITH wanted AS (
-    SELECT w.name, w.vt FROM unnest(%(queues)s::text[], %(vts)s::float8[]) AS w(name, vt)
+    SELECT w.name, w.vt, w.max_attempts
+    FROM unnest(%(queues)s::text[], %(vts)s::float8[], %(max_attempts)s::integer[])
+        AS w(name, vt, max_attempts)
 ), picked AS (
-    SELECT c.id, wanted.vt
+    SELECT c.id, c.read_ct, wanted.vt, wanted.max_attempts
     FROM wanted
     CROSS JOIN LATERAL (
-        SELECT m.id, m.priority
+        SELECT m.id, m.priority, m.read_ct
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
         ORDER BY m.priority DESC, m.id
@@ -29,13 +33,31 @@ WITH wanted AS (
     ) AS c
     ORDER BY c.priority DESC, c.id
     LIMIT %(limit)s
+), poisoned AS (
+    DELETE FROM {schema}.message AS t
+    USING picked
+    WHERE t.id = picked.id AND picked.read_ct >= picked.max_attempts
+    RETURNING t.id, t.queue, t.priority, t.read_ct, t.enqueued_at, t.payload,
+              picked.max_attempts
+), dead AS (
+    INSERT INTO {schema}.dead_letter
+        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+    SELECT id, queue, priority, read_ct, enqueued_at,
+           format('delivered %%s times; max_attempts is %%s', read_ct, max_attempts), payload
+    FROM poisoned
+    RETURNING id, message_id
+), claimed AS (
+    UPDATE {schema}.message AS t
+    SET visible_at = now() + make_interval(secs => picked.vt),
+        read_ct = t.read_ct + 1
+    FROM picked
+    WHERE t.id = picked.id AND picked.read_ct < picked.max_attempts
+    RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
 )
-UPDATE {schema}.message AS t
-SET visible_at = now() + make_interval(secs => picked.vt),
-    read_ct = t.read_ct + 1
-FROM picked
-WHERE t.id = picked.id
-RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
+SELECT id, queue, priority, read_ct, payload, NULL::bigint AS dead_letter_id FROM claimed
+UNION ALL
+SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id
+FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
 
 -- name: pop
 -- Take and delete up to limit visible messages at once, for consumers that never ack (no_ack).
@@ -58,7 +80,7 @@ WITH wanted AS (
 DELETE FROM {schema}.message AS t
 USING picked
 WHERE t.id = picked.id
-RETURNING t.id, t.queue, t.priority, t.read_ct + 1, t.payload
+RETURNING t.id, t.queue, t.priority, t.read_ct + 1, t.payload, NULL::bigint
 
 -- name: ack
 -- Delete delivered messages, fenced by the read_ct each was claimed with.
@@ -92,10 +114,27 @@ WITH moved AS (
     RETURNING id, queue, priority, read_ct, enqueued_at, payload
 )
 INSERT INTO {schema}.dead_letter
-    (message_id, queue, priority, read_ct, enqueued_at, reason, task_id, task_name, payload)
-SELECT id, queue, priority, read_ct, enqueued_at, %(reason)s, %(task_id)s, %(task_name)s, payload
+    (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+SELECT id, queue, priority, read_ct, enqueued_at, %(reason)s, payload
 FROM moved
 RETURNING id
+
+-- name: dead_letter_identify
+-- Record what was recovered of a dead-lettered message: task, identity, reasons.
+UPDATE {schema}.dead_letter
+SET task_id = %(task_id)s, task_name = %(task_name)s, identity = %(identity)s,
+    reason = reason || %(note)s
+WHERE id = %(id)s
+
+-- name: dead_letter_hooks
+-- Record the outcome of every message_poisoned handler for a dead-letter row.
+UPDATE {schema}.dead_letter SET hooks = %(hooks)s WHERE id = %(id)s
+
+-- name: dead_letter_get
+-- One dead-letter row.
+SELECT id, message_id, queue, priority, read_ct, enqueued_at, dead_at, reason, task_id,
+       task_name, identity, hooks, payload
+FROM {schema}.dead_letter WHERE id = %(id)s
 
 -- name: size
 -- Count the messages of a queue that are ready for delivery now.

@@ -132,10 +132,11 @@ def start_worker(
     args: tuple[str, ...] = (),
     environ: dict[str, str] | None = None,
     ready_timeout: float = 60,
+    app: str = APP,
 ) -> Worker:
     log = Path(tempfile.mkstemp(prefix=f"pgq-worker-{name}-", suffix=".log")[1])
     cmd = [
-        sys.executable, "-m", "celery", "-A", APP, "worker",
+        sys.executable, "-m", "celery", "-A", app, "worker",
         "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info",
         "--without-gossip", "--without-mingle", "--without-heartbeat", *args,
     ]

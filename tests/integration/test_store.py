@@ -130,12 +130,34 @@ def test_declare_has_delete_queue(store: Store) -> None:
 def test_reject_without_requeue_dead_letters(store: Store, peek: Peek) -> None:
     store.publish("q", body(1))
     [c] = claim_all(store, "q")
-    dead_id = store.dead_letter((c.id, c.read_ct), "rejected", task_id="t1", task_name="x.y")
+    dead_id = store.dead_letter((c.id, c.read_ct), "rejected")
     assert dead_id is not None
     assert store.dead_letter((c.id, c.read_ct), "again") is None
-    rows = peek("SELECT message_id, queue, reason, task_id, task_name FROM {schema}.dead_letter")
-    assert rows == [(c.id, "q", "rejected", "t1", "x.y")]
+    store.identify_dead_letter(
+        dead_id, task_id="t1", task_name="x.y", identity={"execution_id": 7}, reasons=["why"]
+    )
+    rows = peek(
+        "SELECT message_id, queue, reason, task_id, task_name, identity FROM {schema}.dead_letter"
+    )
+    assert rows == [(c.id, "q", "rejected; why", "t1", "x.y", {"execution_id": 7})]
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_claim_past_max_attempts_dead_letters_in_the_same_statement(
+    store: Store, peek: Peek
+) -> None:
+    store.publish("q", body(1))
+    for attempt in (1, 2, 3):
+        [c] = store.claim(["q"], [30.0], 10, [3])
+        assert (c.read_ct, c.dead_letter_id) == (attempt, None)
+        peek.expire_leases()
+    [poisoned] = store.claim(["q"], [30.0], 10, [3])
+    assert poisoned.dead_letter_id is not None and poisoned.read_ct == 3
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+    assert peek("SELECT id, read_ct, reason FROM {schema}.dead_letter") == [
+        (poisoned.dead_letter_id, 3, "delivered 3 times; max_attempts is 3")
+    ]
+    assert store.claim(["q"], [30.0], 10, [3]) == []
 
 
 def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, store: Store) -> None:

@@ -105,7 +105,7 @@ def test_reject_with_requeue_and_without(conn: Connection, rows: Peek) -> None:
     again.reject()
     assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
     assert rows("SELECT queue, reason FROM {schema}.dead_letter") == [
-        ("rej", "rejected without requeue")
+        ("rej", "rejected without requeue; not a Celery task message")
     ]
     queue.close()
 

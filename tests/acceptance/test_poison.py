@@ -1,0 +1,61 @@
+"""A task that kills its worker every time ends in dead_letter, identity recovered."""
+
+from __future__ import annotations
+
+import pytest
+from psycopg import sql
+
+from tests.acceptance.harness import Env, start_worker, wait_for
+
+pytestmark = pytest.mark.acceptance
+
+APP = "tests.acceptance.poison_app"
+TASK = "tests.acceptance.poison_app.run_pipeline"
+
+
+def test_worker_killing_task_is_dead_lettered_after_max_attempts(env: Env) -> None:
+    import psycopg
+
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL(
+            "CREATE TABLE {}.poison_log (sender text, queue text, task_id text,"
+            " identity jsonb, attempts int, dead_letter_id bigint)"
+        ).format(sql.Identifier(env.schema)))
+    attempts = 3
+    environ = {"PGQ_MAX_ATTEMPTS_CELERY": str(attempts), "PGQ_VISIBILITY_TIMEOUT": "1"}
+    # Positional organization_id, keyword execution_id: both layouts are recovered.
+    result = env.client().send_task(TASK, args=[42], kwargs={"execution_id": "exec-7"})
+
+    for delivery in range(1, attempts + 1):
+        worker = start_worker(env, f"solo{delivery}", pool="solo", concurrency=1,
+                              app=APP, environ=environ)
+        wait_for(lambda d=delivery: len(env.runs()) >= d, 30, f"delivery {delivery}")
+        assert worker.proc.wait(30) != 0  # os._exit(1) took the worker down
+    # One more worker: its claim finds the message past max_attempts.
+    last = start_worker(env, "solo-last", pool="solo", concurrency=1, app=APP, environ=environ)
+    try:
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.poison_log"), 30,
+                 "the poison hook")
+    finally:
+        last.stop()
+
+    assert len(env.runs()) == attempts  # never delivered again
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+    dead = env.scalar(
+        "SELECT json_build_object('id', id, 'task_id', task_id, 'task_name', task_name,"
+        " 'identity', identity, 'read_ct', read_ct, 'hooks', hooks) FROM {schema}.dead_letter"
+    )
+    assert dead["task_id"] == result.id and dead["task_name"] == TASK
+    assert dead["identity"] == {"organization_id": 42, "execution_id": "exec-7"}
+    assert dead["read_ct"] == attempts
+    outcomes = {h["receiver"].rsplit(".", 1)[-1]: h["ok"] for h in dead["hooks"]}
+    assert outcomes == {"mark_pipeline_failed": True, "flaky_hook": False}
+    told = env.scalar(
+        "SELECT json_build_object('sender', sender, 'task_id', task_id, 'identity', identity,"
+        " 'attempts', attempts, 'dead_letter_id', dead_letter_id) FROM {schema}.poison_log"
+    )
+    assert told == {
+        "sender": TASK, "task_id": result.id,
+        "identity": {"organization_id": 42, "execution_id": "exec-7"},
+        "attempts": attempts, "dead_letter_id": dead["id"],
+    }
