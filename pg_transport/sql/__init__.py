@@ -10,4 +10,11 @@ from pg_transport.sql.loader import (
     notify_channel,
 )
 
-__all__ = ["Migration", "load_migrations", "load_queries", "load_schema", "notify_channel"]
+__all__ = [
+    "Migration",
+    "load_migrations",
+    "load_named",
+    "load_queries",
+    "load_schema",
+    "notify_channel",
+]

@@ -45,20 +45,26 @@ def compose(text: str, schema: str) -> sql.Composed:
 
 
 @cache
-def _raw_queries() -> dict[str, str]:
-    return parse_named(_read("queries.sql"))
+def _raw_named(filename: str) -> dict[str, str]:
+    return parse_named(_read(filename))
 
 
 @cache
-def load_queries(schema: str) -> dict[str, str]:
-    """Every named query with ``schema`` composed in, rendered once per schema.
+def load_named(filename: str, schema: str) -> dict[str, str]:
+    """The named queries of one ``.sql`` file of this package, ``schema`` composed in.
 
-    Rendered to text so psycopg's query cache (and server-side prepared
-    statements) see the same string every time instead of re-composing it.
+    Rendered to text once per schema, so psycopg's query cache (and server-side
+    prepared statements) see the same string every time.
     """
     return {
-        name: compose(text, schema).as_string(None) for name, text in _raw_queries().items()
+        name: compose(text, schema).as_string(None)
+        for name, text in _raw_named(filename).items()
     }
+
+
+def load_queries(schema: str) -> dict[str, str]:
+    """The queue queries (``queries.sql``)."""
+    return load_named("queries.sql", schema)
 
 
 def load_schema(schema: str) -> sql.Composed:
