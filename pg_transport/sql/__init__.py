@@ -5,6 +5,7 @@ from __future__ import annotations
 from pg_transport.sql.loader import (
     Migration,
     load_migrations,
+    load_named,
     load_queries,
     load_schema,
     notify_channel,
