@@ -118,7 +118,18 @@ class QoS(virtual.QoS):
         self._forget(delivery_tag)
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
-        """Release every unacked delivery in one statement (shutdown, recover)."""
+        """Release every unacked delivery in one statement (shutdown, recover).
+
+        Not after a lost connection: tasks may still be running and will ack
+        through this QoS; their leases lapse on their own after the vt.
+        """
+        transport = self.channel.connection
+        if transport is not None and transport.lost:
+            logger.info(
+                "connection lost: %d unacked messages keep their lease until they are "
+                "acked or it lapses", len(self._held),
+            )
+            return []
         self._flush()
         with self._held_lock:
             held, self._held = self._held, {}
@@ -147,12 +158,11 @@ class Channel(virtual.Channel):
         super().__init__(connection, **kwargs)
         self._vt_cache: dict[str, float] = {}
         self._attempts_cache: dict[str, int] = {}
+        # Kept past close: acks of tasks that outlive a lost connection still land.
+        self.store: Store = connection.store
         # Queues consumed with no_ack: their messages are deleted as they are taken.
         self._noack_queues: set[str] = set()
 
-    @property
-    def store(self) -> Store:
-        return self.connection.store
 
     def visibility_timeout(self, queue: str) -> float:
         vt = self._vt_cache.get(queue)
@@ -316,6 +326,8 @@ class Transport(virtual.Transport):
             self.connector, self.options.schema, use_notify=self.options.use_notify
         )
         self._renewer: _LeaseRenewer | None = None
+        #: Set when Celery collects this transport after losing the connection.
+        self.lost = False
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
@@ -339,6 +351,22 @@ class Transport(virtual.Transport):
             self.listener.close()
             self.relaxed.close()
             self.connector.close()
+
+    def _collect(self, connection: Any) -> None:
+        """Drop a lost connection without releasing what it delivered.
+
+        Celery calls this (not close) when the broker connection is lost. Tasks
+        still running keep their messages: their leases lapse only after the
+        visibility timeout, and an ack that comes before then still lands (acks
+        open a fresh connection). Releasing here, as close does, would hand
+        running tasks to another consumer at once.
+        """
+        self.lost = True
+        if self._renewer is not None:
+            self._renewer.stop()
+        self.listener.close()
+        self.relaxed.close()
+        self.connector.close()
 
     def wake(self) -> None:
         self.listener.wake()
