@@ -10,11 +10,20 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from pg_transport.config import Options
-from pg_transport.errors import BrokerUnavailable, ConfigurationError, PgqError, SchemaError
+from pg_transport.errors import (
+    BrokerRefused,
+    BrokerUnavailable,
+    BrokerUnreachable,
+    ConfigurationError,
+    PgqError,
+    SchemaError,
+)
 
 __all__ = [
     "TRANSPORT",
+    "BrokerRefused",
     "BrokerUnavailable",
+    "BrokerUnreachable",
     "ConfigurationError",
     "Options",
     "PgqError",

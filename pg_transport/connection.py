@@ -21,7 +21,7 @@ import psycopg
 from psycopg import conninfo as pg_conninfo
 from tenacity import Retrying, retry_if_exception, stop_after_attempt
 
-from pg_transport.errors import BrokerUnavailable, ConfigurationError
+from pg_transport.errors import BrokerRefused, BrokerUnreachable, ConfigurationError
 
 __all__ = [
     "Connector",
@@ -109,6 +109,24 @@ def is_dead_connection(exc: BaseException, conn: psycopg.Connection[Any] | None 
     return False
 
 
+# Connection-phase errors carry no SQLSTATE (libpq reports them as text), so a
+# refusal is recognised by the server's own words. Anything not recognised counts
+# as transient: a localised server message then means "retry", as before.
+_REFUSALS = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",  # database or role
+    "is not permitted to log in",
+    "permission denied for database",
+)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True when the server answered a connection attempt with a permanent no."""
+    text = str(exc)
+    return "FATAL" in text and any(words in text for words in _REFUSALS)
+
+
 def retry_idempotent() -> Retrying:
     """Retry once, on a fresh connection, after a dead-connection error."""
     return Retrying(
@@ -189,7 +207,8 @@ class Connector:
                 kwargs["application_name"] = f"{self._application_name}:{os.getpid()}"
             conn = psycopg.connect(self.conninfo, autocommit=autocommit, **kwargs)
         except psycopg.Error as exc:
-            raise BrokerUnavailable(
+            kind = BrokerRefused if is_refusal(exc) else BrokerUnreachable
+            raise kind(
                 f"cannot connect to Postgres at {self.display_url}: {describe(exc)}"
             ) from exc
         conn.prepare_threshold = self.prepare_threshold

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["BrokerUnavailable", "ConfigurationError", "PgqError", "SchemaError"]
+__all__ = [
+    "BrokerRefused",
+    "BrokerUnavailable",
+    "BrokerUnreachable",
+    "ConfigurationError",
+    "PgqError",
+    "SchemaError",
+]
 
 
 class PgqError(Exception):
@@ -15,6 +22,15 @@ class ConfigurationError(PgqError, ValueError):
 
 class BrokerUnavailable(PgqError, ConnectionError):
     """Postgres could not be reached, or refused us (host, password, database)."""
+
+
+class BrokerUnreachable(BrokerUnavailable):
+    """Postgres did not answer, or is starting or stopping: worth retrying."""
+
+
+class BrokerRefused(BrokerUnavailable):
+    """Postgres answered and refused us (password, role, database, pg_hba): retrying
+    the same URL cannot help, so it is not a recoverable connection error."""
 
 
 class SchemaError(PgqError):

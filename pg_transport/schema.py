@@ -45,7 +45,10 @@ def migrate(conn: psycopg.Connection[Any], schema: str) -> list[str]:
             conn.execute(queries["migrate_lock"], {"key": advisory_key("pgq:migrate", schema)})
             version = current_version(conn, schema)
             if version is None:
-                conn.execute(queries["create_schema"])
+                # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
+                # the schema exists: only ask for it when the schema is missing.
+                if _owner(conn, schema) is None:
+                    conn.execute(queries["create_schema"])
                 version = 0
             for migration in load_migrations()[version:]:
                 conn.execute(migration.composed(schema))
@@ -53,12 +56,23 @@ def migrate(conn: psycopg.Connection[Any], schema: str) -> list[str]:
                 applied.append(migration.name)
     except psycopg.errors.InsufficientPrivilege as exc:
         user = conn.info.user
+        owner = _owner(conn, schema)
+        remedy = (
+            "grant this role CREATE on the database, or run `pgq migrate` as a role that has it"
+            if owner is None
+            else f"schema {schema!r} belongs to {owner!r}: run `pgq migrate` as {owner!r}, "
+            f"or GRANT USAGE, CREATE ON SCHEMA {schema} TO {user}"
+        )
         raise SchemaError(
             f"role {user!r} cannot create or upgrade the pgq schema {schema!r}: "
-            f"{exc.diag.message_primary or exc}. Run `pgq migrate` as the schema's owner, "
-            "or grant this role CREATE on the database"
+            f"{exc.diag.message_primary or exc}. To fix: {remedy}"
         ) from exc
     return applied
+
+
+def _owner(conn: psycopg.Connection[Any], schema: str) -> str | None:
+    row = conn.execute(load_queries(schema)["schema_owner"], {"schema": schema}).fetchone()
+    return str(row[0]) if row else None
 
 
 def ensure_schema(connector: Connector, schema: str, *, auto_migrate: bool) -> None:

@@ -45,7 +45,7 @@ from kombu.transport import virtual
 from pg_transport import identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
-from pg_transport.errors import BrokerUnavailable, SchemaError
+from pg_transport.errors import BrokerUnavailable, BrokerUnreachable, SchemaError
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
@@ -299,6 +299,14 @@ class Transport(virtual.Transport):
         BrokerUnavailable,
     )  # type: ignore[assignment]
     channel_errors = (*virtual.Transport.channel_errors, SchemaError)  # type: ignore[assignment]
+    # What kombu retries: not a refusal (wrong password, missing database) nor a
+    # schema we may not use, which would fail the same way every time.
+    recoverable_connection_errors = (
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+        BrokerUnreachable,
+    )
+    recoverable_channel_errors = ()
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False,

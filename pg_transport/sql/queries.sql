@@ -204,3 +204,7 @@ DROP SCHEMA {schema} CASCADE
 -- For sessions that only claim, ack, release and renew: a commit lost in a server
 -- crash makes a message visible again (delivered twice), it never loses one.
 SET synchronous_commit TO off
+
+-- name: schema_owner
+-- The role owning the schema, or no row when the schema does not exist.
+SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s

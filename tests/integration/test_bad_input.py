@@ -29,7 +29,13 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from pg_transport.errors import BrokerUnavailable, ConfigurationError, SchemaError
+from pg_transport.errors import (
+    BrokerRefused,
+    BrokerUnavailable,
+    BrokerUnreachable,
+    ConfigurationError,
+    SchemaError,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +111,33 @@ def test_missing_role_is_named(pg_url: str, schema: str) -> None:
     with pytest.raises(BrokerUnavailable) as info:
         connect(pgq_url(pg_url, user=role, password=None), schema)
     assert f'role "{role}" does not exist' in str(info.value) or role in str(info.value)
+
+
+def attempts_until_failure(url: str, schema: str) -> tuple[int, BaseException]:
+    """How many times kombu tried before giving up (it allows three retries here)."""
+    seen: list[BaseException] = []
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        try:
+            conn.ensure_connection(
+                errback=lambda exc, interval: seen.append(exc), max_retries=3,
+                interval_start=0, interval_step=0, reraise_as_library_errors=False,
+            )
+        except BaseException as exc:  # the final error is what the test inspects
+            return len(seen) + 1, exc
+    raise AssertionError("connected to a server that should not accept us")
+
+
+def test_a_refusal_is_not_retried(pg_url: str, schema: str) -> None:
+    dbname = "pgq_no_such_db_" + uuid.uuid4().hex[:8]
+    tries, error = attempts_until_failure(pgq_url(pg_url, dbname=dbname), schema)
+    assert isinstance(error, BrokerRefused)
+    assert tries == 1  # the same URL would be refused the same way
+
+
+def test_an_unreachable_server_is_retried(schema: str) -> None:
+    tries, error = attempts_until_failure("pgq://postgres@127.0.0.1:1/test", schema)
+    assert isinstance(error, BrokerUnreachable)
+    assert tries == 4  # the first attempt and three retries
 
 
 # -- wrong password: a throwaway cluster that checks passwords ---------------------
@@ -343,8 +376,9 @@ def test_foreign_schema_with_auto_migrate_names_role_schema_and_remedy(
     message = str(info.value)
     assert repr(role.name) in message
     assert repr(schema) in message
-    assert "pgq migrate" in message
-    assert "grant" in message.lower()
+    # The schema exists: the remedy names its owner, not CREATE on the database.
+    assert "belongs to 'postgres': run `pgq migrate` as 'postgres'" in message
+    assert f"GRANT USAGE, CREATE ON SCHEMA {schema} TO {role.name}" in message
 
 
 def test_foreign_schema_when_role_may_create_schemas(
@@ -364,7 +398,7 @@ def test_foreign_schema_when_role_may_create_schemas(
     assert repr(role.name) in message
     assert repr(schema) in message
     assert f"permission denied for schema {schema}" in message
-    assert "pgq migrate" in message
+    assert "belongs to 'postgres'" in message
 
 
 def test_migrated_schema_without_usage_names_role_schema_and_grant(
