@@ -9,15 +9,19 @@ server that does not answer, or a schema that is not there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timezone
 from typing import Any, TypeVar
 
 import click
 import psycopg
 
+from pg_transport import status as status_report
 from pg_transport.config import Options
 from pg_transport.connection import Connector, describe, mask_url, url_to_conninfo
+from pg_transport.dead import DeadLetter, DeadLetters, NotFound, import_app, parse_duration
 from pg_transport.errors import PgqError, SchemaError
 from pg_transport.schema import current_version, latest_version
 from pg_transport.schema import migrate as migrate_schema
@@ -97,8 +101,47 @@ def _store(url: str | None, schema: str) -> Iterator[Store]:
         yield Store(connector, schema)
 
 
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
+def _plural(count: int, noun: str, plural: str | None = None) -> str:
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    """Plain columns, two spaces apart; the columns in ``right`` are right-aligned."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2, default=str)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    for size, unit, sub_size, sub_unit in (
+        (86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")
+    ):
+        if whole >= size:
+            return f"{whole // size}{unit} {whole % size // sub_size}{sub_unit}"
+    return f"{seconds:.1f}s"
+
+
+def _identity(identity: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in identity.items()) or "-"
+
+
+def _hooks(row: DeadLetter) -> str:
+    if not row.hooks:
+        return "-"
+    return f"{row.hooks_ok} ok, {row.hooks_failed} failed"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -147,6 +190,187 @@ def purge(url: str | None, schema: str, queue: str) -> None:
     with _store(url, schema) as store:
         count = store.purge(queue)
     click.echo(f"{_plural(count, 'waiting message')} purged from queue {queue!r}")
+
+
+@main.command()
+@url_option
+@schema_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def status(url: str | None, schema: str, as_json: bool) -> None:
+    """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
+
+    In flight means claimed by a consumer whose lease runs; delayed means waiting for
+    its ETA. Clients are pgq processes connected to this database (workers and
+    publishers of every pgq schema in it: Postgres does not know which schema a
+    session uses).
+    """
+    with _store(url, schema) as store:
+        report = status_report.collect(store)
+        where = f"pgq schema {store.schema!r} at {store.connector.display_url}"
+    if as_json:
+        click.echo(_json(report.as_json()))
+        return
+    click.echo(where)
+    if report.queues:
+        click.echo(_table(
+            ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
+            [
+                [q.queue, str(q.ready), str(q.in_flight), str(q.delayed), str(q.dead),
+                 _age(q.oldest_ready_age_s)]
+                for q in report.queues
+            ],
+            right={1, 2, 3, 4, 5},
+        ))
+    else:
+        click.echo("no queues")
+    clients = report.clients
+    click.echo(
+        f"clients: {_plural(clients.processes, 'process', 'processes')}, "
+        f"{_plural(clients.sessions, 'session')}"
+    )
+    if report.barriers:
+        click.echo("barriers: " + ", ".join(f"{b.count} {b.status}" for b in report.barriers))
+
+
+@main.group(cls=_Group)
+def dead() -> None:
+    """Dead-lettered messages: list, requeue, purge, and re-run their hooks."""
+
+
+@dead.command("list")
+@url_option
+@schema_option
+@click.option("--queue", metavar="QUEUE", help="Only rows of this queue.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=100, show_default=True,
+    help="Show at most this many rows, newest first.",
+)
+def dead_list(url: str | None, schema: str, queue: str | None, as_json: bool, limit: int) -> None:
+    """List dead-letter rows, newest first."""
+    with _store(url, schema) as store:
+        rows, total = DeadLetters(store).rows(queue=queue, limit=limit)
+    if as_json:
+        click.echo(_json({"total": total, "dead_letters": [r.as_json() for r in rows]}))
+        return
+    if not rows:
+        click.echo("no dead-letter rows" + (f" in queue {queue!r}" if queue else ""))
+        return
+    click.echo(_table(
+        ["ID", "QUEUE", "TASK", "TASK ID", "IDENTITY", "READS", "DEAD AT", "HOOKS", "REASON"],
+        [
+            [str(r.id), r.queue, r.task_name or "-", r.task_id or "-", _identity(r.identity),
+             str(r.read_ct), r.dead_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
+             _hooks(r), r.reason]
+            for r in rows
+        ],
+        right={0, 5},
+    ))
+    if total > len(rows):
+        click.echo(f"({len(rows)} of {total} shown; raise --limit to see more)")
+
+
+@dead.command("requeue")
+@url_option
+@schema_option
+@click.argument("ids", nargs=-1, type=int, metavar="[ID]...")
+@click.option("--all", "all_", is_flag=True, help="Requeue every dead-letter row.")
+@click.option("--queue", metavar="QUEUE", help="With --all: only rows of this queue.")
+def dead_requeue(
+    url: str | None, schema: str, ids: tuple[int, ...], all_: bool, queue: str | None
+) -> None:
+    """Move dead-letter rows back into their queues, to be delivered afresh.
+
+    Each row becomes a message again with its priority and payload, visible now and
+    with its delivery count reset; idle workers are woken.
+    """
+    if bool(ids) == all_:
+        raise click.UsageError("give dead-letter IDs or --all, not both and not neither")
+    if queue is not None and not all_:
+        raise click.UsageError("--queue goes with --all")
+    with _store(url, schema) as store:
+        moved = DeadLetters(store).requeue(ids, every=all_, queue=queue)
+    count = sum(len(v) for v in moved.values())
+    missing = sorted(set(ids) - {i for v in moved.values() for i in v})
+    if count or not missing:
+        detail = ", ".join(f"{len(v)} to queue {q!r}" for q, v in moved.items())
+        click.echo(
+            f"{_plural(count, 'dead-letter row')} requeued" + (f": {detail}" if detail else "")
+        )
+    if missing:
+        rows = "row" if len(missing) == 1 else "rows"
+        raise NotFound(
+            f"no dead-letter {rows} {', '.join(map(str, missing))} in schema {store.schema!r}"
+        )
+
+
+@dead.command("purge")
+@url_option
+@schema_option
+@click.option(
+    "--older-than", metavar="DURATION",
+    help="Only rows dead for longer than this: 90s, 30m, 12h, 7d. Default: every row.",
+)
+@click.option("--queue", metavar="QUEUE", help="Only rows of this queue.")
+@click.option("-y", "--yes", is_flag=True, help="Purge every row without asking.")
+def dead_purge(
+    url: str | None, schema: str, older_than: str | None, queue: str | None, yes: bool
+) -> None:
+    """Delete dead-letter rows for good, and print how many."""
+    # Checked before connecting: a typo must not wait for (or depend on) the server.
+    seconds = parse_duration(older_than) if older_than is not None else None
+    with _store(url, schema) as store:
+        if seconds is None and not yes:
+            click.confirm(
+                "Delete every dead-letter row"
+                + (f" of queue {queue!r}" if queue else "")
+                + f" in pgq schema {store.schema!r} at {store.connector.display_url}?",
+                abort=True,
+            )
+        count = DeadLetters(store).purge(older_than=seconds, queue=queue)
+    click.echo(
+        f"{_plural(count, 'dead-letter row')} purged"
+        + (f" from queue {queue!r}" if queue else "")
+        + (f" (dead for longer than {older_than})" if older_than else "")
+    )
+
+
+@dead.command("rehook")
+@url_option
+@schema_option
+@click.argument("dead_letter_id", type=int, metavar="ID")
+@click.option(
+    "-A", "--app", metavar="MODULE",
+    help="Module that connects your message_poisoned handlers (as for celery -A).",
+)
+def dead_rehook(url: str | None, schema: str, dead_letter_id: int, app: str | None) -> None:
+    """Send message_poisoned again for dead-letter row ID and record each handler's outcome.
+
+    Exits 1 when a handler fails; its error is recorded on the row.
+    """
+    if app:
+        import_app(app)
+    with _store(url, schema) as store:
+        result = DeadLetters(store).rehook(dead_letter_id)
+    click.echo(
+        f"dead-letter row {result.dead_letter_id} of queue {result.queue!r}: task "
+        f"{result.task_name or '-'} {result.task_id or '-'}, identity {_identity(result.identity)}"
+    )
+    for outcome in result.outcomes:
+        if outcome["ok"]:
+            click.echo(f"  ok      {outcome['receiver']}")
+        else:
+            click.echo(f"  FAILED  {outcome['receiver']}: {outcome['error']}")
+    if not result.recorded:
+        raise click.ClickException(
+            f"dead-letter row {dead_letter_id} was requeued or purged while the hooks ran: "
+            "outcomes not recorded"
+        )
+    if result.failed:
+        raise click.ClickException(
+            f"{len(result.failed)} of {_plural(len(result.outcomes), 'handler')} failed; "
+            f"outcomes recorded on dead-letter row {dead_letter_id}"
+        )
 
 
 @main.command()

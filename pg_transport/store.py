@@ -20,15 +20,6 @@ from pg_transport.sql import load_queries, notify_channel
 
 __all__ = ["Claimed", "Store", "notify_channel"]
 
-# Payloads longer than this are not sent as NOTIFY payload (limit 8000 bytes);
-# an empty payload wakes every listener instead.
-_MAX_NOTIFY_PAYLOAD = 4000
-
-
-def notify_payload(queue: str) -> str:
-    return queue if len(queue.encode("utf-8")) <= _MAX_NOTIFY_PAYLOAD else ""
-
-
 @dataclass(frozen=True)
 class Claimed:
     id: int

@@ -59,6 +59,18 @@ TOKEN = "pgq_token"
 MAX_PRIORITY = 255
 # Claim batch when the consumer set no prefetch limit.
 UNLIMITED_BATCH = 100
+# Queue names are index keys and NOTIFY payloads: both have byte limits well above this.
+MAX_QUEUE_NAME_BYTES = 1024
+
+
+def check_queue_name(queue: str) -> str:
+    size = len(queue.encode("utf-8"))
+    if size > MAX_QUEUE_NAME_BYTES:
+        raise ValueError(
+            f"queue name of {size} bytes is too long for pgq (at most {MAX_QUEUE_NAME_BYTES}): "
+            f"{queue[:40]!r}…"
+        )
+    return queue
 
 
 def _token(message: Any) -> tuple[int, int]:
@@ -201,6 +213,7 @@ class Channel(virtual.Channel):
 
     # -- kombu virtual channel interface ------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        check_queue_name(queue)
         props = message.setdefault("properties", {})
         tag = props.get("delivery_tag")
         key = None
@@ -231,7 +244,7 @@ class Channel(virtual.Channel):
         return self.store.purge(queue)
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
-        self.store.declare_queue(queue)
+        self.store.declare_queue(check_queue_name(queue))
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.store.has_queue(queue)
@@ -251,6 +264,7 @@ class Channel(virtual.Channel):
         self.store.release([_token(message)])
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        check_queue_name(queue)
         if no_ack:
             self._noack_queues.add(queue)
         return super().basic_consume(queue, no_ack, *args, **kwargs)

@@ -258,3 +258,13 @@ def test_waiting_consumer_is_woken_by_a_publish(
     assert failed == []
     assert received == [{"woke": name}]
     assert peek.messages() == []
+
+
+def test_a_queue_name_over_the_limit_is_refused_by_name(conn: Connection, peek: Peek) -> None:
+    name = "é" * 600  # 1200 bytes
+    with pytest.raises(ValueError, match="queue name of 1200 bytes is too long for pgq"):
+        conn.SimpleQueue(name)
+    with pytest.raises(ValueError, match="too long"):
+        Producer(conn).publish({"x": 1}, routing_key=name)
+    assert peek.rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+    assert peek.tables_intact()

@@ -1,0 +1,87 @@
+"""What ``pgq status`` reports: queue depths, dead letters, connected clients, barriers.
+
+Every statement is in ``sql/status.sql``. The per-queue numbers come from one
+GROUP BY over ``message``: cheap enough for an operator's command, not meant to be
+polled every second on a very deep queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+
+from pg_transport.sql import load_named
+from pg_transport.store import Store
+
+__all__ = ["BarrierCount", "Clients", "QueueStatus", "Status", "barrier_counts", "collect"]
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    queue: str
+    #: Visible now: the next claim may take them.
+    ready: int
+    #: Claimed by a consumer whose lease has not run out.
+    in_flight: int
+    #: Waiting for their ETA, never delivered yet.
+    delayed: int
+    #: Rows of this queue in dead_letter.
+    dead: int
+    #: Seconds the longest-waiting ready message has been deliverable; None when none is.
+    oldest_ready_age_s: float | None
+
+
+@dataclass(frozen=True)
+class Clients:
+    """pgq client processes (workers and publishers) connected to this database."""
+
+    processes: int
+    sessions: int
+
+
+@dataclass(frozen=True)
+class BarrierCount:
+    status: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Status:
+    schema: str
+    queues: list[QueueStatus]
+    clients: Clients
+    barriers: list[BarrierCount] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def barrier_counts(store: Store) -> list[BarrierCount]:
+    """Barriers by status. The barrier package plugs its counts in here.
+
+    Empty until then: pgq's schema has no barrier tables of its own to count.
+    """
+    return []
+
+
+def collect(store: Store) -> Status:
+    q = load_named("status.sql", store.schema)
+
+    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], Any]:
+        queues = conn.execute(q["status_queues"]).fetchall()
+        clients = conn.execute(q["status_clients"]).fetchone()
+        return queues, clients
+
+    queues, clients = store.connector.run(work, idempotent=True)
+    return Status(
+        schema=store.schema,
+        queues=[
+            QueueStatus(row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]),
+                        None if row[5] is None else float(row[5]))
+            for row in queues
+        ],
+        clients=Clients(int(clients[0]), int(clients[1])) if clients else Clients(0, 0),
+        barriers=barrier_counts(store),
+    )

@@ -1,0 +1,145 @@
+"""`pgq status` against a real Postgres: queue depths by state, dead letters, clients."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pg_transport.connection import mask_url
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+from tests.integration.test_cli import UNREACHABLE, invoke, run_pgq
+from tests.pg import to_broker_url
+
+
+def message(n: int) -> dict[str, Any]:
+    return {"body": f"m{n}", "properties": {}, "headers": {}}
+
+
+def status(url: str, schema: str, *args: str) -> dict[str, Any]:
+    result = invoke("status", "--json", "--url", url, "--schema", schema, *args)
+    assert result.exit_code == 0, result.output
+    parsed: dict[str, Any] = json.loads(result.stdout)
+    return parsed
+
+
+def test_counts_each_state_per_queue(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    # jobs: 1 dead, 1 in flight, 1 delayed, 2 ready (one of them deliverable for 2 minutes).
+    store.publish("jobs", message(0))
+    [doomed] = store.claim(["jobs"], [30.0], 1)
+    assert store.dead_letter((doomed.id, doomed.read_ct), "rejected") is not None
+    store.publish("jobs", message(1))
+    [held] = store.claim(["jobs"], [300.0], 1)
+    store.publish("jobs", message(2), delay=3600)
+    store.publish("jobs", message(3))
+    store.publish("jobs", message(4))
+    peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
+         " WHERE payload->>'body' = 'm3'")
+    # other: only a dead letter; idle: declared, empty.
+    store.publish("other", message(5))
+    [other] = store.claim(["other"], [30.0], 1)
+    assert store.dead_letter((other.id, other.read_ct), "rejected") is not None
+    store.declare_queue("idle")
+
+    report = status(broker_url, schema)
+    assert report["schema"] == schema
+    queues = {q.pop("queue"): q for q in report["queues"]}
+    assert list(queues) == ["idle", "jobs", "other"]
+    age = queues["jobs"].pop("oldest_ready_age_s")
+    assert 120 <= age < 180
+    assert queues == {
+        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0,
+                 "oldest_ready_age_s": None},
+        "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
+        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1,
+                  "oldest_ready_age_s": None},
+    }
+    assert report["barriers"] == []
+
+    # A released claim is ready again; an expired lease too (its consumer died).
+    assert store.release([(held.id, held.read_ct)]) == 1
+    jobs = next(q for q in status(broker_url, schema)["queues"] if q["queue"] == "jobs")
+    assert (jobs["ready"], jobs["in_flight"], jobs["delayed"]) == (3, 0, 1)
+
+    table = invoke("status", "--url", broker_url, "--schema", schema)
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert lines[0] == f"pgq schema {schema!r} at {mask_url(broker_url)}"
+    assert lines[1].split() == [
+        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY"
+    ]
+    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
+    assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
+    assert lines[3].split()[5] == "2m"  # "2m 0s": oldest ready for two minutes
+    assert lines[4].split() == ["other", "0", "0", "0", "1", "-"]
+    assert lines[5].startswith("clients: ")
+
+
+def test_an_empty_schema_has_no_queues(broker_url: str, schema: str, store: Store) -> None:
+    assert status(broker_url, schema)["queues"] == []
+    table = invoke("status", "--url", broker_url, "--schema", schema)
+    assert table.stdout.splitlines()[1] == "no queues"
+
+
+@pytest.fixture
+def lonely_database(pg_url: str) -> Iterator[str]:
+    """A database of its own: pg_stat_activity there shows only this test's sessions."""
+    name = "pgq_t_status_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        try:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        except psycopg.errors.InsufficientPrivilege:
+            pytest.skip("the test role cannot create databases")
+    yield urlsplit(pg_url)._replace(path=f"/{name}").geturl()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: str) -> None:
+    url = to_broker_url(lonely_database)
+    assert invoke("migrate", "--url", url).exit_code == 0
+    # This command's own session is not a client.
+    assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0}
+
+    with ExitStack() as stack:
+        def session(application_name: str) -> None:
+            stack.enter_context(
+                psycopg.connect(lonely_database, application_name=application_name)
+            )
+
+        # Two worker processes (the transport names sessions pgq:<pid>), one with three
+        # sessions (claims, LISTEN, lease renewal), and a session that is not pgq's.
+        for name in ("pgq:900001", "pgq:900001", "pgq:900001", "pgq:900002", "psql"):
+            session(name)
+        assert status(url, "pgq")["clients"] == {"processes": 2, "sessions": 4}
+        table = invoke("status", "--url", url)
+        assert table.stdout.splitlines()[-1] == "clients: 2 processes, 4 sessions"
+
+
+def test_missing_schema_says_to_migrate(broker_url: str, schema: str) -> None:
+    result = invoke("status", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: pgq schema {schema!r} at {mask_url(broker_url)} does not exist: "
+        "run `pgq migrate` first"
+    ]
+
+
+def test_unreachable_server_is_one_line_without_traceback() -> None:
+    result = run_pgq("status", "--json", "--url", UNREACHABLE)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"Error: cannot connect to Postgres at {UNREACHABLE}")
