@@ -33,6 +33,7 @@ import base64
 import logging
 import os
 import threading
+from datetime import datetime, timezone
 from hashlib import blake2b
 from queue import Empty
 from time import monotonic
@@ -212,6 +213,22 @@ class Channel(virtual.Channel):
         return encoded
 
     # -- kombu virtual channel interface ------------------------------------
+    def _delay(self, message: dict[str, Any]) -> float:
+        """Seconds until a Celery ETA/countdown message is due (0: deliver now)."""
+        if not self.connection.options.native_delayed_delivery:
+            return 0.0
+        headers = message.get("headers") or {}
+        eta = headers.get("eta") if isinstance(headers, dict) else None
+        if not eta or not isinstance(eta, str):
+            return 0.0
+        try:
+            due = datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0  # Celery itself will report the bad ETA when it runs the task
+        if due.tzinfo is None:
+            due = due.replace(tzinfo=timezone.utc)  # Celery's default: enable_utc
+        return max((due - datetime.now(timezone.utc)).total_seconds(), 0.0)
+
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         check_queue_name(queue)
         props = message.setdefault("properties", {})
@@ -223,6 +240,7 @@ class Channel(virtual.Channel):
             queue,
             message,
             priority=self._get_message_priority(message),
+            delay=self._delay(message),
             publish_key=key,
         )
 

@@ -1,0 +1,37 @@
+"""ETA and countdown tasks wait in Postgres until due, not in worker memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.acceptance.harness import Env, wait_for, workers
+
+pytestmark = pytest.mark.acceptance
+
+MARK = "tests.acceptance.app.mark"
+
+
+def test_countdown_waits_in_postgres_and_runs_when_due(env: Env) -> None:
+    client = env.client()
+    sent_at = env.scalar("SELECT clock_timestamp()")
+    client.send_task(MARK, args=["later"], countdown=3)
+    due_in = env.scalar("SELECT extract(epoch FROM visible_at - now()) FROM {schema}.message")
+    assert 2.0 < due_in <= 3.0
+    with workers(env, "patient", concurrency=2):
+        # Nothing is claimed early: no worker holds it, the row stays unclaimed.
+        assert env.scalar("SELECT read_ct FROM {schema}.message") == 0
+        wait_for(lambda: env.runs(), 30, "the delayed task to run")
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "ack")
+    ran_after = env.scalar("SELECT extract(epoch FROM min(at) - %s) FROM {schema}.task_runs",
+                           sent_at)
+    assert ran_after >= 2.9
+    assert [r[1] for r in env.runs()] == ["later"]
+
+
+def test_native_delayed_delivery_off_publishes_visible_at_once(env: Env) -> None:
+    client = env.client()
+    client.conf.broker_transport_options = {
+        "schema": env.schema, "native_delayed_delivery": False,
+    }
+    client.send_task(MARK, args=["held-by-worker"], countdown=600)
+    assert env.scalar("SELECT visible_at <= now() FROM {schema}.message") is True
