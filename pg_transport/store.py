@@ -230,14 +230,99 @@ class Store:
         # Not retried: a lost answer would make the retry report 0.
         return int(self._scalar("purge", {"queue": queue}, idempotent=False))
 
-    def declare_queue(self, queue: str) -> None:
-        self._command("declare_queue", {"queue": queue})
+    def declare_queue(
+        self, queue: str, *, expires_ms: int | None = None, message_ttl_ms: int | None = None
+    ) -> None:
+        self._command(
+            "declare_queue",
+            {"queue": queue, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms},
+        )
 
     def has_queue(self, queue: str) -> bool:
         return bool(self._scalar("has_queue", {"queue": queue}))
 
     def delete_queue(self, queue: str) -> int:
         return self._command("delete_queue", {"queue": queue})
+
+
+    # -- routing -------------------------------------------------------------
+    def declare_exchange(self, exchange: str, type_: str) -> str:
+        """Record an exchange; the type it has (an existing one keeps its own)."""
+        return str(self._scalar("declare_exchange", {"exchange": exchange, "type": type_}))
+
+    def exchange_type(self, exchange: str) -> str | None:
+        found = self._scalar("exchange_type", {"exchange": exchange})
+        return None if found is None else str(found)
+
+    def delete_exchange(self, exchange: str) -> None:
+        self._command("delete_exchange", {"exchange": exchange})
+
+    def bind(self, exchange: str, queue: str, routing_key: str, pattern: str) -> bool:
+        """Bind; False when the exchange was never declared (nothing is bound)."""
+        params = {"exchange": exchange, "queue": queue, "routing_key": routing_key,
+                  "pattern": pattern}
+        return bool(self._scalar("bind", params))
+
+    def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
+        self._command("unbind", {"exchange": exchange, "queue": queue,
+                                 "routing_key": routing_key})
+
+    def list_bindings(self) -> list[tuple[str, str, str]]:
+        def work(conn: psycopg.Connection[Any]) -> list[tuple[str, str, str]]:
+            return [tuple(r) for r in conn.execute(self.q["list_bindings"]).fetchall()]
+
+        return self.connector.run(work, idempotent=True)
+
+    def publish_routed(
+        self,
+        exchange: str,
+        routing_key: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        ttl: float | None = None,
+        publish_tag: str | None = None,
+    ) -> tuple[str | None, int]:
+        """Insert one copy per queue the exchange routes ``routing_key`` to.
+
+        Returns the exchange's type (None: never declared) and how many queues
+        matched. With a ``publish_tag`` a repeated call inserts nothing new.
+        """
+        params = {
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "priority": priority,
+            "delay": max(delay, 0.0),
+            "ttl": ttl,
+            "publish_tag": publish_tag,
+            "payload": Json(payload),
+            "channel": self.channel,
+            "notify": delay <= 0,
+        }
+
+        def work(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
+            row = conn.execute(self.q["publish_routed"], params).fetchone()
+            assert row is not None
+            return (None if row[0] is None else str(row[0])), int(row[1])
+
+        return self.connector.run(work, idempotent=publish_tag is not None)
+
+    def dead_letter_unroutable(
+        self, queue: str, payload: dict[str, Any], *, priority: int, reason: str
+    ) -> int:
+        params = {"queue": queue, "payload": Json(payload), "priority": priority,
+                  "reason": reason}
+        return int(self._scalar("dead_letter_unroutable", params, idempotent=False))
+
+    def maintain(self, queues: Sequence[str]) -> tuple[int, int]:
+        """Touch ``queues``; reap expired queues and messages. (queues, messages) reaped."""
+
+        def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+            row = conn.execute(self.q["maintain"], {"queues": list(queues)}).fetchone()
+            return (int(row[0]), int(row[1])) if row else (0, 0)
+
+        return self.relaxed.run(work, idempotent=True)
 
 
 def _ordered(rows: Sequence[Any]) -> list[Claimed]:

@@ -4,10 +4,10 @@ Features
 ========
 * Type: Virtual
 * Supports Direct: Yes
-* Supports Topic: Yes (routing state is per process)
-* Supports Fanout: No
+* Supports Topic: Yes
+* Supports Fanout: Yes (routing state lives in Postgres, shared by all processes)
 * Supports Priority: Yes (0-255, higher first, as on RabbitMQ)
-* Supports TTL: No
+* Supports TTL: Yes (queue expiry and message TTL, reaped by consumers)
 
 Connection string
 =================
@@ -34,14 +34,17 @@ import logging
 import os
 import threading
 from datetime import datetime, timezone
-from hashlib import blake2b
+from hashlib import md5
 from queue import Empty
 from time import monotonic
 from typing import Any
 from urllib.parse import quote
 
 import psycopg
+from kombu.exceptions import ChannelError
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
+from kombu.transport.virtual.exchange import TopicExchange
 
 from pg_transport import identity, poison
 from pg_transport.config import Options
@@ -58,6 +61,8 @@ logger = logging.getLogger("pg_transport.transport")
 
 TOKEN = "pgq_token"
 MAX_PRIORITY = 255
+# Seconds between marking consumed queues as used and reaping expired ones.
+MAINTAIN_INTERVAL = 2.0
 # Claim batch when the consumer set no prefetch limit.
 UNLIMITED_BATCH = 100
 # Queue names are index keys and NOTIFY payloads: both have byte limits well above this.
@@ -161,7 +166,7 @@ class Channel(virtual.Channel):
 
     QoS = QoS
     do_restore = True
-    supports_fanout = False
+    supports_fanout = True
     default_priority = 0
     min_priority = 0
     max_priority = MAX_PRIORITY
@@ -233,9 +238,8 @@ class Channel(virtual.Channel):
         check_queue_name(queue)
         props = message.setdefault("properties", {})
         tag = props.get("delivery_tag")
-        key = None
-        if tag:
-            key = blake2b(f"{tag}\x00{queue}".encode(), digest_size=16).hexdigest()
+        # The same key the routed publish computes in SQL: md5(tag || queue).
+        key = md5(f"{tag}{queue}".encode()).hexdigest() if tag else None
         self.store.publish(
             queue,
             message,
@@ -243,6 +247,89 @@ class Channel(virtual.Channel):
             delay=self._delay(message),
             publish_key=key,
         )
+
+    # -- routing: exchanges and bindings live in Postgres ----------------------
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        # expires / message_ttl become x-expires / x-message-ttl, as on RabbitMQ.
+        return to_rabbitmq_queue_arguments(arguments, **kwargs)
+
+    def exchange_declare(
+        self, exchange: str | None = None, type: str = "direct", durable: bool = False,
+        auto_delete: bool = False, arguments: Any = None, nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        type = type or "direct"
+        exchange = exchange or f"amq.{type}"
+        if passive:
+            if self.store.exchange_type(exchange) is None:
+                raise _not_found(f"no exchange {exchange!r}", "Channel.exchange_declare")
+            return
+        if type not in EXCHANGE_TYPES:
+            raise ChannelError(
+                f"NOT_IMPLEMENTED - exchange type {type!r} (pgq routes {sorted(EXCHANGE_TYPES)})",
+                (50, 10), "Channel.exchange_declare", "540",
+            )
+        existing = self.store.declare_exchange(exchange, type)
+        if existing != type:
+            raise ChannelError(
+                f"PRECONDITION_FAILED - exchange {exchange!r} exists with type {existing!r},"
+                f" not {type!r}", (50, 10), "Channel.exchange_declare", "406",
+            )
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        self.store.delete_exchange(exchange)
+
+    def queue_bind(
+        self, queue: str, exchange: str | None = None, routing_key: str = "",
+        arguments: Any = None, **kwargs: Any,
+    ) -> None:
+        exchange = exchange or "amq.direct"
+        pattern = _TOPIC.key_to_pattern(routing_key or "")
+        if not self.store.bind(exchange, check_queue_name(queue), routing_key or "", pattern):
+            raise _not_found(
+                f"cannot bind queue {queue!r}: no exchange {exchange!r} (declare it first)",
+                "Channel.queue_bind",
+            )
+
+    def queue_unbind(
+        self, queue: str, exchange: str | None = None, routing_key: str = "",
+        arguments: Any = None, **kwargs: Any,
+    ) -> None:
+        self.store.unbind(exchange or "amq.direct", queue, routing_key or "")
+
+    def list_bindings(self) -> Any:
+        return iter(self.store.list_bindings())
+
+    def basic_publish(self, message: Any, exchange: str, routing_key: str, **kwargs: Any) -> Any:
+        self._inplace_augment_message(message, exchange, routing_key)
+        if not exchange:  # the default exchange: the routing key names the queue
+            return self._put(routing_key, message)
+        props = message["properties"]
+        kind, matched = self.store.publish_routed(
+            exchange, routing_key or "", message,
+            priority=self._get_message_priority(message),
+            delay=self._delay(message),
+            ttl=_expiration(props.get("expiration")),
+            publish_tag=props.get("delivery_tag"),
+        )
+        if not matched:
+            self._unroutable(message, exchange, routing_key or "", kind)
+        return None
+
+    def _unroutable(self, message: Any, exchange: str, routing_key: str, kind: str | None) -> None:
+        """Nothing was bound to receive it. Pub/sub (fanout, topic) drops it, as AMQP
+        does; a direct message is a task nobody would run: it is dead-lettered."""
+        what = f"exchange {exchange!r} ({kind or 'never declared'}), routing key {routing_key!r}"
+        if kind in ("fanout", "topic") or exchange.endswith(".pidbox"):
+            # Broadcasts with no listener and replies to a client that left.
+            logger.debug("no queue bound for %s: dropped", what)
+            return
+        dead_id = self.store.dead_letter_unroutable(
+            check_queue_name(routing_key), message,
+            priority=self._get_message_priority(message),
+            reason=f"unroutable: no queue bound for {what}",
+        )
+        logger.warning("no queue bound for %s: kept as dead letter %d", what, dead_id)
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:
@@ -262,7 +349,12 @@ class Channel(virtual.Channel):
         return self.store.purge(queue)
 
     def _new_queue(self, queue: str, **kwargs: Any) -> None:
-        self.store.declare_queue(check_queue_name(queue))
+        arguments = kwargs.get("arguments") or {}
+        self.store.declare_queue(
+            check_queue_name(queue),
+            expires_ms=_int_or_none(arguments.get("x-expires")),
+            message_ttl_ms=_int_or_none(arguments.get("x-message-ttl")),
+        )
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
         return self.store.has_queue(queue)
@@ -274,9 +366,7 @@ class Channel(virtual.Channel):
                      **kwargs: Any) -> None:
         if if_empty and self._size(queue):
             return
-        super().queue_delete(queue, if_unused=if_unused, if_empty=if_empty, **kwargs)
-        # The base class only deletes through bindings; an unbound queue goes too.
-        self._delete(queue)
+        self._delete(queue)  # the queue, its bindings and its messages
 
     def _restore(self, message: Any) -> None:
         self.store.release([_token(message)])
@@ -311,6 +401,28 @@ class Channel(virtual.Channel):
         return acked, unacked
 
 
+EXCHANGE_TYPES = frozenset({"direct", "topic", "fanout"})
+_TOPIC = TopicExchange(None)
+
+
+def _not_found(what: str, method: str) -> ChannelError:
+    return ChannelError(f"NOT_FOUND - {what}", (50, 10), method, "404")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _expiration(value: Any) -> float | None:
+    """A message's ``expiration`` property (milliseconds, as in AMQP) in seconds."""
+    if value in (None, ""):
+        return None
+    try:
+        return max(float(value), 0.0) / 1000.0
+    except (TypeError, ValueError):
+        return None
+
+
 PgChannel = Channel  # the name "Channel" is a class attribute inside Transport
 
 
@@ -342,7 +454,7 @@ class Transport(virtual.Transport):
 
     implements = virtual.Transport.implements.extend(
         asynchronous=False,
-        exchange_type=frozenset(["direct", "topic"]),
+        exchange_type=EXCHANGE_TYPES,
         heartbeats=False,
     )
 
@@ -451,8 +563,6 @@ class Transport(virtual.Transport):
                 attempts = [channel.max_attempts(q) for q in acked]
                 batch = self.store.claim(acked, vts, limit, attempts)
                 delivered += self._deliver_all(batch, True)
-        if delivered and self.options.lease_renewal:
-            self._ensure_renewer()
         return delivered
 
     def _deliver_all(self, batch: list[Claimed], leased: bool) -> int:
@@ -484,6 +594,7 @@ class Transport(virtual.Transport):
         # LISTEN before the first claim: a publish landing between an empty claim
         # and the LISTEN would otherwise wait for the next poll.
         self.listener.start()
+        self._ensure_renewer()
         while True:
             if self._claim_and_deliver():
                 return
@@ -507,6 +618,7 @@ class Transport(virtual.Transport):
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         """Claim when the LISTEN socket or the wake pipe is readable, and on each poll."""
         self.listener.start()
+        self._ensure_renewer()
         loop.add_reader(self.listener.wake_fd, self.on_readable)
         fd = self.listener.fileno()
         if fd is not None:
@@ -523,6 +635,10 @@ class Transport(virtual.Transport):
             self._renewer = _LeaseRenewer(self)
             self._renewer.start()
 
+    def maintain(self) -> None:
+        queues = sorted({q for c in self._consuming_channels() for qs in c.consuming() for q in qs})
+        self.store.maintain(queues)
+
     def held(self) -> list[tuple[int, int, float]]:
         held: list[tuple[int, int, float]] = []
         for channel in list(self.channels):
@@ -533,7 +649,13 @@ class Transport(virtual.Transport):
 
 
 class _LeaseRenewer(threading.Thread):
-    """Extends the vt of every held message every vt/3 while this process lives."""
+    """The consumer's housekeeping while this process lives.
+
+    Every vt/3 it extends the vt of every held message (renewal stops when the
+    process dies: that is the point). Every few seconds it marks the consumed
+    queues as in use and reaps queues past their expiry and messages past their
+    TTL, so a SIGKILLed worker's control queue disappears after its expiry.
+    """
 
     def __init__(self, transport: Transport) -> None:
         super().__init__(name="pgq-lease-renewal", daemon=True)
@@ -544,19 +666,30 @@ class _LeaseRenewer(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
-        default = self.transport.options.visibility_timeout
+        transport = self.transport
+        default = transport.options.visibility_timeout
+        renew_due = maintain_due = monotonic()
         while not self._stop_event.is_set():
-            held = self.transport.held()
-            period = min((h[2] for h in held), default=default) / 3
-            if self._stop_event.wait(period):
+            now = monotonic()
+            if now >= renew_due:
+                held = transport.held()
+                if held and transport.options.lease_renewal:
+                    self._guard("lease renewal", transport.store.renew, held)
+                renew_due = now + min((h[2] for h in held), default=default) / 3
+            if now >= maintain_due:
+                self._guard("queue maintenance", transport.maintain)
+                maintain_due = now + MAINTAIN_INTERVAL
+            if self._stop_event.wait(max(min(renew_due, maintain_due) - monotonic(), 0.05)):
                 return
-            held = self.transport.held()
-            if not held:
-                continue
-            try:
-                self.transport.store.renew(held)
-            except (psycopg.Error, BrokerUnavailable) as exc:
-                logger.warning("lease renewal of %d messages failed: %s", len(held), exc)
+
+    @staticmethod
+    def _guard(what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except (psycopg.Error, BrokerUnavailable) as exc:
+            # Nothing is lost: a lapsed lease means a redelivery, a late reap a
+            # queue that lives a little longer.
+            logger.warning("%s failed: %s", what, exc)
 
 
 def _client_url(client: Any) -> str:

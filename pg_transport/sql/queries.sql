@@ -27,6 +27,7 @@ WITH wanted AS (
         SELECT m.id, m.priority, m.read_ct
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
+          AND (m.expires_at IS NULL OR m.expires_at > now())
         ORDER BY m.priority DESC, m.id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
@@ -70,6 +71,7 @@ WITH wanted AS (
         SELECT m.id, m.priority
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
+          AND (m.expires_at IS NULL OR m.expires_at > now())
         ORDER BY m.priority DESC, m.id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
@@ -150,17 +152,123 @@ WITH purged AS (
 SELECT count(*) FROM purged
 
 -- name: declare_queue
--- Record a declared queue; declaring twice is a no-op.
-INSERT INTO {schema}.queue (name) VALUES (%(queue)s) ON CONFLICT (name) DO NOTHING
+-- Record a declared queue; declaring again updates its expiry and TTL and counts as use.
+INSERT INTO {schema}.queue (name, expires_ms, message_ttl_ms)
+VALUES (%(queue)s, %(expires_ms)s, %(message_ttl_ms)s)
+ON CONFLICT (name) DO UPDATE
+SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms, last_used = now()
 
 -- name: has_queue
 -- Whether a queue has been declared.
 SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %(queue)s)
 
 -- name: delete_queue
--- Forget a queue and every message in it.
-WITH gone AS (DELETE FROM {schema}.queue WHERE name = %(queue)s)
+-- Forget a queue, its bindings and every message in it.
+WITH gone AS (DELETE FROM {schema}.queue WHERE name = %(queue)s),
+unbound AS (DELETE FROM {schema}.binding WHERE queue = %(queue)s)
 DELETE FROM {schema}.message WHERE queue = %(queue)s
+
+-- name: declare_exchange
+-- Record an exchange; return the type it has (an existing exchange keeps its type).
+WITH inserted AS (
+    INSERT INTO {schema}.exchange (name, type) VALUES (%(exchange)s, %(type)s)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING type
+)
+SELECT type FROM inserted
+UNION ALL
+SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
+LIMIT 1
+
+-- name: exchange_type
+-- The type of a declared exchange (no row when it was never declared).
+SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
+
+-- name: delete_exchange
+-- Forget an exchange and its bindings.
+WITH unbound AS (DELETE FROM {schema}.binding WHERE exchange = %(exchange)s)
+DELETE FROM {schema}.exchange WHERE name = %(exchange)s
+
+-- name: bind
+-- Bind a queue to a declared exchange; true when the exchange exists.
+WITH found AS (
+    SELECT name FROM {schema}.exchange WHERE name = %(exchange)s
+), inserted AS (
+    INSERT INTO {schema}.binding (exchange, queue, routing_key, pattern)
+    SELECT found.name, %(queue)s, %(routing_key)s, %(pattern)s FROM found
+    ON CONFLICT (exchange, routing_key, queue) DO NOTHING
+)
+SELECT EXISTS (SELECT 1 FROM found)
+
+-- name: unbind
+-- Remove one binding.
+DELETE FROM {schema}.binding
+WHERE exchange = %(exchange)s AND queue = %(queue)s AND routing_key = %(routing_key)s
+
+-- name: list_bindings
+-- Every binding: (queue, exchange, routing_key).
+SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, routing_key, queue
+
+-- name: publish_routed
+-- Route by the exchange's bindings and insert one message per matched queue, in one
+-- statement: no process needs to know the bindings other processes made. Returns
+-- the exchange's type (NULL: never declared) and how many queues matched.
+WITH ex AS (
+    SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
+), targets AS (
+    SELECT DISTINCT b.queue
+    FROM {schema}.binding AS b CROSS JOIN ex
+    WHERE b.exchange = %(exchange)s
+      AND CASE ex.type
+              WHEN 'fanout' THEN true
+              WHEN 'topic' THEN %(routing_key)s ~ b.pattern
+              ELSE b.routing_key = %(routing_key)s
+          END
+), inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
+    SELECT t.queue, %(priority)s, now() + make_interval(secs => %(delay)s),
+           md5(%(publish_tag)s || t.queue), %(payload)s,
+           now() + make_interval(secs => least(q.message_ttl_ms / 1000.0, %(ttl)s))
+    FROM targets AS t LEFT JOIN {schema}.queue AS q ON q.name = t.queue
+    ON CONFLICT (publish_key) DO NOTHING
+    RETURNING queue
+), woken AS (
+    SELECT pg_notify(%(channel)s, d.queue)
+    FROM (SELECT DISTINCT queue FROM inserted) AS d
+    WHERE %(notify)s
+)
+SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets), (SELECT count(*) FROM woken)
+
+-- name: dead_letter_unroutable
+-- Keep a message no queue was bound to receive, under its routing key as queue name.
+INSERT INTO {schema}.dead_letter
+    (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+VALUES (0, %(queue)s, %(priority)s, 0, now(), %(reason)s, %(payload)s)
+RETURNING id
+
+-- name: maintain
+-- Mark the queues this consumer uses as in use; delete queues unused past their
+-- expiry (with bindings and messages) and queued messages past their TTL.
+-- Safe to run from every consumer at once.
+WITH touched AS (
+    UPDATE {schema}.queue SET last_used = now() WHERE name = ANY(%(queues)s::text[])
+    RETURNING name
+), gone AS (
+    DELETE FROM {schema}.queue AS q
+    WHERE q.expires_ms IS NOT NULL
+      AND q.last_used + make_interval(secs => q.expires_ms / 1000.0) < now()
+      AND q.name <> ALL(%(queues)s::text[])
+    RETURNING q.name
+), unbound AS (
+    DELETE FROM {schema}.binding AS b USING gone WHERE b.queue = gone.name
+), dropped AS (
+    DELETE FROM {schema}.message AS m USING gone WHERE m.queue = gone.name
+), expired AS (
+    DELETE FROM {schema}.message AS m
+    WHERE m.expires_at < now() AND (m.read_ct = 0 OR m.visible_at <= now())
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM expired)
 
 -- name: has_version_table
 -- Whether the schema has been created (its version table exists). A plain query

@@ -9,10 +9,39 @@ CREATE TABLE {schema}.schema_version (
 
 -- A declared queue. Messages may exist for a queue that is not declared
 -- (publishing to an undeclared queue keeps the message, as Redis does).
+-- A queue unused (no consumer touching it) for expires_ms is deleted, as AMQP's
+-- x-expires; message_ttl_ms bounds how long its messages live (x-message-ttl).
 CREATE TABLE {schema}.queue (
-    name       text        PRIMARY KEY,
-    created_at timestamptz NOT NULL DEFAULT now()
+    name           text        PRIMARY KEY,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    expires_ms     bigint,
+    message_ttl_ms bigint,
+    last_used      timestamptz NOT NULL DEFAULT now()
 );
+
+CREATE INDEX queue_expiring_idx ON {schema}.queue (last_used) WHERE expires_ms IS NOT NULL;
+
+-- Routing state shared by every process. pattern is the routing key as an
+-- anchored regular expression (topic exchanges).
+CREATE TABLE {schema}.exchange (
+    name       text        PRIMARY KEY,
+    type       text        NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT exchange_type_check CHECK (type IN ('direct', 'topic', 'fanout'))
+);
+
+INSERT INTO {schema}.exchange (name, type) VALUES
+    ('', 'direct'), ('amq.direct', 'direct'), ('amq.topic', 'topic'), ('amq.fanout', 'fanout');
+
+CREATE TABLE {schema}.binding (
+    exchange    text NOT NULL,
+    queue       text NOT NULL,
+    routing_key text NOT NULL,
+    pattern     text NOT NULL,
+    CONSTRAINT binding_pkey PRIMARY KEY (exchange, routing_key, queue)
+);
+
+CREATE INDEX binding_queue_idx ON {schema}.binding (queue);
 
 -- A message is a row; visible_at is its visibility timeout. read_ct counts
 -- deliveries and is the fencing token of acks and releases.
@@ -25,12 +54,15 @@ CREATE TABLE {schema}.message (
     enqueued_at timestamptz NOT NULL DEFAULT now(),
     publish_key text,
     payload     json        NOT NULL,
+    expires_at  timestamptz,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (fillfactor = 90);
 
 -- Claim order within a queue: priority first, then arrival.
 CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, id);
+
+CREATE INDEX message_expiring_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
 
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (
@@ -50,3 +82,60 @@ CREATE TABLE {schema}.dead_letter (
 );
 
 CREATE INDEX dead_letter_queue_idx ON {schema}.dead_letter (queue, id);
+
+-- A fan-in barrier. remaining counts the parts not finished yet; the part that
+-- takes it to 0 flips armed -> fired and inserts the callback message in the
+-- same transaction. callback/errback are Celery signatures (JSON).
+CREATE TABLE {schema}.barrier (
+    id            text        PRIMARY KEY,
+    status        text        NOT NULL DEFAULT 'armed',
+    total         integer     NOT NULL,
+    remaining     integer     NOT NULL,
+    callback      json        NOT NULL,
+    errback       json,
+    metadata      jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    reason        text,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    progressed_at timestamptz NOT NULL DEFAULT now(),
+    expires_at    timestamptz NOT NULL,
+    stuck_timeout interval    NOT NULL,
+    fired_at      timestamptz,
+    finished_at   timestamptz,
+    CONSTRAINT barrier_status_check
+        CHECK (status IN ('armed', 'fired', 'completed', 'failed', 'expired')),
+    CONSTRAINT barrier_remaining_check CHECK (remaining BETWEEN 0 AND total)
+);
+
+-- The sweep only ever looks at armed barriers.
+CREATE INDEX barrier_armed_idx ON {schema}.barrier (expires_at) WHERE status = 'armed';
+
+-- One row per finished part: the primary key is what makes a redelivered part
+-- unable to count twice.
+CREATE TABLE {schema}.barrier_part (
+    barrier_id  text        NOT NULL REFERENCES {schema}.barrier (id) ON DELETE CASCADE,
+    idx         integer     NOT NULL,
+    task_id     text,
+    outcome     text        NOT NULL,
+    result      json,
+    finished_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT barrier_part_pkey PRIMARY KEY (barrier_id, idx),
+    CONSTRAINT barrier_part_outcome_check CHECK (outcome IN ('succeeded', 'failed'))
+);
+
+-- Guards: a claim with a lease. completed_at set = tombstone, never re-claimed;
+-- token counts (re)claims and fences renew/complete/release of a stale holder.
+CREATE TABLE {schema}.guard_claim (
+    key          text        PRIMARY KEY,
+    holder       text        NOT NULL,
+    token        bigint      NOT NULL DEFAULT 1,
+    lease_until  timestamptz NOT NULL,
+    claimed_at   timestamptz NOT NULL DEFAULT now(),
+    completed_at timestamptz
+);
+
+-- Guards: a generation counter per key; every replace bumps it.
+CREATE TABLE {schema}.guard_generation (
+    key        text        PRIMARY KEY,
+    generation bigint      NOT NULL,
+    bumped_at  timestamptz NOT NULL DEFAULT now()
+);

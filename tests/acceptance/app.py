@@ -21,6 +21,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     task_default_priority=None,
+    control_queue_expires=float(os.environ.get("TEST_CONTROL_EXPIRES", "10")),
 )
 
 _conn: psycopg.Connection | None = None
@@ -60,3 +61,63 @@ def slow_mark(self, label: str = "", seconds: float = 1.0) -> str:
 @app.task
 def noop() -> None:
     return None
+
+
+# -- barrier (tests/acceptance/test_barrier*.py) ------------------------------
+from psycopg.types.json import Json  # noqa: E402
+
+from barrier import barrier_callback, current_connection  # noqa: E402  (connects the hooks)
+
+
+def _effects_table() -> sql.Composed:
+    return sql.SQL("{}.barrier_effects").format(sql.Identifier(os.environ["PGQ_SCHEMA"]))
+
+
+@app.task(bind=True)
+def barrier_part(self, label: str, index: int, seconds: float = 0.0) -> dict:
+    record(self.request.id, f"part:{label}:{index}")
+    if seconds:
+        time.sleep(seconds)
+    return {"label": label, "index": index}
+
+
+@app.task(bind=True, max_retries=3)
+def barrier_flaky_part(self, label: str, index: int) -> dict:
+    # Fails its first run and retries: the retry must still count for the barrier.
+    record(self.request.id, f"flaky-part:{label}:{index}:{self.request.retries}")
+    if self.request.retries < 1:
+        raise self.retry(countdown=0)
+    return {"label": label, "index": index}
+
+
+@app.task(bind=True)
+def barrier_failing_part(self, label: str, index: int) -> None:
+    record(self.request.id, f"failing-part:{label}:{index}")
+    raise ValueError(f"part {index} of {label} fails")
+
+
+@app.task(bind=True)
+@barrier_callback
+def barrier_collect(self, results: list, label: str, seconds: float = 0.0, **kwargs) -> int:
+    # Every start is recorded outside the callback's transaction; the side effect
+    # is written through it, so it commits exactly when the barrier completes.
+    first_run = not _db().execute(
+        sql.SQL("SELECT 1 FROM {} WHERE task_id = %s LIMIT 1").format(runs_table()),
+        [self.request.id],
+    ).fetchone()
+    record(self.request.id, f"callback-start:{label}")
+    conn = current_connection() or _db()
+    conn.execute(
+        sql.SQL("INSERT INTO {} (label, results, pid) VALUES (%s, %s, %s)").format(
+            _effects_table()
+        ),
+        [label, Json(results), os.getpid()],
+    )
+    if seconds and first_run:
+        time.sleep(seconds)  # the test kills this worker here, after the side effect
+    return len(results)
+
+
+@app.task(bind=True)
+def barrier_errback(self, info: dict, label: str) -> None:
+    record(self.request.id, f"errback:{label}:{info['status']}:{info['reason']}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.acceptance.harness import Env, wait_for, workers
@@ -35,3 +37,35 @@ def test_native_delayed_delivery_off_publishes_visible_at_once(env: Env) -> None
     }
     client.send_task(MARK, args=["held-by-worker"], countdown=600)
     assert env.scalar("SELECT visible_at <= now() FROM {schema}.message") is True
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_ten_thousand_countdowns_stay_in_postgres(env: Env) -> None:
+    total = 10_000
+    client = env.client()
+    with client.producer_or_acquire() as producer:
+        for n in range(total):
+            client.send_task(MARK, args=[f"h{n}"], countdown=3600, producer=producer)
+    assert env.scalar("SELECT count(*) FROM {schema}.message WHERE visible_at > now()") == total
+    with workers(env, "flat", concurrency=2) as (worker,):
+        before = rss_kib(worker.proc.pid)
+        # A worker holding ETA tasks in memory would claim them all at once: give it
+        # several polls to do so (waiting for the absence of an event needs a span).
+        wait_for(lambda: env.scalar(
+            "SELECT count(*) FROM {schema}.queue WHERE last_used > now() - interval '1 s'"),
+            30, "the worker to be consuming")
+        # A worker holding ETA tasks in memory would claim them all in its first
+        # polls: give it three (waiting for the absence of an event takes a span).
+        time.sleep(3.0)
+        assert env.scalar("SELECT count(*) FROM {schema}.message WHERE read_ct > 0") == 0
+        after = rss_kib(worker.proc.pid)
+    assert env.runs() == []
+    assert env.scalar("SELECT count(*) FROM {schema}.message WHERE read_ct = 0") == total
+    assert after - before < 20_000  # KiB: flat, not 10,000 requests held in memory

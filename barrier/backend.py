@@ -1,0 +1,125 @@
+"""The database side of the barrier for one Celery app: connections, store, queries.
+
+An app's barrier state lives in the same database and schema as its queue (the
+broker URL and the ``schema`` transport option), which is what lets a part's
+completion and the callback's message commit in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import psycopg
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
+from barrier.settings import BarrierSettings
+from pg_transport.config import Options
+from pg_transport.connection import Connector, is_dead_connection, mask_url, url_to_conninfo
+from pg_transport.errors import BrokerUnavailable, ConfigurationError
+from pg_transport.schema import ensure_schema
+from pg_transport.sql import load_named
+from pg_transport.store import Store
+
+__all__ = ["Backend", "backend_for", "broker_url", "forget", "uses_pgq"]
+
+logger = logging.getLogger("barrier.backend")
+
+T = TypeVar("T")
+
+# How long a worker hook keeps retrying a transient failure (server restart,
+# reaped connection) before it gives the barrier up to the stuck sweep.
+TRANSIENT_RETRY_SECONDS = 30.0
+
+
+def broker_url(app: Any) -> str:
+    url = app.conf.broker_write_url or app.conf.broker_url or ""
+    return str(url)
+
+
+def uses_pgq(app: Any) -> bool:
+    """Whether the app's broker is pgq (the barrier needs it; other apps are left alone)."""
+    return broker_url(app).lower().startswith("pgq://")
+
+
+def is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, BrokerUnavailable) or is_dead_connection(exc)
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    app: Any
+    schema: str
+    connector: Connector
+    store: Store
+    q: Mapping[str, str]
+    settings: BarrierSettings
+    native_delayed_delivery: bool = True
+
+    def run(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run idempotent ``work`` on a pooled connection, retrying transient failures
+        with backoff for a while: worker hooks have no caller to report to."""
+        retrying = Retrying(
+            retry=retry_if_exception(is_transient),
+            stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt, self.connector.connection() as conn:
+                return work(conn)
+        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+    def close(self) -> None:
+        self.connector.close()
+
+
+# Apps live as long as their process; a backend is dropped only by forget().
+_backends: dict[Any, Backend] = {}
+_lock = threading.Lock()
+
+
+def _build(app: Any, environ: Mapping[str, str]) -> Backend:
+    url = broker_url(app)
+    if not uses_pgq(app):
+        raise ConfigurationError(
+            f"the barrier needs a pgq:// broker, app {app.main!r} uses {mask_url(url)!r}"
+        )
+    options = Options.from_sources(app.conf.broker_transport_options, environ)
+    connector = Connector(
+        url_to_conninfo(url), display_url=mask_url(url), application_name="pgq-barrier"
+    )
+    ensure_schema(connector, options.schema, auto_migrate=options.auto_migrate)
+    return Backend(
+        app=app,
+        schema=options.schema,
+        connector=connector,
+        store=Store(connector, options.schema),
+        q=load_named("barrier.sql", options.schema),
+        settings=BarrierSettings.from_app(app),
+        native_delayed_delivery=options.native_delayed_delivery,
+    )
+
+
+def backend_for(app: Any) -> Backend:
+    """The app's backend, built on first use (connecting, migrating if allowed)."""
+    backend = _backends.get(app)
+    if backend is not None:
+        return backend
+    with _lock:
+        backend = _backends.get(app)
+        if backend is None:
+            backend = _backends[app] = _build(app, os.environ)
+        return backend
+
+
+def forget(app: Any) -> None:
+    """Close and drop the app's backend (tests, or an app reconfigured at runtime)."""
+    with _lock:
+        backend = _backends.pop(app, None)
+    if backend is not None:
+        backend.close()

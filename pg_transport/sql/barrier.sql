@@ -1,0 +1,167 @@
+-- Named queries of the fan-in barrier and the guard primitives. Each block starts
+-- with "-- name: <name>" and a one-line description; {schema} is composed as an
+-- identifier, values are bound. Loaded with loader.load_named("barrier.sql", schema).
+
+-- name: barrier_arm
+-- Arm a new barrier; an id that exists already inserts nothing (ids are single-use).
+INSERT INTO {schema}.barrier
+    (id, total, remaining, callback, errback, metadata, expires_at, stuck_timeout)
+VALUES (%(id)s, %(total)s, %(total)s, %(callback)s::json, %(errback)s::json, %(metadata)s,
+        now() + make_interval(secs => %(ttl)s), make_interval(secs => %(stuck_timeout)s))
+ON CONFLICT (id) DO NOTHING
+RETURNING id
+
+-- name: barrier_status
+-- The status of one barrier.
+SELECT status FROM {schema}.barrier WHERE id = %(id)s
+
+-- name: barrier_part_record
+-- Record a finished part once; a redelivered part (same index) inserts nothing.
+INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome, result)
+SELECT b.id, %(idx)s, %(task_id)s, %(outcome)s, %(result)s::json
+FROM {schema}.barrier AS b
+WHERE b.id = %(id)s AND %(idx)s >= 0 AND %(idx)s < b.total
+ON CONFLICT (barrier_id, idx) DO NOTHING
+RETURNING idx
+
+-- name: barrier_count_part
+-- Count one finished part against an armed barrier. The row lock this takes is
+-- held to commit, so concurrent parts count one after the other.
+UPDATE {schema}.barrier
+SET remaining = remaining - 1, progressed_at = now()
+WHERE id = %(id)s AND status = 'armed' AND remaining > 0
+RETURNING remaining
+
+-- name: barrier_fire
+-- The armed -> fired flip, only for a barrier with nothing remaining; the loser gets no row.
+UPDATE {schema}.barrier
+SET status = 'fired', fired_at = now()
+WHERE id = %(id)s AND status = 'armed' AND remaining = 0
+RETURNING callback::text, total
+
+-- name: barrier_results
+-- The parts' results in part order (text, decoded with kombu's JSON).
+SELECT result::text FROM {schema}.barrier_part
+WHERE barrier_id = %(id)s AND outcome = 'succeeded'
+ORDER BY idx
+
+-- name: barrier_fail
+-- The armed -> failed flip when a part failed for good; the loser gets no row.
+UPDATE {schema}.barrier
+SET status = 'failed', reason = %(reason)s, finished_at = now()
+WHERE id = %(id)s AND status = 'armed'
+RETURNING errback::text, metadata, total, remaining
+
+-- name: barrier_sweep
+-- Expire armed barriers past their expiry or without progress for their stuck
+-- timeout. Rows a part is counting right now are skipped, not waited for: every
+-- worker may sweep at once and each barrier has exactly one winner.
+UPDATE {schema}.barrier AS b
+SET status = 'expired',
+    reason = CASE WHEN b.expires_at <= now() THEN 'ttl' ELSE 'stuck' END,
+    finished_at = now()
+FROM (
+    SELECT id FROM {schema}.barrier
+    WHERE status = 'armed'
+      AND (expires_at <= now() OR progressed_at + stuck_timeout <= now())
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+) AS due
+WHERE b.id = due.id AND b.status = 'armed'
+RETURNING b.id, b.reason, b.errback::text, b.metadata, b.total, b.remaining,
+          b.callback ->> 'task'
+
+-- name: barrier_complete
+-- The fired -> completed flip after the callback body succeeded.
+UPDATE {schema}.barrier
+SET status = 'completed', finished_at = now()
+WHERE id = %(id)s AND status = 'fired'
+RETURNING id
+
+-- name: barrier_counts
+-- How many barriers are in each status.
+SELECT status, count(*) FROM {schema}.barrier GROUP BY status
+
+-- name: barrier_show
+-- One barrier, for `pgq barrier show`.
+SELECT b.id, b.status, b.total, b.remaining, b.callback::text, b.errback::text, b.metadata,
+       b.reason, b.created_at, b.progressed_at, b.expires_at,
+       extract(epoch FROM b.stuck_timeout)::float8, b.fired_at, b.finished_at,
+       (SELECT count(*) FROM {schema}.barrier_part AS p
+        WHERE p.barrier_id = b.id AND p.outcome = 'succeeded'),
+       (SELECT count(*) FROM {schema}.barrier_part AS p
+        WHERE p.barrier_id = b.id AND p.outcome = 'failed')
+FROM {schema}.barrier AS b
+WHERE b.id = %(id)s
+
+-- name: barrier_show_parts
+-- The finished parts of one barrier, in part order.
+SELECT idx, task_id, outcome, finished_at FROM {schema}.barrier_part
+WHERE barrier_id = %(id)s
+ORDER BY idx
+
+-- name: guard_claim
+-- Take a claim: a new key, or one whose lease ran out. A fresh lease excludes
+-- everyone (its holder renews instead) and a tombstone is never re-claimed.
+INSERT INTO {schema}.guard_claim AS c (key, holder, lease_until, claimed_at)
+VALUES (%(key)s, %(holder)s, statement_timestamp() + make_interval(secs => %(lease)s),
+        statement_timestamp())
+ON CONFLICT (key) DO UPDATE
+SET holder = excluded.holder,
+    token = c.token + 1,
+    lease_until = excluded.lease_until,
+    claimed_at = excluded.claimed_at
+WHERE c.completed_at IS NULL AND c.lease_until <= statement_timestamp()
+RETURNING token
+
+-- name: guard_renew
+-- Extend a claim's lease, fenced by holder and token.
+UPDATE {schema}.guard_claim
+SET lease_until = statement_timestamp() + make_interval(secs => %(lease)s)
+WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_at IS NULL
+RETURNING token
+
+-- name: guard_complete
+-- Turn a held claim into a tombstone that refuses every later claim of the key.
+UPDATE {schema}.guard_claim
+SET completed_at = statement_timestamp()
+WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_at IS NULL
+RETURNING token
+
+-- name: guard_release
+-- Give a claim up; releasing twice (or after a lost answer) deletes nothing more.
+DELETE FROM {schema}.guard_claim
+WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_at IS NULL
+
+-- name: guard_claim_state
+-- One claim as it stands, with whether its lease is still fresh.
+SELECT holder, token, lease_until, completed_at, lease_until > statement_timestamp()
+FROM {schema}.guard_claim
+WHERE key = %(key)s
+
+-- name: guard_bump
+-- Start a new generation of a key: every holder of an older one is superseded.
+INSERT INTO {schema}.guard_generation AS g (key, generation)
+VALUES (%(key)s, 1)
+ON CONFLICT (key) DO UPDATE SET generation = g.generation + 1, bumped_at = now()
+RETURNING generation
+
+-- name: guard_generation
+-- The current generation of a key (none before the first bump).
+SELECT generation FROM {schema}.guard_generation WHERE key = %(key)s
+
+-- name: guard_hold_generation
+-- Tail check: the key is still at this generation, and stays so (a bump waits)
+-- until the caller's transaction ends.
+SELECT generation FROM {schema}.guard_generation
+WHERE key = %(key)s AND generation = %(generation)s
+FOR SHARE
+
+-- name: barrier_dead_letter_part
+-- The barrier id and part index a dead-lettered message carried in its headers, if any.
+SELECT payload -> 'headers' ->> %(barrier_header)s,
+       payload -> 'headers' ->> %(part_header)s,
+       task_id
+FROM {schema}.dead_letter
+WHERE id = %(id)s
