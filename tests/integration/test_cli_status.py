@@ -143,3 +143,18 @@ def test_unreachable_server_is_one_line_without_traceback() -> None:
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"Error: cannot connect to Postgres at {UNREACHABLE}")
+
+
+def test_barriers_by_status(broker_url: str, schema: str, store: Store, peek: Peek) -> None:
+    for n, state in enumerate(["armed", "armed", "fired", "completed"]):
+        peek("INSERT INTO {schema}.barrier (id, status, total, remaining, callback, expires_at,"
+             " stuck_timeout) VALUES (%s, %s, 1, %s, '{{}}', now() + interval '1 hour',"
+             " interval '1 hour')", f"b{n}", state, 1 if state == "armed" else 0)
+    report = status(broker_url, schema)
+    assert report["barriers"] == [
+        {"status": "armed", "count": 2},
+        {"status": "completed", "count": 1},
+        {"status": "fired", "count": 1},
+    ]
+    table = invoke("status", "--url", broker_url, "--schema", schema)
+    assert "barriers: 2 armed, 1 completed, 1 fired" in table.stdout
