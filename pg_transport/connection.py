@@ -19,7 +19,13 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg import conninfo as pg_conninfo
-from tenacity import Retrying, retry_if_exception, stop_after_attempt
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from pg_transport.errors import BrokerRefused, BrokerUnreachable, ConfigurationError
 
@@ -132,6 +138,29 @@ def retry_idempotent() -> Retrying:
     return Retrying(
         retry=retry_if_exception(is_dead_connection),
         stop=stop_after_attempt(2),
+        reraise=True,
+    )
+
+
+# A server restart refuses connections for well under a second ("the database system
+# is shutting down", then "connection refused"); one immediate retry lands inside it.
+FENCED_RETRY_SECONDS = 5.0
+
+
+def _dead_or_unreachable(exc: BaseException) -> bool:
+    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable)
+
+
+def retry_fenced() -> Retrying:
+    """Retry fenced statements (ack, release, renew) through a short outage.
+
+    They are safe to land late: the read_ct fence keeps a stale one from touching a
+    redelivery. An ack given up on, instead, is a duplicate run once the lease lapses.
+    """
+    return Retrying(
+        retry=retry_if_exception(_dead_or_unreachable),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(FENCED_RETRY_SECONDS),
         reraise=True,
     )
 
@@ -268,12 +297,14 @@ class Connector:
         work: Callable[[psycopg.Connection[Any]], T],
         *,
         idempotent: bool,
+        fenced: bool = False,
     ) -> T:
-        """Run ``work`` on a pooled connection; idempotent work is retried once."""
+        """Run ``work`` on a pooled connection; idempotent work is retried once,
+        fenced work (see :func:`retry_fenced`) through a short outage."""
         if not idempotent:
             with self.connection() as conn:
                 return work(conn)
-        for attempt in retry_idempotent():
+        for attempt in retry_fenced() if fenced else retry_idempotent():
             with attempt, self.connection() as conn:
                 return work(conn)
         raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover

@@ -152,7 +152,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(self.q["renew"], params).rowcount
 
-        return self.relaxed.run(work, idempotent=True)
+        return self.relaxed.run(work, idempotent=True, fenced=True)
 
     def _fenced(self, name: str, tokens: Sequence[tuple[int, int]], **extra: Any) -> int:
         if not tokens:
@@ -162,7 +162,7 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(self.q[name], params).rowcount
 
-        return self.relaxed.run(work, idempotent=True)
+        return self.relaxed.run(work, idempotent=True, fenced=True)
 
     def dead_letter(self, token: tuple[int, int], reason: str) -> int | None:
         """Move a claimed message to dead_letter; the dead-letter id, or None if not ours."""

@@ -79,6 +79,10 @@ def check_queue_name(queue: str) -> str:
     return queue
 
 
+# Errors that mean "Postgres is not there right now" (after the retries).
+UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable)
+
+
 def _token(message: Any) -> tuple[int, int]:
     ident, read_ct = message.delivery_info[TOKEN]
     return int(ident), int(read_ct)
@@ -119,21 +123,40 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
-        if held is not None:
-            self.channel.store.ack([(held[0], held[1])])
-        self._forget(delivery_tag)
+        try:
+            if held is not None:
+                self.channel.store.ack([(held[0], held[1])])
+        except UNAVAILABLE as exc:
+            self._lapse("ack", held, exc)
+        finally:
+            # Forgotten either way: a delivery whose ack failed must not keep its
+            # lease renewed forever; it lapses and the message is delivered again.
+            self._forget(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
-        if held is not None:
-            token = (held[0], held[1])
-            if requeue:
-                self.channel.store.release([token])
-            else:
-                message = self._delivered.get(delivery_tag)
-                self.channel.dead_letter(token, "rejected without requeue", message)
-        self._forget(delivery_tag)
+        try:
+            if held is not None:
+                token = (held[0], held[1])
+                if requeue:
+                    self.channel.store.release([token])
+                else:
+                    message = self._delivered.get(delivery_tag)
+                    self.channel.dead_letter(token, "rejected without requeue", message)
+        except UNAVAILABLE as exc:
+            self._lapse("reject" if not requeue else "requeue", held, exc)
+        finally:
+            self._forget(delivery_tag)
+
+    @staticmethod
+    def _lapse(what: str, held: tuple[int, int, float] | None, exc: BaseException) -> None:
+        """Postgres stayed out of reach through the retries: say what happens next."""
+        ident = held[0] if held else "?"
+        logger.warning(
+            "%s of message %s failed (%s); it will be delivered again when its "
+            "visibility timeout lapses", what, ident, exc,
+        )
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Release every unacked delivery in one statement (shutdown, recover).

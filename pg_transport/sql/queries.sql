@@ -170,15 +170,11 @@ DELETE FROM {schema}.message WHERE queue = %(queue)s
 
 -- name: declare_exchange
 -- Record an exchange; return the type it has (an existing exchange keeps its type).
-WITH inserted AS (
-    INSERT INTO {schema}.exchange (name, type) VALUES (%(exchange)s, %(type)s)
-    ON CONFLICT (name) DO NOTHING
-    RETURNING type
-)
-SELECT type FROM inserted
-UNION ALL
-SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
-LIMIT 1
+-- DO UPDATE, not DO NOTHING + SELECT: the SELECT's snapshot predates a concurrent
+-- declarer's commit and finds no row; DO UPDATE waits for it and returns its row.
+INSERT INTO {schema}.exchange AS e (name, type) VALUES (%(exchange)s, %(type)s)
+ON CONFLICT (name) DO UPDATE SET type = e.type
+RETURNING e.type
 
 -- name: exchange_type
 -- The type of a declared exchange (no row when it was never declared).

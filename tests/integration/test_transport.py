@@ -120,3 +120,55 @@ def test_unacked_messages_are_released_when_the_channel_closes(
         assert rows("SELECT visible_at > now() FROM {schema}.message") == [(True,)]
     # Closed: visible again at once, not after the visibility timeout.
     assert rows("SELECT visible_at <= now(), read_ct FROM {schema}.message") == [(True, 1)]
+
+
+def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
+    conn: Connection, rows: Peek, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pg_transport.connection as connection_module
+
+    monkeypatch.setattr(connection_module, "FENCED_RETRY_SECONDS", 0.3)
+    queue = conn.SimpleQueue("unackable")
+    queue.put({"n": 1})
+    message = queue.get(timeout=5)
+    transport = conn.transport
+    assert transport.held()  # leased and renewed while held
+    # Postgres goes out of reach for this consumer's acks (a real refused port).
+    transport.relaxed._discard_idle()
+    monkeypatch.setattr(transport.relaxed, "conninfo", "postgresql://postgres@127.0.0.1:1/x")
+    message.ack()  # must not raise
+    assert transport.held() == []  # not renewed any more: the lease will lapse
+    assert "will be delivered again" in caplog.text
+    # The message is still there, leased: it comes back when the lease lapses.
+    assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
+    queue.close()
+
+
+def test_concurrent_declares_of_one_new_exchange_agree_on_its_type(
+    broker_url: str, schema: str, conn: Connection
+) -> None:
+    store = conn.transport.store
+    others = [Connection(broker_url, transport_options={"schema": schema}) for _ in range(2)]
+    try:
+        stores = [c.transport.store for c in others]
+        for c in others:
+            c.connect()
+        for n in range(30):
+            name = f"racy-{n}"
+            start = threading.Barrier(2)
+            seen: list[str] = []
+
+            def declare(s: Any, name: str = name, start: threading.Barrier = start) -> None:
+                start.wait()
+                seen.append(s.declare_exchange(name, "topic"))
+
+            threads = [threading.Thread(target=declare, args=(s,)) for s in stores]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert seen == ["topic", "topic"]
+        assert store.declare_exchange("racy-0", "direct") == "topic"  # keeps its type
+    finally:
+        for c in others:
+            c.release()
