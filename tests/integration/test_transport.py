@@ -158,7 +158,8 @@ def test_concurrent_declares_of_one_new_exchange_agree_on_its_type(
             start = threading.Barrier(2)
             seen: list[str] = []
 
-            def declare(s: Any, name: str = name, start: threading.Barrier = start) -> None:
+            def declare(s: Any, name: str = name, start: threading.Barrier = start,
+                        seen: list[str] = seen) -> None:
                 start.wait()
                 seen.append(s.declare_exchange(name, "topic"))
 
