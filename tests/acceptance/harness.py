@@ -168,3 +168,16 @@ def workers(env: Env, *names: str, **kwargs: Any) -> Iterator[list[Worker]]:
     finally:
         for worker in started:
             worker.stop()
+
+
+def terminate_backends_of(env: Env, worker: Worker) -> int:
+    """pg_terminate_backend on every session of the worker process; how many."""
+    with psycopg.connect(env.pg_url, autocommit=True) as admin:
+        row = admin.execute(
+            # Filter first (AND does not fix evaluation order), then terminate.
+            "WITH victims AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
+            " WHERE application_name = %s)"
+            " SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM victims",
+            [f"pgq:{worker.proc.pid}"],
+        ).fetchone()
+    return int(row[0]) if row else 0

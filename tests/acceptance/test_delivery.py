@@ -7,7 +7,13 @@ from collections import Counter
 
 import pytest
 
-from tests.acceptance.harness import Env, start_worker, wait_for, workers
+from tests.acceptance.harness import (
+    Env,
+    start_worker,
+    terminate_backends_of,
+    wait_for,
+    workers,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -100,21 +106,11 @@ def test_passive_declare_and_qsize_report_the_count(env: Env) -> None:
 
 
 def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
-    import psycopg
-
     client = env.client()
     with workers(env, "phoenix", concurrency=2) as (worker,):
         client.send_task(MARK, args=["before"])
         wait_for(lambda: len(env.runs()) == 1, 30, "the first task")
-        with psycopg.connect(env.pg_url, autocommit=True) as admin:
-            # Filter first (AND does not fix evaluation order), then terminate.
-            killed = admin.execute(
-                "WITH victims AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
-                " WHERE application_name = %s)"
-                " SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM victims",
-                [f"pgq:{worker.proc.pid}"],
-            ).fetchone()
-        assert killed and killed[0] >= 1
+        assert terminate_backends_of(env, worker) >= 1
         client.send_task(MARK, args=["after"])
         wait_for(lambda: len(env.runs()) == 2, 60, "a task after the reconnect")
         assert worker.proc.poll() is None

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import psycopg
 import pytest
 
-from tests.acceptance.harness import Env, Worker, wait_for, workers
+from tests.acceptance.harness import Env, terminate_backends_of, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
 
 SLOW = "tests.acceptance.app.slow_mark"
-
-
-def terminate_backends_of(env: Env, worker: Worker) -> int:
-    """pg_terminate_backend on every session of the worker process; how many."""
-    with psycopg.connect(env.pg_url, autocommit=True) as admin:
-        row = admin.execute(
-            # Filter first (AND does not fix evaluation order), then terminate.
-            "WITH victims AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
-            " WHERE application_name = %s)"
-            " SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM victims",
-            [f"pgq:{worker.proc.pid}"],
-        ).fetchone()
-    return int(row[0]) if row else 0
 
 
 def test_acks_after_terminated_backends_land_and_nothing_runs_twice(env: Env) -> None:
