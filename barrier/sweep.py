@@ -1,7 +1,8 @@
 """Sweeping stranded barriers: past their expiry, or without progress for their
 stuck timeout. Safe in every worker at once: the sweep statement skips rows
 another sweeper (or a counting part) holds, and flips only ARMED rows, so each
-barrier is expired, and its errback inserted, exactly once."""
+barrier is expired, and its errback inserted, exactly once. A row skipped because
+a part was counting it is left to the next sweep (that part may have fired it)."""
 
 from __future__ import annotations
 

@@ -54,20 +54,24 @@ RETURNING errback::text, metadata, total, remaining
 
 -- name: barrier_sweep
 -- Expire armed barriers past their expiry or without progress for their stuck
--- timeout. Rows a part is counting right now are skipped, not waited for: every
--- worker may sweep at once and each barrier has exactly one winner.
-UPDATE {schema}.barrier AS b
-SET status = 'expired',
-    reason = CASE WHEN b.expires_at <= now() THEN 'ttl' ELSE 'stuck' END,
-    finished_at = now()
-FROM (
+-- timeout. Rows a part is counting (or another sweeper expiring) right now are
+-- skipped, not waited for: every worker may sweep at once and each barrier has
+-- exactly one winner. The locking SELECT is a CTE so it runs once: as a subquery
+-- in FROM the planner may rescan it per joined row, locking rows it never updates
+-- and that concurrent sweepers then skip.
+WITH due AS (
     SELECT id FROM {schema}.barrier
     WHERE status = 'armed'
       AND (expires_at <= now() OR progressed_at + stuck_timeout <= now())
     ORDER BY id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-) AS due
+)
+UPDATE {schema}.barrier AS b
+SET status = 'expired',
+    reason = CASE WHEN b.expires_at <= now() THEN 'ttl' ELSE 'stuck' END,
+    finished_at = now()
+FROM due
 WHERE b.id = due.id AND b.status = 'armed'
 RETURNING b.id, b.reason, b.errback::text, b.metadata, b.total, b.remaining,
           b.callback ->> 'task'

@@ -509,11 +509,14 @@ def test_every_worker_sweeping_at_once_expires_each_barrier_once(
     start = threading.Barrier(4)
     found: list[str] = []
     errors: list[BaseException] = []
+    per: list[int] = []
 
     def sweeper() -> None:
         start.wait(10)
         try:
-            found.extend(sweep(app, batch=7))
+            got = sweep(app, batch=7)
+            found.extend(got)
+            per.append(len(got))
         except BaseException as exc:  # reported below, failing the test
             errors.append(exc)
 
@@ -523,7 +526,9 @@ def test_every_worker_sweeping_at_once_expires_each_barrier_once(
     for t in threads:
         t.join(30)
     assert errors == []
-    assert sorted(found) == sorted(f"b{n}" for n in range(30))
+    assert sorted(found) == sorted(f"b{n}" for n in range(30)), (per, peek(
+        "SELECT id, status, expires_at < now(), finished_at FROM {schema}.barrier"
+        " WHERE status = 'armed'"))
     assert len(stranded) == 30
     assert len([m for m in messages(peek) if m["task"] == "t.err"]) == 30
 
