@@ -554,8 +554,8 @@ class Transport(virtual.Transport):
         info = props.setdefault("delivery_info", {})
         info[TOKEN] = [claimed.id, claimed.read_ct]
         info["pgq_queue"] = claimed.queue
-        if claimed.read_ct > 1:
-            payload["redelivered"] = True
+        # Where Celery looks (request.delivery_info['redelivered']) and where kombu does.
+        info["redelivered"] = payload["redelivered"] = claimed.read_ct > 1
         return payload
 
     @staticmethod

@@ -99,9 +99,11 @@ def test_reject_with_requeue_and_without(conn: Connection, rows: Peek) -> None:
     queue.put({"n": 1})
     first = queue.get(timeout=5)
     first.requeue()
+    assert first.delivery_info["redelivered"] is False
     again = queue.get(timeout=5)
     assert again.payload == {"n": 1}
     assert again.delivery_info["pgq_token"][1] == 2
+    assert again.delivery_info["redelivered"] is True
     again.reject()
     assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
     assert rows("SELECT queue, reason FROM {schema}.dead_letter") == [
