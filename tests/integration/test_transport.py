@@ -136,8 +136,10 @@ def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
     transport = conn.transport
     assert transport.held()  # leased and renewed while held
     # Postgres goes out of reach for this consumer's acks (a real refused port).
-    transport.relaxed._discard_idle()
     monkeypatch.setattr(transport.relaxed, "conninfo", "postgresql://postgres@127.0.0.1:1/x")
+    # No healthy session may be reused either (the renewal thread may hold one now).
+    monkeypatch.setattr(transport.relaxed, "max_idle", 0)
+    transport.relaxed._discard_idle()
     message.ack()  # must not raise
     assert transport.held() == []  # not renewed any more: the lease will lapse
     assert "will be delivered again" in caplog.text
