@@ -1,0 +1,334 @@
+"""One Celery workload on pgq, Redis, RabbitMQ and kombu's SQLAlchemy transport.
+
+    python -m benchmarks.brokers [--tasks N] [--pool prefork --concurrency 2] [--json]
+
+For each reachable broker, in turn: publish N no-op tasks from one producer (publish
+rate), start one worker subprocess and let it run them all (drain rate, first to last
+completion), then probe the idle worker one task at a time (publish→task-start latency
+p50/p99). A broker that does not answer is skipped with the reason. pgq's ratios to the
+others follow; the whole result is JSON (stdout with ``--json``; always saved under
+``benchmarks/results/`` unless ``--no-save``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import celery
+import kombu
+
+from benchmarks.app import TASK_NAME, Sink, make_app
+from benchmarks.phases import drain, latency, publish
+from benchmarks.report import RATIO_MEANING, format_report, ratios
+from benchmarks.targets import (
+    AmqpBroker,
+    Broker,
+    PgqBroker,
+    RedisBroker,
+    SqlaBroker,
+    Target,
+    mask_url,
+)
+from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
+
+RESULTS = ROOT / "benchmarks" / "results"
+BROKERS = ("pgq", "redis", "rabbitmq", "sqla")
+LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
+# After the drain, let the worker finish its last acks and block waiting for work,
+# so that the latency probes meet a really idle worker.
+SETTLE_SECONDS = 0.5
+LOG_TAIL_LINES = 40
+
+
+def default_pg_url() -> str:
+    url = os.environ.get("BENCH_PG_URL") or os.environ.get("PGQ_TEST_URL") or LOCAL_PG
+    return url.replace("pgq://", "postgresql://", 1)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.brokers", description=__doc__.split("\n\n")[0]
+    )
+    add = parser.add_argument
+    add("--tasks", type=int, default=10_000, help="tasks published and drained (default 10000)")
+    add("--latency-samples", type=int, default=100, help="idle latency probes (default 100)")
+    add("--pool", choices=("threads", "prefork"), default="threads", help="worker pool")
+    add("--concurrency", type=int, default=4, help="worker concurrency (default 4)")
+    add("--prefetch-multiplier", type=int, default=4, help="worker_prefetch_multiplier")
+    add("--brokers", default=",".join(BROKERS), help=f"subset of {','.join(BROKERS)}")
+    add("--pg-url", default=default_pg_url(), help="Postgres for pgq and sqla (libpq URL)")
+    add("--redis-url", default="redis://127.0.0.1:6379", help="Redis server (broker and sink)")
+    add("--redis-db", type=int, default=14, help="Redis db of the Redis broker (flushed)")
+    add("--sink-db", type=int, default=15, help="Redis db of the timing sink")
+    add("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//", help="RabbitMQ")
+    add("--phase-timeout", type=float, default=600.0, help="limit of publish and of drain, s")
+    add("--probe-timeout", type=float, default=10.0, help="limit of one latency probe, s")
+    add(
+        "--probe-gap",
+        type=float,
+        default=1.0,
+        help="longest random idle gap before a latency probe, s (default 1.0: one polling "
+        "interval, so polling brokers are met at a random point of their rhythm)",
+    )
+    add("--log-dir", type=Path, help="worker logs (default benchmarks/results/<timestamp>-<id>/)")
+    add("--json", action="store_true", help="print the JSON result on stdout (table on stderr)")
+    add("--output", type=Path, help="JSON file (default benchmarks/results/<timestamp>.json)")
+    add("--no-save", action="store_true", help="do not write the JSON file")
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+    return args
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tasks < 2:
+        parser.error(f"--tasks must be at least 2 (a rate needs two timestamps), got {args.tasks}")
+    if args.latency_samples < 1 or args.concurrency < 1 or args.prefetch_multiplier < 1:
+        parser.error("--latency-samples, --concurrency and --prefetch-multiplier must be >= 1")
+    if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
+        parser.error("--phase-timeout and --probe-timeout must be > 0, --probe-gap >= 0")
+    unknown = set(args.brokers.split(",")) - set(BROKERS)
+    if unknown:
+        parser.error(f"unknown broker(s) {', '.join(sorted(unknown))}; known: {', '.join(BROKERS)}")
+
+
+def make_brokers(args: argparse.Namespace) -> list[Broker]:
+    every: dict[str, Broker] = {
+        "pgq": PgqBroker(args.pg_url),
+        "redis": RedisBroker(args.redis_url, args.redis_db),
+        "rabbitmq": AmqpBroker(args.amqp_url),
+        "sqla": SqlaBroker(args.pg_url),
+    }
+    return [every[name] for name in BROKERS if name in args.brokers.split(",")]
+
+
+def sink_url(args: argparse.Namespace) -> str:
+    return str(RedisBroker(args.redis_url, args.sink_db).url)
+
+
+@contextlib.contextmanager
+def patched_environ(extra: Mapping[str, str]) -> Iterator[None]:
+    """The target's environment in this process too: pgq lets PGQ_* override options,
+    so the publisher must see the same PGQ_SCHEMA as the worker."""
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class Run:
+    """One invocation: its id, options, output streams and result directory."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.id = uuid.uuid4().hex[:10]
+        self.stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        self.log_dir: Path = args.log_dir or self._default_log_dir()
+        self.spec = WorkerSpec(
+            args.pool, args.concurrency, args.prefetch_multiplier, sink_url(args)
+        )
+        self.out: TextIO = sys.stderr if args.json else sys.stdout
+
+    def _default_log_dir(self) -> Path:
+        if self.args.no_save:
+            return Path(tempfile.mkdtemp(prefix=f"pgq-bench-{self.id}-"))
+        return RESULTS / f"{self.stamp}-{self.id}"
+
+    def say(self, message: str) -> None:
+        # Progress always goes to stderr: stdout carries the table or the JSON.
+        print(message, file=sys.stderr, flush=True)
+
+    def sink(self, broker: Broker) -> Sink:
+        return Sink(self.spec.sink_url, f"bench:{self.id}:{broker.name}")
+
+
+def measure(run: Run, broker: Broker, target: Target, result: dict[str, Any]) -> None:
+    """Publish, drain, probe; fills ``result`` as it goes so a failure keeps what was done."""
+    args = run.args
+    app = make_app(
+        target.broker_url, target.queue, target.transport_options, args.prefetch_multiplier
+    )
+    task = app.tasks[TASK_NAME]
+    sink = run.sink(broker)
+    sink.client().delete(*sink.keys())
+    try:
+        run.say(f"[{broker.name}] publishing {args.tasks} tasks")
+        result["publish"] = publish(task, args.tasks, args.phase_timeout)
+        run.say(f"[{broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
+        spawned_at = time.time()
+        worker = start_worker(
+            target,
+            run.spec,
+            f"bench-{broker.name}-{run.id}",
+            sink.prefix,
+            run.log_dir / f"{broker.name}-worker.log",
+        )
+        try:
+            result["drain"] = drain(worker, sink, args.tasks, args.phase_timeout, spawned_at)
+            time.sleep(SETTLE_SECONDS)
+            run.say(f"[{broker.name}] {args.latency_samples} idle latency probes")
+            result["latency"] = latency(
+                task, worker, sink, args.latency_samples, args.probe_timeout, args.probe_gap
+            )
+        finally:
+            result["worker"] = describe_worker(worker, sink, spawned_at)
+    finally:
+        app.close()
+        sink.client().delete(*sink.keys())
+
+
+def describe_worker(worker: Worker, sink: Sink, spawned_at: float) -> dict[str, Any]:
+    ready = sink.client().lindex(sink.ready_key, 0)
+    code = worker.stop()
+    return {
+        "log": str(worker.log),
+        "exit_code": code,
+        "ready_seconds": float(ready) - spawned_at if ready is not None else None,
+        "trouble": worker.trouble(),
+        "log_tail": worker.output().splitlines()[-LOG_TAIL_LINES:],
+    }
+
+
+def run_broker(run: Run, broker: Broker) -> dict[str, Any]:
+    reason = broker.check()
+    if reason:
+        run.say(f"[{broker.name}] skipped: {reason}")
+        return {"status": "skipped", "reason": reason}
+    result: dict[str, Any] = {"status": "ok", "loadavg_before": os.getloadavg()}
+    try:
+        target = broker.setup(run.id)
+    except Exception as exc:  # e.g. no right to create the scratch database
+        reason = f"setup failed: {type(exc).__name__}: {exc}"
+        run.say(f"[{broker.name}] FAILED: {reason}")
+        return {**result, "status": "failed", "reason": reason}
+    result.update(url=target.display_url, queue=target.queue)
+    try:
+        with patched_environ(target.env):
+            measure(run, broker, target, result)
+    except Exception as exc:  # any failure is reported, never fatal to others
+        result.update(
+            status="failed",
+            reason=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc().splitlines()[-8:],
+        )
+        run.say(f"[{broker.name}] FAILED: {result['reason']}")
+    finally:
+        result["loadavg_after"] = os.getloadavg()
+        try:
+            broker.teardown(target)
+        except Exception as exc:  # report and go on: the next broker still runs
+            result["teardown_error"] = f"{type(exc).__name__}: {exc}"
+    if result["status"] == "ok":
+        # A success keeps the worker's trouble lines; only a failure needs its log tail.
+        result["worker"].pop("log_tail", None)
+    return result
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    # Read-only queries; --no-optional-locks keeps git from refreshing the index.
+    return subprocess.run(
+        ["git", "--no-optional-locks", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+
+
+def code_version() -> dict[str, Any]:
+    """Which pgq was measured: the commit, and whether the transport had local edits."""
+    try:
+        head = _git("rev-parse", "HEAD").stdout.strip() or None
+        dirty = _git("diff", "--quiet", "HEAD", "--", "pg_transport").returncode == 1
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "pg_transport_modified": None}
+    return {"commit": head, "pg_transport_modified": dirty}
+
+
+def host_info() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "loadavg": os.getloadavg(),
+    }
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "tasks": args.tasks,
+        "latency_samples": args.latency_samples,
+        "pool": args.pool,
+        "concurrency": args.concurrency,
+        "prefetch_multiplier": args.prefetch_multiplier,
+        "acks_late": True,
+        "probe_gap_max_s": args.probe_gap,
+        "sink": f"{mask_url(sink_url(args))} (Redis RPUSH per task)",
+        "pgq_environment": {k: v for k, v in os.environ.items() if k.startswith("PGQ_")},
+    }
+
+
+def save(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def sink_unreachable(args: argparse.Namespace) -> str | None:
+    return RedisBroker(args.redis_url, args.sink_db).check()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    reason = sink_unreachable(args)
+    if reason:
+        print(f"cannot run: the timing sink needs Redis. {reason}", file=sys.stderr)
+        return 2
+    run = Run(args)
+    started = dt.datetime.now(dt.timezone.utc)
+    # Before the run: the load other work puts on the machine, not the benchmark's own.
+    config = {**build_config(args), **host_info(), **code_version()}
+    brokers = {broker.name: run_broker(run, broker) for broker in make_brokers(args)}
+    report: dict[str, Any] = {
+        "run_id": run.id,
+        "started_at": started.isoformat(),
+        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "command": [sys.executable, "-m", "benchmarks.brokers", *(argv or sys.argv[1:])],
+        "config": config,
+        "brokers": brokers,
+        "ratios": ratios(brokers),
+        "ratio_meaning": RATIO_MEANING,
+    }
+    if not args.no_save:
+        path = args.output or RESULTS / f"{run.stamp}.json"
+        save(report, path)
+        run.say(f"saved {path}")
+    print(format_report(report), file=run.out, flush=True)
+    if args.json:
+        print(json.dumps(report, indent=2), flush=True)
+    return 1 if any(b["status"] == "failed" for b in brokers.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

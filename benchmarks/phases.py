@@ -1,0 +1,144 @@
+"""The three measurements of one broker: publish rate, drain rate, idle latency.
+
+Every loop is bounded in count and in time, so a stuck broker or worker ends the
+phase with a :class:`PhaseError` instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+from celery import Task
+
+from benchmarks.app import DRAIN, LATENCY, Sink
+from benchmarks.worker import Worker
+
+__all__ = ["PhaseError", "drain", "latency", "percentile", "publish"]
+
+# How often the harness looks at the sink while waiting for the drain to finish.
+DRAIN_POLL = 0.05
+# Shortest idle gap before a latency probe: the worker has finished the previous one.
+MIN_PROBE_GAP = 0.02
+# Longest single wait on the sink, so a dead worker is noticed within this time.
+SINK_WAIT_SLICE = 1.0
+
+
+class PhaseError(RuntimeError):
+    """A phase could not produce its measurement (timeout, dead worker)."""
+
+
+def publish(task: Task, count: int, timeout: float) -> dict[str, Any]:
+    """Publish ``count`` drain tasks from one producer, as fast as apply_async goes."""
+    # The first call connects and declares the queue (pgq also migrates its fresh
+    # schema): a one-time cost of every client, kept out of the steady-state rate.
+    task.apply_async(args=(DRAIN, 0, 0.0))
+    sent = 1
+    deadline = time.monotonic() + timeout
+    start = time.perf_counter()
+    while sent < count and time.monotonic() < deadline:
+        task.apply_async(args=(DRAIN, sent, 0.0))
+        sent += 1
+    elapsed = time.perf_counter() - start
+    if sent < count:
+        raise PhaseError(f"publish timed out after {timeout:.0f}s with {sent}/{count} sent")
+    return {"tasks": sent, "seconds": elapsed, "rate": (sent - 1) / elapsed}
+
+
+def drain(
+    worker: Worker, sink: Sink, expected: int, timeout: float, spawned_at: float
+) -> dict[str, Any]:
+    """Wait until the worker has run ``expected`` pre-published tasks; rate first→last."""
+    client = sink.client()
+    deadline = time.monotonic() + timeout
+    while (done := int(client.llen(sink.done_key))) < expected:
+        if not worker.alive():
+            raise PhaseError(
+                f"worker exited (code {worker.proc.returncode}) after {done}/{expected} tasks"
+            )
+        if time.monotonic() > deadline:
+            raise PhaseError(
+                f"drain timed out after {timeout:.0f}s with {done}/{expected} tasks done"
+            )
+        time.sleep(DRAIN_POLL)
+    stamps = sorted(float(s) for s in client.lrange(sink.done_key, 0, -1))
+    span = stamps[-1] - stamps[0]
+    return {
+        "tasks": len(stamps),
+        # More completions than tasks would mean redeliveries of finished tasks.
+        "duplicates": len(stamps) - expected,
+        "seconds": span,
+        "rate": (len(stamps) - 1) / span if span > 0 else 0.0,
+        # From spawning the worker process (start-up included) to the last task.
+        "wall_seconds": stamps[-1] - spawned_at,
+    }
+
+
+def _wait_probe(worker: Worker, sink: Sink, seq: int, timeout: float) -> float:
+    """When probe ``seq`` started running; late answers to older probes are skipped."""
+    client = sink.client()
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        popped = client.blpop([sink.latency_key], timeout=min(left, SINK_WAIT_SLICE))
+        if popped is None:
+            if not worker.alive():
+                raise PhaseError(
+                    f"worker exited (code {worker.proc.returncode}) during latency probe {seq}"
+                )
+            continue
+        raw = popped[1]
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        got, _published, started = text.split()
+        if int(got) == seq:
+            return float(started)
+    raise PhaseError(f"latency probe {seq} did not start within {timeout:.0f}s")
+
+
+def latency(
+    task: Task, worker: Worker, sink: Sink, samples: int, probe_timeout: float, max_gap: float
+) -> dict[str, Any]:
+    """Publish one probe at a time to an idle worker; publish→task-start times in ms.
+
+    The idle gap before each probe is drawn at random up to ``max_gap``. A polling
+    consumer (kombu's SQLAlchemy transport sleeps a second between empty polls) restarts
+    its rhythm after each task; a fixed short gap would land every probe at the same
+    point of that rhythm. A gap spread over a whole polling interval measures what a
+    task meets on a worker that has been idle a while.
+    """
+    millis: list[float] = []
+    # How much of it the apply_async call itself took (commit, confirm, round trip).
+    publish_millis: list[float] = []
+    for seq in range(samples):
+        time.sleep(random.uniform(MIN_PROBE_GAP, max(max_gap, MIN_PROBE_GAP)))
+        published_at = time.time()
+        task.apply_async(args=(LATENCY, seq, published_at))
+        publish_millis.append((time.time() - published_at) * 1000.0)
+        started = _wait_probe(worker, sink, seq, probe_timeout)
+        millis.append((started - published_at) * 1000.0)
+    return {
+        **summarize(millis),
+        "publish_call_p50_ms": percentile(publish_millis, 0.50),
+        "publish_call_p99_ms": percentile(publish_millis, 0.99),
+        "samples_ms": [round(m, 3) for m in millis],
+    }
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile: an observed value, so p50 <= p99 always holds."""
+    ordered = sorted(values)
+    # The epsilon keeps float noise (0.29 * 100 = 28.999…) from moving the rank.
+    rank = math.ceil(fraction * len(ordered) - 1e-9)
+    return ordered[min(max(rank, 1), len(ordered)) - 1]
+
+
+def summarize(millis: list[float]) -> dict[str, Any]:
+    return {
+        "samples": len(millis),
+        "p50_ms": percentile(millis, 0.50),
+        "p99_ms": percentile(millis, 0.99),
+        "mean_ms": sum(millis) / len(millis),
+        "min_ms": min(millis),
+        "max_ms": max(millis),
+    }

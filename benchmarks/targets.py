@@ -1,0 +1,216 @@
+"""The brokers under test: how to reach each, give it a clean state, and clean up after.
+
+Each broker answers :meth:`Broker.check` with a reason it cannot be used (or None),
+:meth:`Broker.setup` with a :class:`Target` in a state no earlier run touched, and
+:meth:`Broker.teardown` removes what setup made, even after a failed run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import redis
+from kombu.connection import Connection
+from psycopg import sql
+
+__all__ = [
+    "AmqpBroker",
+    "Broker",
+    "PgqBroker",
+    "RedisBroker",
+    "SqlaBroker",
+    "Target",
+    "mask_url",
+]
+
+CONNECT_TIMEOUT = 3
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced, for printing and the JSON report."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1**@", url)
+
+
+@dataclass
+class Target:
+    """One broker prepared for one run."""
+
+    broker_url: str
+    queue: str
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    # Extra environment of the worker subprocess (and of the publisher, for pgq).
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def display_url(self) -> str:
+        return mask_url(self.broker_url)
+
+
+class Broker:
+    """Base of the broker definitions; subclasses override all three steps."""
+
+    name = "broker"
+
+    def check(self) -> str | None:
+        raise NotImplementedError
+
+    def setup(self, run_id: str) -> Target:
+        raise NotImplementedError
+
+    def teardown(self, target: Target) -> None:
+        raise NotImplementedError
+
+
+def _pg_unreachable(pg_url: str) -> str | None:
+    try:
+        with psycopg.connect(pg_url, connect_timeout=CONNECT_TIMEOUT) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        return f"PostgreSQL at {mask_url(pg_url)} not reachable: {str(exc).strip()}"
+    return None
+
+
+def _amqp(url: str) -> Connection:
+    return Connection(url, connect_timeout=CONNECT_TIMEOUT)  # type: ignore[no-untyped-call]
+
+
+def _after_scheme(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+class PgqBroker(Broker):
+    """pgq in a fresh schema (``schema`` option and ``PGQ_SCHEMA``), dropped afterwards."""
+
+    name = "pgq"
+
+    def __init__(self, pg_url: str) -> None:
+        self.pg_url = pg_url
+
+    def check(self) -> str | None:
+        return _pg_unreachable(self.pg_url)
+
+    def setup(self, run_id: str) -> Target:
+        schema = f"pgq_bench_{run_id}"
+        # The transport migrates the schema on first connect, as it would for a user.
+        return Target(
+            broker_url="pgq://" + _after_scheme(self.pg_url),
+            queue=f"bench_{run_id}",
+            transport_options={"schema": schema},
+            env={"PGQ_SCHEMA": schema},
+        )
+
+    def teardown(self, target: Target) -> None:
+        schema = target.transport_options["schema"]
+        with psycopg.connect(self.pg_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+class RedisBroker(Broker):
+    """Redis in a dedicated database number, flushed before and after."""
+
+    name = "redis"
+
+    def __init__(self, redis_url: str, db: int) -> None:
+        parts = urlsplit(redis_url)
+        self.url = urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, ""))
+
+    def _client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_connect_timeout=CONNECT_TIMEOUT)
+
+    def check(self) -> str | None:
+        try:
+            self._client().ping()
+        except redis.RedisError as exc:
+            return f"Redis at {mask_url(self.url)} not reachable: {exc}"
+        return None
+
+    def setup(self, run_id: str) -> Target:
+        self._client().flushdb()
+        return Target(broker_url=self.url, queue=f"bench_{run_id}")
+
+    def teardown(self, target: Target) -> None:
+        self._client().flushdb()
+
+
+class AmqpBroker(Broker):
+    """RabbitMQ with a queue (and exchange) named for this run, deleted afterwards."""
+
+    name = "rabbitmq"
+
+    def __init__(self, amqp_url: str) -> None:
+        self.url = amqp_url
+
+    def check(self) -> str | None:
+        try:
+            with _amqp(self.url) as conn:
+                conn.ensure_connection(max_retries=1)
+        except Exception as exc:  # kombu raises a variety of socket and amqp errors
+            return f"RabbitMQ at {mask_url(self.url)} not reachable: {exc}"
+        return None
+
+    def setup(self, run_id: str) -> Target:
+        return Target(broker_url=self.url, queue=f"bench_{run_id}")
+
+    def teardown(self, target: Target) -> None:
+        # Celery names the default exchange after the default queue.
+        with _amqp(self.url) as conn:
+            channel = conn.default_channel
+            channel.queue_delete(target.queue)
+            channel.exchange_delete(target.queue)
+
+
+class SqlaBroker(Broker):
+    """kombu's SQLAlchemy transport on a scratch database, created and dropped per run.
+
+    The URL is ``sqla+postgresql+psycopg://``: plain ``sqla+postgresql://`` means
+    SQLAlchemy's default driver, psycopg2, which this project does not depend on.
+    """
+
+    name = "sqla"
+
+    def __init__(self, pg_url: str) -> None:
+        self.pg_url = pg_url
+
+    def check(self) -> str | None:
+        reason = _pg_unreachable(self.pg_url)
+        if reason:
+            return reason
+        try:
+            import sqlalchemy  # noqa: F401  (optional: only this broker needs it)
+        except ImportError:
+            return "sqlalchemy is not installed (pip install sqlalchemy)"
+        return None
+
+    def _database_url(self, database: str) -> str:
+        parts = urlsplit(self.pg_url)
+        return urlunsplit(("postgresql+psycopg", parts.netloc, f"/{database}", parts.query, ""))
+
+    def setup(self, run_id: str) -> Target:
+        database = f"pgq_bench_sqla_{run_id}"
+        with psycopg.connect(self.pg_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+        return Target(broker_url="sqla+" + self._database_url(database), queue=f"bench_{run_id}")
+
+    def teardown(self, target: Target) -> None:
+        _dispose_sqla_engine(target.broker_url)
+        database = urlsplit(target.broker_url.removeprefix("sqla+")).path.lstrip("/")
+        with psycopg.connect(self.pg_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
+            # FORCE: a worker killed mid-run may leave sessions behind.
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database))
+            )
+
+
+def _dispose_sqla_engine(broker_url: str) -> None:
+    """Close the publisher's pooled connections; kombu caches one engine per URL."""
+    with contextlib.suppress(ImportError):
+        from kombu.transport.sqlalchemy import Channel
+
+        cached = Channel._engines.pop(broker_url.removeprefix("sqla+"), None)
+        if cached is not None:
+            cached[0].dispose()

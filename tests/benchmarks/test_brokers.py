@@ -1,0 +1,106 @@
+"""The broker benchmark still runs end to end and reports sane numbers.
+
+Deselected by default (``-m benchmark`` runs it): it starts real workers on every
+broker that answers, which takes about a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from benchmarks.phases import percentile
+from benchmarks.report import ratios
+
+pytestmark = pytest.mark.benchmark
+
+ROOT = Path(__file__).resolve().parents[2]
+BROKERS = ("pgq", "redis", "rabbitmq", "sqla")
+TASKS = 200
+PROBES = 5
+
+
+def _sink_reachable(url: str = "redis://127.0.0.1:6379/15") -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=3).ping())
+    except redis.RedisError:
+        return False
+
+
+def _run_benchmark(pg_url: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    output = tmp_path / "result.json"
+    command = [
+        sys.executable, "-m", "benchmarks.brokers",
+        "--tasks", str(TASKS), "--latency-samples", str(PROBES), "--probe-gap", "0.05",
+        "--pg-url", pg_url, "--json", "--output", str(output),
+        "--log-dir", str(tmp_path / "logs"), "--phase-timeout", "120",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout), output
+
+
+def _assert_sane(name: str, result: dict[str, Any]) -> None:
+    publish, drain, latency = result["publish"], result["drain"], result["latency"]
+    assert publish["tasks"] == TASKS and publish["rate"] > 0, (name, publish)
+    assert drain["tasks"] >= TASKS and drain["rate"] > 0, (name, drain)
+    assert latency["samples"] == PROBES, (name, latency)
+    assert 0 < latency["p50_ms"] <= latency["p99_ms"], (name, latency)
+    assert latency["min_ms"] <= latency["p50_ms"] and latency["p99_ms"] <= latency["max_ms"]
+    assert result["worker"]["ready_seconds"] is not None, (name, result["worker"])
+
+
+@pytest.mark.timeout(900)
+def test_benchmark_reports_every_broker(pg_url: str, tmp_path: Path) -> None:
+    if not _sink_reachable():
+        pytest.skip("the benchmark's timing sink needs Redis on 127.0.0.1:6379")
+    report, saved = _run_benchmark(pg_url, tmp_path)
+
+    assert json.loads(saved.read_text()) == report
+    assert {"config", "brokers", "ratios", "ratio_meaning", "run_id"} <= report.keys()
+    assert report["config"]["tasks"] == TASKS
+    assert set(report["brokers"]) == set(BROKERS)
+    assert report["brokers"]["pgq"]["status"] == "ok", report["brokers"]["pgq"]
+    for name, result in report["brokers"].items():
+        assert result["status"] in ("ok", "skipped"), (name, result)
+        if result["status"] == "ok":
+            _assert_sane(name, result)
+        else:
+            assert result["reason"], name
+    compared = {n for n, r in report["brokers"].items() if n != "pgq" and r["status"] == "ok"}
+    assert set(report["ratios"]) == compared
+    for metrics in report["ratios"].values():
+        assert set(metrics) == {"publish", "drain", "latency_p50", "latency_p99"}
+        assert all(value is not None and value > 0 for value in metrics.values())
+
+
+def test_percentile_is_an_observed_value_and_monotonic() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.50) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile([3.0], 0.99) == 3.0
+    assert percentile([5.0, 1.0], 0.5) <= percentile([5.0, 1.0], 0.99)
+
+
+def test_ratios_compare_only_brokers_with_numbers() -> None:
+    def ok(rate: float, p50: float) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "publish": {"rate": rate},
+            "drain": {"rate": rate},
+            "latency": {"p50_ms": p50, "p99_ms": p50 * 2},
+        }
+
+    brokers = {"pgq": ok(100, 4), "redis": ok(200, 2), "sqla": {"status": "skipped"}}
+    table = ratios(brokers)
+    assert set(table) == {"redis"}
+    assert table["redis"] == {"publish": 0.5, "drain": 0.5, "latency_p50": 2.0, "latency_p99": 2.0}
+    assert ratios({"pgq": {"status": "failed"}, "redis": ok(1, 1)}) == {}
