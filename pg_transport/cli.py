@@ -392,5 +392,96 @@ def demo(url: str | None, schema: str | None) -> None:
     run(url, _checked_schema(schema) if schema else None)
 
 
+@main.command()
+@url_option
+@schema_option
+@click.option(
+    "--serve", "port", type=click.IntRange(0, 65535), metavar="PORT",
+    help="Serve the metrics over HTTP on this port (0: any free port) instead of printing "
+    "them once; every scrape of /metrics computes fresh figures.",
+)
+@click.option(
+    "--host", metavar="ADDRESS",
+    help="With --serve: address to listen on.  [default: 127.0.0.1]",
+)
+def metrics(url: str | None, schema: str, port: int | None, host: str | None) -> None:
+    """Print the figures of `pgq status` in Prometheus text format, or serve them.
+
+    Per queue (label `queue`): ready, in-flight, delayed and dead messages and the age
+    of the oldest ready message; and the connected pgq clients.
+    """
+    # Imported here, as demo: the other commands do not need them.
+    import time
+
+    from pg_transport import metrics as exposition
+
+    if port is None:
+        if host is not None:
+            raise click.UsageError("--host goes with --serve")
+        with _store(url, schema) as store:
+            started = time.perf_counter()
+            report = status_report.collect(store)
+            elapsed = time.perf_counter() - started
+        click.echo(exposition.render(report, elapsed), nl=False)
+        return
+    with _store(url, schema) as store:
+        # Checked once, up front: a missing or outdated schema is a start-up error,
+        # not a stream of failed scrapes.
+        checked = store.schema
+    # A connector of its own, named so `pgq status` does not count the exporter
+    # among the workers and publishers (application_name 'pgq:<pid>').
+    connector = Connector(
+        url_to_conninfo(url), display_url=mask_url(url or "pgq://"),
+        application_name="pgq-metrics",
+    )
+    store = Store(connector, checked)
+    try:
+        server = exposition.make_server(
+            host or "127.0.0.1", port, lambda: status_report.collect(store),
+            describe_error=_one_line, errors=(PgqError, psycopg.Error),
+        )
+    except OSError as exc:
+        connector.close()
+        raise click.ClickException(
+            f"cannot listen on {host or '127.0.0.1'}:{port}: {exc.strerror or exc}"
+        ) from exc
+    click.echo(
+        f"serving metrics of pgq schema {checked!r} at {connector.display_url} on "
+        f"http://{host or '127.0.0.1'}:{server.port}/metrics"
+    )
+    try:
+        exposition.serve(server)
+    finally:
+        connector.close()
+
+
+@main.command()
+@click.option(
+    "--file", "path", envvar="PGQ_HEALTH_FILE", show_envvar=True, metavar="PATH",
+    type=click.Path(dir_okay=False), default=None,
+    help="Heartbeat file the worker touches every consume-loop cycle.  "
+    "[default: pgq-worker.heartbeat in the temporary directory]",
+)
+@click.option(
+    "--stale-after", envvar="PGQ_HEALTH_STALE_SECONDS", show_envvar=True, metavar="SECONDS",
+    type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+    help="Fail when the worker's last consume-loop cycle is older than this.",
+)
+def health(path: str | None, stale_after: float) -> None:
+    """Exit 0 while a worker keeps consuming, 1 once it has stopped: a container healthcheck.
+
+    The worker must run pg_transport.health's heartbeat step (pg_transport.health.install(app)).
+    Fails when the worker is gone, stopped or stuck, not only when its process is.
+    """
+    from pathlib import Path
+
+    from pg_transport import health as worker_health
+
+    result = worker_health.check(Path(path or worker_health.DEFAULT_FILE), stale_after)
+    if not result.healthy:
+        raise click.ClickException(result.message)
+    click.echo(f"healthy: {result.message}")
+
+
 if __name__ == "__main__":
     main()

@@ -63,12 +63,6 @@ class Listener:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
-    def fileno(self) -> int | None:
-        return self._conn.pgconn.socket if self._conn is not None else None
-
-    @property
-    def wake_fd(self) -> int:
-        return self._wake_r
 
     def wait(self, timeout: float) -> Wakeup:
         """Block up to ``timeout`` seconds; raises psycopg errors if LISTEN died."""

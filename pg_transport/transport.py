@@ -487,12 +487,16 @@ class Transport(virtual.Transport):
         self.polling_interval = self.options.polling_interval
         self.url = _client_url(client)
         conninfo, shown = url_to_conninfo(self.url), mask_url(self.url)
-        self.connector = Connector(conninfo, display_url=shown)
+        # Behind a transaction pooler (use_notify off) a session is not ours from one
+        # statement to the next: no server-side prepared statements either.
+        prepare = 5 if self.options.use_notify else None
+        self.connector = Connector(conninfo, display_url=shown, prepare_threshold=prepare)
         # Session settings need sessions of our own; behind a transaction pooler
         # (use_notify off) every statement commits synchronously.
         relax = load_queries(self.options.schema)["relax_commit"]
         self.relaxed = (
-            Connector(conninfo, display_url=shown, on_connect=lambda c: _run(c, relax))
+            Connector(conninfo, display_url=shown, prepare_threshold=prepare,
+                      on_connect=lambda c: _run(c, relax))
             if self.options.use_notify
             else self.connector
         )
@@ -636,22 +640,6 @@ class Transport(virtual.Transport):
                 wait -= monotonic() - start - waited
                 if wait <= 0:
                     break
-
-    # -- Celery's event loop (hub) ------------------------------------------
-    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        """Claim when the LISTEN socket or the wake pipe is readable, and on each poll."""
-        self.listener.start()
-        self._ensure_renewer()
-        loop.add_reader(self.listener.wake_fd, self.on_readable)
-        fd = self.listener.fileno()
-        if fd is not None:
-            loop.add_reader(fd, self.on_readable)
-        loop.call_repeatedly(self.polling_interval or 1.0, self.on_readable)
-        loop.call_soon(self.on_readable)
-
-    def on_readable(self, *args: Any) -> None:
-        self.listener.wait(0)
-        self._claim_and_deliver()
 
     def _ensure_renewer(self) -> None:
         if self._renewer is None or not self._renewer.is_alive():

@@ -41,9 +41,14 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as pooled:
         pooled.connect()
-        # Behind a transaction pooler no session state is set at all.
+        # Behind a transaction pooler no session state is set at all, and no
+        # statement is prepared on a server session that may be someone else's next.
         assert pooled.transport.relaxed is pooled.transport.connector
         assert setting(pooled.transport.relaxed, "synchronous_commit") == "on"
+        assert pooled.transport.connector.prepare_threshold is None
+        with pooled.transport.connector.connection() as c:
+            assert c.prepare_threshold is None
+    assert transport.connector.prepare_threshold == 5
 
 
 def test_idle_consumer_is_woken_by_notify_not_by_polling(

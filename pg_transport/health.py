@@ -1,0 +1,225 @@
+"""Worker health for container healthchecks: has the worker's consume loop turned lately?
+
+A worker is healthy while its consumer keeps cycling: claiming and delivering
+messages, or waiting out an idle poll (Celery's consume loop returns from every
+``drain_events`` within a few seconds even when nothing arrives). A process that is
+alive but no longer consuming — stopped (SIGSTOP), deadlocked, stuck in a call that
+never returns, retrying a lost connection — stops the heartbeat, and so does a
+dead one. Checking that the process exists, or that Postgres answers, would call
+all of these healthy.
+
+The worker side is a Celery consumer bootstep, :class:`HeartbeatStep`, which touches
+a heartbeat file (``PGQ_HEALTH_FILE``) after every consume-loop cycle; add it with
+:func:`install`. ``pgq health`` compares the file's age with a threshold
+(``PGQ_HEALTH_STALE_SECONDS``). The file lives on the worker's own filesystem, so
+every replica of a scaled-out service has its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from celery import bootsteps
+
+__all__ = [
+    "DEFAULT_FILE",
+    "DEFAULT_STALE_SECONDS",
+    "FILE_ENV",
+    "STALE_ENV",
+    "Health",
+    "Heartbeat",
+    "HeartbeatStep",
+    "check",
+    "heartbeat_path",
+    "install",
+]
+
+logger = logging.getLogger("pg_transport.health")
+
+#: Where the worker writes its heartbeat and ``pgq health`` reads it.
+FILE_ENV = "PGQ_HEALTH_FILE"
+#: Seconds without a consume-loop cycle after which ``pgq health`` fails.
+STALE_ENV = "PGQ_HEALTH_STALE_SECONDS"
+DEFAULT_FILE = str(Path(tempfile.gettempdir()) / "pgq-worker.heartbeat")
+# Celery's consume loop waits at most 2 s per cycle when idle; a minute leaves room
+# for a slow claim on a loaded server without hiding a stuck worker for long.
+DEFAULT_STALE_SECONDS = 60.0
+# A busy worker cycles many times a second; one filesystem write per second is enough.
+MIN_BEAT_INTERVAL = 1.0
+_WRAPPED = "_pgq_heartbeat"
+
+
+def heartbeat_path(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get(FILE_ENV) or DEFAULT_FILE)
+
+
+class Heartbeat:
+    """A file whose modification time is the last sign of life of a consume loop."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        min_interval: float = MIN_BEAT_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.min_interval = min_interval
+        self.clock = clock
+        self._last: float | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def start(self) -> None:
+        """Write the file afresh (who is beating, since when) and count it as a beat."""
+        info = {"pid": os.getpid(), "hostname": socket.gethostname(), "started_at": time.time()}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(info), encoding="utf-8")
+            # Atomic: the health check never reads a half-written file.
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            self._warn(exc)
+            return
+        with self._lock:
+            self._last = self.clock()
+
+    def beat(self) -> None:
+        """Mark the file fresh, at most once per ``min_interval``."""
+        now = self.clock()
+        with self._lock:
+            if self._last is not None and now - self._last < self.min_interval:
+                return
+            self._last = now
+        try:
+            os.utime(self.path)
+        except FileNotFoundError:
+            self.start()  # removed behind our back (a tmp cleaner): write it again
+        except OSError as exc:
+            self._warn(exc)
+
+    def clear(self) -> None:
+        """Remove the file: a worker that shut down is not healthy."""
+        with self._lock:
+            self._last = None
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._warn(exc)
+
+    def _warn(self, exc: OSError) -> None:
+        # A read-only or full filesystem must not take the worker down; the health
+        # check will report the missing or stale file instead.
+        if not self._warned:
+            self._warned = True
+            logger.warning("cannot write the pgq heartbeat file %s: %s", self.path, exc)
+
+
+class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Consumer bootstep: beat after every cycle of the consume loop.
+
+    Celery's blocking consume loop (the one pgq workers run) calls the consumer
+    connection's ``drain_events`` once per cycle, so the step wraps that method on
+    the connection it is started with; after a reconnect Celery starts the step
+    again with the new connection. With an event loop (hub) the beat is a timer
+    on the hub instead, which fires only while that loop turns.
+    """
+
+    requires = ("celery.worker.consumer.connection:Connection",)
+    label = "pgq heartbeat"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.heartbeat = Heartbeat(heartbeat_path(os.environ))
+        self._timer: Any = None
+
+    def start(self, c: Any) -> None:
+        heartbeat = self.heartbeat
+        heartbeat.start()
+        if c.hub is not None:
+            self._timer = c.hub.call_repeatedly(MIN_BEAT_INTERVAL, heartbeat.beat)
+            return
+        connection = c.connection
+        drain = connection.drain_events
+        if getattr(drain, _WRAPPED, False):
+            return  # the same connection again (a restart): wrapped once is enough
+
+        def drain_events(**kwargs: Any) -> Any:
+            try:
+                return drain(**kwargs)
+            finally:
+                # Also after the idle timeout (socket.timeout) and after errors: the
+                # loop turned. A drain that never returns never gets here.
+                heartbeat.beat()
+
+        setattr(drain_events, _WRAPPED, True)
+        connection.drain_events = drain_events
+
+    def stop(self, c: Any) -> None:
+        # A reconnect stops and restarts the step: cancel the timer, keep the file (a
+        # short reconnect is not a failure; a long one goes stale on its own).
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
+        self.heartbeat.clear()
+
+
+def install(app: Any) -> None:
+    """Add :class:`HeartbeatStep` to ``app``'s workers (call once, where the app is made)."""
+    app.steps["consumer"].add(HeartbeatStep)
+
+
+@dataclass(frozen=True)
+class Health:
+    healthy: bool
+    #: One line for a human: what was found, and what it means.
+    message: str
+    #: Seconds since the last beat; None when there is no heartbeat file.
+    age: float | None
+
+
+def check(path: Path, stale_after: float, *, now: float | None = None) -> Health:
+    """Whether the heartbeat at ``path`` is at most ``stale_after`` seconds old."""
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return Health(
+            False,
+            f"no heartbeat file {path}: the worker has not started consuming, has shut "
+            f"down, or writes elsewhere ({FILE_ENV})",
+            None,
+        )
+    age = max(0.0, (time.time() if now is None else now) - mtime)
+    who = _who(path)
+    if age > stale_after:
+        return Health(
+            False,
+            f"worker{who} has not consumed for {age:.1f}s (stale after {stale_after:g}s; "
+            f"heartbeat {path})",
+            age,
+        )
+    return Health(True, f"worker{who} consumed {age:.1f}s ago (stale after {stale_after:g}s)", age)
+
+
+def _who(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        return f" pid {int(info['pid'])} on {info['hostname']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""

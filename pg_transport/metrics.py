@@ -1,0 +1,260 @@
+"""``pgq metrics``: the figures of ``pgq status`` in Prometheus' text exposition format.
+
+One scrape is one :func:`pg_transport.status.collect` call, so the numbers are
+exactly those of ``pgq status`` at that moment. :func:`serve` answers scrapes over
+HTTP with the standard library only; every ``GET /metrics`` computes fresh figures.
+
+Format: https://prometheus.io/docs/instrumenting/exposition_formats/ (version 0.0.4).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import FrameType
+from typing import Any
+
+from pg_transport.status import Status
+
+__all__ = [
+    "CONTENT_TYPE",
+    "Family",
+    "MetricsServer",
+    "escape_help",
+    "escape_label_value",
+    "make_server",
+    "render",
+    "serve",
+]
+
+logger = logging.getLogger("pg_transport.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Seconds a client may take to send its request: a stalled one must not hold the
+#: (single-threaded) server for good.
+REQUEST_TIMEOUT = 10.0
+
+
+def escape_label_value(value: str) -> str:
+    """A label value between double quotes: backslash, quote and line feed escaped.
+
+    Queue names may hold any character; these three are the ones the format
+    reserves inside a label value, everything else is taken literally as UTF-8.
+    """
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def escape_help(text: str) -> str:
+    """HELP text: only backslash and line feed are escaped there."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric: its name, help, type and samples (labels, value)."""
+
+    name: str
+    help: str
+    type: str
+    samples: list[tuple[dict[str, str], float]]
+
+    def lines(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {escape_help(self.help)}"
+        yield f"# TYPE {self.name} {self.type}"
+        for labels, value in self.samples:
+            text = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in labels.items())
+            selector = f"{self.name}{{{text}}}" if text else self.name
+            yield f"{selector} {_number(value)}"
+
+
+def families(report: Status, collect_seconds: float | None = None) -> list[Family]:
+    """The metric families of one status report, in a fixed order."""
+    queues = report.queues
+
+    def per_queue(name: str, help: str, value: Callable[[Any], float]) -> Family:
+        return Family(name, help, "gauge", [({"queue": q.queue}, value(q)) for q in queues])
+
+    found = [
+        per_queue(
+            "pgq_queue_ready_messages",
+            "Messages visible now: the next claim may take them.",
+            lambda q: q.ready,
+        ),
+        per_queue(
+            "pgq_queue_in_flight_messages",
+            "Messages claimed by a consumer whose lease has not run out.",
+            lambda q: q.in_flight,
+        ),
+        per_queue(
+            "pgq_queue_delayed_messages",
+            "Messages waiting for their ETA, never delivered yet.",
+            lambda q: q.delayed,
+        ),
+        per_queue(
+            "pgq_queue_dead_messages",
+            "Rows of this queue in the dead-letter table.",
+            lambda q: q.dead,
+        ),
+        per_queue(
+            "pgq_queue_oldest_ready_age_seconds",
+            "Seconds the longest-waiting ready message has been deliverable; 0 when none is.",
+            lambda q: q.oldest_ready_age_s or 0.0,
+        ),
+        Family(
+            "pgq_client_processes",
+            "pgq client processes (workers and publishers) connected to the database.",
+            "gauge",
+            [({}, report.clients.processes)],
+        ),
+        Family(
+            "pgq_client_sessions",
+            "Sessions of the pgq client processes.",
+            "gauge",
+            [({}, report.clients.sessions)],
+        ),
+        Family(
+            "pgq_barriers",
+            "Fan-in barriers by status.",
+            "gauge",
+            [({"status": b.status}, b.count) for b in report.barriers],
+        ),
+    ]
+    if collect_seconds is not None:
+        found.append(Family(
+            "pgq_collect_duration_seconds",
+            "Seconds the queries behind these figures took.",
+            "gauge",
+            [({}, collect_seconds)],
+        ))
+    return found
+
+
+def render(report: Status, collect_seconds: float | None = None) -> str:
+    """The exposition text of one status report, ending in a line feed."""
+    return "".join(
+        line + "\n" for family in families(report, collect_seconds) for line in family.lines()
+    )
+
+
+class MetricsServer(HTTPServer):
+    """Answers ``GET /metrics`` with freshly computed figures.
+
+    Single-threaded on purpose: scrapes are served one at a time, so a burst of
+    scrapers never runs the (whole-table) status queries concurrently.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        scrape: Callable[[], str],
+        describe_error: Callable[[BaseException], str],
+        errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.scrape = scrape
+        self.describe_error = describe_error
+        self.errors = errors
+        super().__init__(address, _Handler)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    timeout = REQUEST_TIMEOUT
+    server_version = "pgq-metrics"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/":
+            self._send(HTTPStatus.OK, "pgq metrics: scrape /metrics\n", "text/plain; charset=utf-8")
+            return
+        if path != "/metrics":
+            self._send(HTTPStatus.NOT_FOUND, "not found: scrape /metrics\n",
+                       "text/plain; charset=utf-8")
+            return
+        try:
+            body = self.server.scrape()
+        except self.server.errors as exc:
+            # The target shows as down (Prometheus' `up` is 0) and the reason is logged;
+            # the next scrape tries again on a fresh connection.
+            message = self.server.describe_error(exc)
+            logger.warning("scrape failed: %s", message)
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"pgq metrics: {message}\n",
+                       "text/plain; charset=utf-8")
+            return
+        self._send(HTTPStatus.OK, body, CONTENT_TYPE)
+
+    def _send(self, status: HTTPStatus, body: str, content_type: str) -> None:
+        data = body.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # One line per scrape every few seconds is noise; failures are logged above.
+        return
+
+
+def make_server(
+    host: str,
+    port: int,
+    collect: Callable[[], Status],
+    *,
+    describe_error: Callable[[BaseException], str] = str,
+    errors: tuple[type[BaseException], ...] = (Exception,),
+) -> MetricsServer:
+    """A server on ``host:port`` (0 picks a free port) that calls ``collect`` per scrape.
+
+    ``errors`` are the exceptions a scrape answers with 503 and the one-line
+    ``describe_error`` of the exception; anything else is a bug and propagates.
+    """
+
+    def scrape() -> str:
+        started = time.perf_counter()
+        report = collect()
+        return render(report, time.perf_counter() - started)
+
+    return MetricsServer((host, port), scrape, describe_error, errors)
+
+
+class _Stopped(BaseException):
+    """SIGTERM, raised wherever the main thread is (a BaseException, as
+    KeyboardInterrupt is, so the server's per-request error handling lets it through)."""
+
+
+def serve(server: MetricsServer) -> None:
+    """Serve until SIGINT or SIGTERM, then close the socket and return.
+
+    As a container's PID 1, a process that leaves SIGTERM to its default action
+    ignores it, and ``docker stop`` waits out its timeout to kill it.
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped()
+
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if handled else None
+    try:
+        server.serve_forever()
+    except (KeyboardInterrupt, _Stopped):
+        pass
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        server.server_close()

@@ -1,0 +1,300 @@
+"""`pgq metrics` against a real Postgres: the figures of `pgq status` in Prometheus format.
+
+The output is read back with a small, strict parser of the text exposition format
+(prometheus_client is not a dependency), so a malformed line or a badly escaped
+label fails here the way it would fail a Prometheus scrape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pg_transport import metrics
+from pg_transport.status import Clients, QueueStatus, Status
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+from tests.integration.test_cli import clean_env, invoke, pgq_command
+
+# -- a strict reader of the text exposition format (version 0.0.4) ----------------------
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_SAMPLE = re.compile(rf"^({_NAME})(?:\{{(.*)\}})? (\S+)$")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_UNESCAPE = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+@dataclass
+class Parsed:
+    type: str
+    help: str
+    samples: dict[tuple[tuple[str, str], ...], float] = field(default_factory=dict)
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    labels: list[tuple[str, str]] = []
+    i = 0
+    while i < len(text):
+        match = _LABEL_NAME.match(text, i)
+        assert match and text[match.end() : match.end() + 2] == '="', f"bad labels {text!r}"
+        name, i = match.group(), match.end() + 2
+        value = ""
+        while text[i] != '"':
+            if text[i] == "\\":
+                assert text[i + 1] in _UNESCAPE, f"bad escape in {text!r}"
+                value += _UNESCAPE[text[i + 1]]
+                i += 2
+            else:
+                value += text[i]
+                i += 1
+        labels.append((name, value))
+        i += 1
+        if i < len(text):
+            assert text[i] == ",", f"bad labels {text!r}"
+            i += 1
+    return tuple(labels)
+
+
+def parse_exposition(text: str) -> dict[str, Parsed]:
+    assert text.endswith("\n"), "the exposition ends with a line feed"
+    families: dict[str, Parsed] = {}
+    helps: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, doc = line[7:].partition(" ")
+            assert name not in helps, f"second HELP for {name}"
+            helps[name] = doc.replace("\\n", "\n").replace("\\\\", "\\")
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            assert kind in {"gauge", "counter", "untyped", "summary", "histogram"}, line
+            assert name in helps and name not in families, f"TYPE of {name} out of place"
+            families[name] = Parsed(kind, helps[name])
+        else:
+            match = _SAMPLE.match(line)
+            assert match, f"not a sample line: {line!r}"
+            name, labels, value = match.groups()
+            assert name in families, f"sample of {name} before its TYPE"
+            key = _labels(labels or "")
+            assert key not in families[name].samples, f"duplicate sample {line!r}"
+            families[name].samples[key] = float(value)
+    return families
+
+
+def by_queue(parsed: dict[str, Parsed], name: str) -> dict[str, float]:
+    return {dict(k)["queue"]: v for k, v in parsed[name].samples.items()}
+
+
+# -- rendering --------------------------------------------------------------------------
+
+ODD_NAMES = ['say "hi"', "back\\slash", "two\nlines", 'all \\" of\n them', "ünï cödé,{x}=1"]
+
+
+def test_label_values_are_escaped_and_read_back_exactly() -> None:
+    report = Status(
+        "pgq",
+        [QueueStatus(name, n, 0, 0, 0, None) for n, name in enumerate(ODD_NAMES)],
+        Clients(0, 0),
+    )
+    text = metrics.render(report)
+    assert 'queue="say \\"hi\\""' in text
+    assert 'queue="back\\\\slash"' in text
+    assert 'queue="two\\nlines"' in text
+    parsed = parse_exposition(text)
+    assert by_queue(parsed, "pgq_queue_ready_messages") == {
+        name: n for n, name in enumerate(ODD_NAMES)
+    }
+
+
+def test_every_family_has_help_and_type_even_without_samples() -> None:
+    parsed = parse_exposition(metrics.render(Status("pgq", [], Clients(0, 0)), 0.25))
+    assert parsed["pgq_queue_ready_messages"].samples == {}
+    assert parsed["pgq_barriers"].type == "gauge"
+    assert parsed["pgq_client_processes"].samples == {(): 0.0}
+    assert parsed["pgq_collect_duration_seconds"].samples == {(): 0.25}
+    assert all(p.help and p.type == "gauge" for p in parsed.values())
+
+
+# -- against Postgres -----------------------------------------------------------------
+
+
+def message(n: int) -> dict[str, Any]:
+    return {"body": f"m{n}", "properties": {}, "headers": {}}
+
+
+def known_state(store: Store, peek: Peek) -> None:
+    """jobs: 2 ready (the oldest for 2 minutes), 1 in flight, 1 delayed, 1 dead; idle: empty."""
+    store.publish("jobs", message(0))
+    [doomed] = store.claim(["jobs"], [30.0], 1)
+    assert store.dead_letter((doomed.id, doomed.read_ct), "rejected") is not None
+    store.publish("jobs", message(1))
+    store.claim(["jobs"], [300.0], 1)
+    store.publish("jobs", message(2), delay=3600)
+    store.publish("jobs", message(3))
+    store.publish("jobs", message(4))
+    peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
+         " WHERE payload->>'body' = 'm3'")
+    store.declare_queue("idle")
+
+
+def test_metrics_match_a_known_queue_state_and_pgq_status(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    known_state(store, peek)
+    result = invoke("metrics", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 0, result.output
+    parsed = parse_exposition(result.stdout)
+    assert by_queue(parsed, "pgq_queue_ready_messages") == {"idle": 0, "jobs": 2}
+    assert by_queue(parsed, "pgq_queue_in_flight_messages") == {"idle": 0, "jobs": 1}
+    assert by_queue(parsed, "pgq_queue_delayed_messages") == {"idle": 0, "jobs": 1}
+    assert by_queue(parsed, "pgq_queue_dead_messages") == {"idle": 0, "jobs": 1}
+    ages = by_queue(parsed, "pgq_queue_oldest_ready_age_seconds")
+    assert ages["idle"] == 0
+    assert 120 <= ages["jobs"] < 180
+    assert parsed["pgq_collect_duration_seconds"].samples[()] > 0
+
+    status = invoke("status", "--json", "--url", broker_url, "--schema", schema)
+    report = json.loads(status.stdout)
+    for queue in report["queues"]:
+        for figure in ("ready", "in_flight", "delayed", "dead"):
+            family = parsed[f"pgq_queue_{figure}_messages"]
+            assert family.samples[(("queue", queue["queue"]),)] == queue[figure]
+    assert parsed["pgq_client_processes"].samples[()] == report["clients"]["processes"]
+
+
+def test_odd_queue_names_round_trip_through_postgres(
+    broker_url: str, schema: str, store: Store
+) -> None:
+    for n, name in enumerate(ODD_NAMES):
+        for i in range(n + 1):
+            store.publish(name, message(i))
+    result = invoke("metrics", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 0, result.output
+    ready = by_queue(parse_exposition(result.stdout), "pgq_queue_ready_messages")
+    assert ready == {name: n + 1 for n, name in enumerate(ODD_NAMES)}
+
+
+def test_host_without_serve_is_a_usage_error(broker_url: str, schema: str) -> None:
+    result = invoke("metrics", "--url", broker_url, "--schema", schema, "--host", "0.0.0.0")
+    assert result.exit_code == 2
+    assert "--host goes with --serve" in result.stderr
+
+
+def test_missing_schema_is_one_line(broker_url: str, schema: str) -> None:
+    result = invoke("metrics", "--serve", "0", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"Error: pgq schema {schema!r} at {broker_url} does not exist: run `pgq migrate` first"
+    ]
+
+
+# -- --serve ---------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str
+
+    def get(self, path: str = "/metrics") -> tuple[int, str, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, response.headers["Content-Type"], response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The server's first stdout line, or a failure after ``timeout`` seconds."""
+    lines: list[str] = []
+    stdout = proc.stdout
+    assert stdout is not None
+    reader = threading.Thread(target=lambda: lines.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not lines or not lines[0]:
+        proc.kill()
+        raise AssertionError(f"pgq metrics --serve printed nothing: {proc.communicate()[1]}")
+    return lines[0]
+
+
+@pytest.fixture
+def served(broker_url: str, schema: str, store: Store) -> Iterator[Served]:
+    proc = subprocess.Popen(
+        [*pgq_command(), "metrics", "--serve", "0", "--url", broker_url, "--schema", schema],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    )
+    try:
+        line = _first_line(proc, 30)
+        match = re.search(r"on (http://127\.0\.0\.1:\d+)/metrics$", line.strip())
+        assert match, line
+        yield Served(proc, match.group(1))
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=10)
+
+
+def test_serve_stops_cleanly_on_sigterm(served: Served) -> None:
+    # As a container's PID 1 the default action of SIGTERM would be to ignore it.
+    assert served.get()[0] == 200
+    served.proc.terminate()
+    _, stderr = served.proc.communicate(timeout=10)
+    assert served.proc.returncode == 0, stderr
+    assert "Traceback" not in stderr
+
+
+def test_serve_answers_each_scrape_with_fresh_figures(
+    served: Served, store: Store, peek: Peek
+) -> None:
+    known_state(store, peek)
+    status, content_type, body = served.get()
+    assert status == 200
+    assert content_type == metrics.CONTENT_TYPE
+    assert by_queue(parse_exposition(body), "pgq_queue_ready_messages") == {"idle": 0, "jobs": 2}
+
+    store.publish("jobs", message(9))
+    store.publish("later", message(10))
+    _, _, body = served.get()
+    assert by_queue(parse_exposition(body), "pgq_queue_ready_messages") == {
+        "idle": 0, "jobs": 3, "later": 1,
+    }
+    assert served.get("/nope")[0] == 404
+    assert served.get("/")[0] == 200
+
+
+def test_serve_answers_503_while_the_figures_cannot_be_read(
+    served: Served, pg_url: str, schema: str
+) -> None:
+    from tests.pg import drop_schema
+
+    assert served.get()[0] == 200
+    drop_schema(pg_url, schema)
+    status, _, body = served.get()
+    assert status == 503
+    assert body.startswith("pgq metrics: Postgres error: relation") and body.count("\n") == 1
+    assert served.proc.poll() is None  # still serving: the next scrape tries again
+
+
+def test_serve_on_a_port_in_use_is_one_line(broker_url: str, schema: str, store: Store) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*pgq_command(), "metrics", "--serve", str(port), "--url", broker_url,
+             "--schema", schema],
+            capture_output=True, text=True, timeout=60, env=clean_env(),
+        )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]

@@ -1,0 +1,234 @@
+"""The compose healthcheck's two halves without a worker: the heartbeat and `pgq health`.
+
+tests/acceptance/test_compose.py runs them together in real workers; here each piece
+is driven directly, with an injected clock, so the edges (rate limit, missing file,
+a drain that raises) are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from pg_transport import health
+from pg_transport.cli import main
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def age_file(path: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_start_writes_who_is_beating(tmp_path: Path) -> None:
+    beat = health.Heartbeat(tmp_path / "sub" / "hb")
+    beat.start()
+    info = json.loads((tmp_path / "sub" / "hb").read_text())
+    assert info["pid"] == os.getpid()
+    assert info["hostname"] == socket.gethostname()
+    assert list((tmp_path / "sub").iterdir()) == [tmp_path / "sub" / "hb"]  # no temp file left
+
+
+def test_beat_refreshes_at_most_once_per_interval(tmp_path: Path) -> None:
+    clock = Clock()
+    path = tmp_path / "hb"
+    beat = health.Heartbeat(path, min_interval=1.0, clock=clock)
+    beat.start()
+    age_file(path, 50)
+    clock.now += 0.5
+    beat.beat()  # within the interval of start(): no write
+    assert time.time() - path.stat().st_mtime > 40
+    clock.now += 0.6
+    beat.beat()
+    assert time.time() - path.stat().st_mtime < 5
+
+
+def test_beat_rewrites_a_file_removed_behind_its_back(tmp_path: Path) -> None:
+    clock = Clock()
+    path = tmp_path / "hb"
+    beat = health.Heartbeat(path, clock=clock)
+    beat.start()
+    path.unlink()
+    clock.now += 5
+    beat.beat()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+
+
+def test_unwritable_location_warns_once_and_does_not_raise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    beat = health.Heartbeat(blocker / "hb")  # a path under a regular file
+    beat.start()
+    beat.start()
+    warnings = [r for r in caplog.records if "cannot write the pgq heartbeat" in r.message]
+    assert len(warnings) == 1
+
+
+def test_check_fresh_stale_and_missing(tmp_path: Path) -> None:
+    path = tmp_path / "hb"
+    missing = health.check(path, 30)
+    assert not missing.healthy and missing.age is None
+    assert "no heartbeat file" in missing.message and health.FILE_ENV in missing.message
+
+    health.Heartbeat(path).start()
+    mtime = path.stat().st_mtime
+    fresh = health.check(path, 30, now=mtime + 29)
+    assert fresh.healthy and fresh.age == pytest.approx(29)
+    assert f"pid {os.getpid()}" in fresh.message
+
+    stale = health.check(path, 30, now=mtime + 31)
+    assert not stale.healthy
+    assert "has not consumed for 31.0s (stale after 30s" in stale.message
+
+
+class FakeConnection:
+    def __init__(self, *, raises: BaseException | None = None) -> None:
+        self.raises = raises
+        self.calls: list[dict[str, Any]] = []
+
+    def drain_events(self, **kwargs: Any) -> str:
+        self.calls.append(kwargs)
+        if self.raises is not None:
+            raise self.raises
+        return "drained"
+
+
+def make_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> health.HeartbeatStep:
+    monkeypatch.setenv(health.FILE_ENV, str(tmp_path / "hb"))
+    step = health.HeartbeatStep(SimpleNamespace())
+    step.heartbeat.min_interval = 0.0
+    return step
+
+
+def test_step_beats_after_every_drain_even_an_idle_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = make_step(tmp_path, monkeypatch)
+    idle = FakeConnection(raises=TimeoutError())
+    consumer = SimpleNamespace(hub=None, connection=idle)
+    step.start(consumer)
+    path = tmp_path / "hb"
+    assert path.exists()
+    age_file(path, 100)
+    # Celery's synloop: connection.drain_events(timeout=2.0); an idle poll times out.
+    with pytest.raises(TimeoutError):
+        consumer.connection.drain_events(timeout=2.0)
+    assert idle.calls == [{"timeout": 2.0}]
+    assert health.check(path, 5).healthy
+
+
+def test_step_does_not_beat_while_a_drain_has_not_returned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = make_step(tmp_path, monkeypatch)
+    path = tmp_path / "hb"
+    seen: list[bool] = []
+
+    class Stuck(FakeConnection):
+        def drain_events(self, **kwargs: Any) -> str:
+            # Inside the drain, the file is as old as it was before it started.
+            seen.append(health.check(path, 5).healthy)
+            return "drained"
+
+    consumer = SimpleNamespace(hub=None, connection=Stuck())
+    step.start(consumer)
+    age_file(path, 100)
+    assert consumer.connection.drain_events(timeout=2.0) == "drained"
+    assert seen == [False]
+    assert health.check(path, 5).healthy
+
+
+def test_step_restarted_on_the_same_connection_wraps_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = make_step(tmp_path, monkeypatch)
+    connection = FakeConnection()
+    consumer = SimpleNamespace(hub=None, connection=connection)
+    step.start(consumer)
+    wrapped = consumer.connection.drain_events
+    step.stop(consumer)
+    step.start(consumer)
+    assert consumer.connection.drain_events is wrapped
+    assert consumer.connection.drain_events(timeout=2.0) == "drained"
+    assert connection.calls == [{"timeout": 2.0}]
+
+
+def test_step_with_an_event_loop_beats_from_a_hub_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = make_step(tmp_path, monkeypatch)
+    registered: list[tuple[float, Any]] = []
+    cancelled: list[bool] = []
+
+    class Hub:
+        def call_repeatedly(self, interval: float, fun: Any) -> Any:
+            registered.append((interval, fun))
+            return SimpleNamespace(cancel=lambda: cancelled.append(True))
+
+    step.start(SimpleNamespace(hub=Hub(), connection=FakeConnection()))
+    [(interval, fun)] = registered
+    assert interval == health.MIN_BEAT_INTERVAL
+    age_file(tmp_path / "hb", 100)
+    fun()
+    assert health.check(tmp_path / "hb", 5).healthy
+    step.stop(SimpleNamespace())
+    assert cancelled == [True]
+
+
+def test_step_shutdown_removes_the_file_but_a_reconnect_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step = make_step(tmp_path, monkeypatch)
+    consumer = SimpleNamespace(hub=None, connection=FakeConnection())
+    step.start(consumer)
+    step.stop(consumer)
+    assert (tmp_path / "hb").exists()
+    step.shutdown(consumer)
+    assert not (tmp_path / "hb").exists()
+
+
+def invoke_health(*args: str, **env: str) -> Any:
+    base: dict[str, str | None] = {health.FILE_ENV: None, health.STALE_ENV: None}
+    return CliRunner(env={**base, **env}).invoke(main, ["health", *args])
+
+
+def test_pgq_health_exit_codes_follow_the_heartbeat(tmp_path: Path) -> None:
+    path = tmp_path / "hb"
+    missing = invoke_health("--file", str(path))
+    assert missing.exit_code == 1
+    assert missing.stderr.startswith("Error: no heartbeat file")
+
+    health.Heartbeat(path).start()
+    ok = invoke_health(**{health.FILE_ENV: str(path), health.STALE_ENV: "30"})
+    assert ok.exit_code == 0, ok.output
+    assert ok.stdout.startswith("healthy: worker pid")
+
+    age_file(path, 45)
+    stale = invoke_health(**{health.FILE_ENV: str(path), health.STALE_ENV: "30"})
+    assert stale.exit_code == 1
+    assert "has not consumed for 45" in stale.stderr and len(stale.stderr.splitlines()) == 1
+    assert invoke_health("--file", str(path), "--stale-after", "60").exit_code == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_pgq_health_refuses_a_bad_threshold(tmp_path: Path, value: str) -> None:
+    result = invoke_health("--file", str(tmp_path / "hb"), **{health.STALE_ENV: value})
+    assert result.exit_code == 2
+    assert "--stale-after" in result.stderr
