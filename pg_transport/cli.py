@@ -233,6 +233,41 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
 
 
 @main.group(cls=_Group)
+def barrier() -> None:
+    """Inspect fan-in barriers."""
+
+
+@barrier.command("show")
+@url_option
+@schema_option
+@click.argument("barrier_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -> None:
+    """Show one barrier: status, parts done, callback, timestamps."""
+    from barrier.inspect import show  # the barrier package builds on this one
+
+    with _store(url, schema) as store:
+        found = show(store.connector, store.schema, barrier_id)
+    if found is None:
+        raise click.ClickException(f"no barrier {barrier_id!r} in pgq schema {schema!r}")
+    if as_json:
+        click.echo(_json(found))
+        return
+    parts = found.pop("parts", [])
+    for key, value in found.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        click.echo(f"{key + ':':<16}{'-' if value is None else value}")
+    if parts:
+        click.echo(_table(
+            ["PART", "OUTCOME", "TASK ID", "FINISHED"],
+            [[str(p["index"]), str(p["outcome"]), str(p.get("task_id") or "-"),
+              str(p["finished_at"])] for p in parts],
+            right={0},
+        ))
+
+
+@main.group(cls=_Group)
 def dead() -> None:
     """Dead-lettered messages: list, requeue, purge, and re-run their hooks."""
 

@@ -553,3 +553,20 @@ def test_show_and_counts(app: Celery, db: Backend, conn: psycopg.Connection[Any]
     assert all(isinstance(shown[k], str) for k in ("created_at", "expires_at", "progressed_at"))
     json.dumps(shown)  # JSON-ready for `pgq barrier show --json`
     assert b.counts() == {"armed": 1, "fired": 1, "completed": 0, "failed": 0, "expired": 0}
+
+
+def test_cli_barrier_show(app: Celery, broker_url: str, schema: str) -> None:
+    from tests.integration.test_cli import invoke
+
+    d = Barrier(app).dispatch("cli-b", sigs(app, 2), app.signature("t.collect"))
+    shown = invoke("barrier", "show", "cli-b", "--json", "--url", broker_url, "--schema", schema)
+    assert shown.exit_code == 0, shown.output
+    report = json.loads(shown.stdout)
+    assert (report["id"], report["status"], report["total"], report["remaining"]) == (
+        "cli-b", "armed", 2, 2)
+    assert report["callback"] == {"task": "t.collect", "id": d.callback_id}
+    table = invoke("barrier", "show", "cli-b", "--url", broker_url, "--schema", schema)
+    assert table.exit_code == 0 and "status:         armed" in table.stdout
+    missing = invoke("barrier", "show", "nope", "--url", broker_url, "--schema", schema)
+    assert missing.exit_code == 1
+    assert missing.stderr.strip() == f"Error: no barrier 'nope' in pgq schema {schema!r}"
