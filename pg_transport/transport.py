@@ -55,7 +55,7 @@ from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Store
 
-__all__ = ["Channel", "QoS", "Transport"]
+__all__ = ["Channel", "Message", "QoS", "Transport"]
 
 logger = logging.getLogger("pg_transport.transport")
 
@@ -86,6 +86,23 @@ UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailab
 def _token(message: Any) -> tuple[int, int]:
     ident, read_ct = message.delivery_info[TOKEN]
     return int(ident), int(read_ct)
+
+
+class Message(virtual.Message):
+    """Remembers why its body could not be decoded.
+
+    Celery logs an undecodable body and acks it, which would delete it; QoS.ack
+    sees this mark and dead-letters the message with the reason instead.
+    """
+
+    undecodable: str | None = None
+
+    def _decode(self) -> Any:
+        try:
+            return super()._decode()
+        except Exception as exc:  # whatever the decoder raised is the reason kept
+            self.undecodable = f"{type(exc).__name__}: {exc}"
+            raise
 
 
 class QoS(virtual.QoS):
@@ -123,8 +140,14 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
+        message = self._delivered.get(delivery_tag)
+        undecodable = getattr(message, "undecodable", None)
         try:
-            if held is not None:
+            if held is not None and undecodable:
+                self.channel.dead_letter(
+                    (held[0], held[1]), f"undecodable body: {undecodable}", message
+                )
+            elif held is not None:
                 self.channel.store.ack([(held[0], held[1])])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)
@@ -188,6 +211,7 @@ class Channel(virtual.Channel):
     """A kombu channel on the pgq store."""
 
     QoS = QoS
+    Message = Message
     do_restore = True
     supports_fanout = True
     default_priority = 0

@@ -59,3 +59,25 @@ def test_worker_killing_task_is_dead_lettered_after_max_attempts(env: Env) -> No
         "identity": {"organization_id": 42, "execution_id": "exec-7"},
         "attempts": attempts, "dead_letter_id": dead["id"],
     }
+
+
+def test_an_undecodable_body_is_dead_lettered_not_dropped(env: Env) -> None:
+    from kombu import Connection, Producer
+
+    from tests.acceptance.harness import workers
+
+    with Connection(env.broker_url, transport_options={"schema": env.schema}) as conn:
+        Producer(conn).publish(
+            "{not json", routing_key="celery", serializer=None,
+            content_type="application/json", content_encoding="utf-8",
+            headers={"task": "tests.acceptance.app.mark", "id": "bad-body", "lang": "py"},
+        )
+    with workers(env, "decoder", concurrency=1):
+        # Celery logs "Can't decode message body" and acks it: pgq keeps it instead.
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter"), 30,
+                 "the undecodable message in dead_letter")
+    assert env.runs() == []
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+    reason = env.scalar("SELECT reason FROM {schema}.dead_letter")
+    assert reason.startswith("undecodable body: DecodeError")
+    assert env.scalar("SELECT task_id FROM {schema}.dead_letter") == "bad-body"
