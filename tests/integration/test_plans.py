@@ -1,0 +1,77 @@
+"""The hot queries use their indexes: EXPLAIN (FORMAT JSON) pins each to its plan.
+
+A backlog of 20,000 rows in several queues (with statistics) is enough for the
+planner to prefer an index when one fits; a sequential scan here would mean the
+query reads every queued message on each call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+
+
+def scans(plan: dict[str, Any]) -> Iterator[tuple[str, str | None]]:
+    """(node type, index name) of every node of a plan tree."""
+    yield plan["Node Type"], plan.get("Index Name")
+    for child in plan.get("Plans", []):
+        yield from scans(child)
+
+
+@pytest.fixture
+def backlog(store: Store, peek: Peek) -> Store:
+    peek(
+        "INSERT INTO {schema}.message (queue, priority, payload)"
+        " SELECT 'q' || (n %% 20), n %% 3, '{{}}' FROM generate_series(1, 20000) AS n"
+    )
+    peek("ANALYZE {schema}.message")
+    return store
+
+
+def explain(store: Store, name: str, params: dict[str, Any]) -> list[tuple[str, str | None]]:
+    with psycopg.connect(store.connector.conninfo, autocommit=True) as conn, \
+            conn.transaction(force_rollback=True):
+        row = conn.execute("EXPLAIN (FORMAT JSON) " + store.q[name], params).fetchone()
+    assert row is not None
+    found = row[0] if isinstance(row[0], list) else json.loads(row[0])
+    return list(scans(found[0]["Plan"]))
+
+
+def uses(nodes: list[tuple[str, str | None]], index: str) -> bool:
+    return any(name == index for _, name in nodes)
+
+
+def no_seq_scan_of_message(nodes: list[tuple[str, str | None]]) -> bool:
+    return all(kind != "Seq Scan" for kind, _ in nodes)
+
+
+def test_claim_walks_the_claim_index(backlog: Store) -> None:
+    nodes = explain(backlog, "claim", {"queues": ["q1", "q2"], "vts": [30.0, 30.0],
+                                       "max_attempts": [5, 5], "limit": 16})
+    assert uses(nodes, "message_claim_idx"), nodes
+    assert no_seq_scan_of_message(nodes), nodes
+
+
+def test_ack_release_and_renew_use_the_primary_key(backlog: Store) -> None:
+    tokens = {"ids": [1, 2, 3], "read_cts": [1, 1, 1]}
+    for name, params in [
+        ("ack", tokens),
+        ("release", {**tokens, "channel": "c"}),
+        ("renew", {**tokens, "vts": [30.0, 30.0, 30.0]}),
+    ]:
+        nodes = explain(backlog, name, params)
+        assert uses(nodes, "message_pkey"), (name, nodes)
+        assert no_seq_scan_of_message(nodes), (name, nodes)
+
+
+def test_size_counts_through_the_claim_index(backlog: Store) -> None:
+    nodes = explain(backlog, "size", {"queue": "q7"})
+    assert uses(nodes, "message_claim_idx"), nodes
+    assert no_seq_scan_of_message(nodes), nodes
