@@ -96,6 +96,9 @@ class Cluster:
     port: int
     account: pwd.struct_passwd | None
     settings: dict[str, str] = field(default_factory=dict)
+    #: When set, initdb gives ``postgres`` this password and every login must use it
+    #: (scram-sha-256); when None, trust authentication.
+    password: str | None = None
     restarts: int = 0
 
     @property
@@ -133,9 +136,16 @@ class Cluster:
         return " ".join(opts)
 
     def init(self) -> None:
+        auth = ["--auth=trust"]
+        if self.password is not None:
+            pwfile = self.root / "pw"
+            pwfile.write_text(self.password + "\n")
+            if self.account is not None:
+                os.chown(pwfile, self.account.pw_uid, self.account.pw_gid)
+            auth = ["--auth=scram-sha-256", f"--pwfile={pwfile}"]
         self._run([
             str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
-            "--auth=trust", "--encoding=UTF8", "--no-sync",
+            *auth, "--encoding=UTF8", "--no-sync",
         ])
 
     def start(self) -> None:
@@ -161,8 +171,11 @@ class Cluster:
 
 
 @contextmanager
-def throwaway_cluster(settings: Mapping[str, str] | None = None) -> Iterator[Cluster]:
-    """A started cluster on a free port with trust auth; stopped and removed afterwards."""
+def throwaway_cluster(
+    settings: Mapping[str, str] | None = None, *, password: str | None = None
+) -> Iterator[Cluster]:
+    """A started cluster on a free port (trust auth, or scram-sha-256 with ``password``);
+    stopped and removed afterwards."""
     bindir = find_bindir()
     account = run_as()
     root = Path(tempfile.mkdtemp(prefix="pgq-cluster-"))
@@ -170,7 +183,7 @@ def throwaway_cluster(settings: Mapping[str, str] | None = None) -> Iterator[Clu
         os.chown(root, account.pw_uid, account.pw_gid)
     cluster = Cluster(
         bindir=bindir, root=root, port=free_port(), account=account,
-        settings={**DEFAULT_SETTINGS, **(settings or {})},
+        settings={**DEFAULT_SETTINGS, **(settings or {})}, password=password,
     )
     try:
         cluster.init()

@@ -7,16 +7,11 @@ role, schema or variable.
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
 import secrets
-import shutil
-import socket
-import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +31,7 @@ from pg_transport.errors import (
     ConfigurationError,
     SchemaError,
 )
+from tests.acceptance.cluster import ClusterUnavailable, throwaway_cluster
 
 
 @pytest.fixture(autouse=True)
@@ -143,47 +139,6 @@ def test_an_unreachable_server_is_retried(schema: str) -> None:
 # -- wrong password: a throwaway cluster that checks passwords ---------------------
 
 
-def _bindirs() -> Iterator[str]:
-    if os.environ.get("PGQ_PG_BINDIR"):
-        yield os.environ["PGQ_PG_BINDIR"]
-    if shutil.which("pg_config"):
-        out = subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True)
-        yield out.stdout.strip()
-    yield from sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
-    try:
-        from pgserver._commands import POSTGRES_BIN_PATH
-    except ImportError:
-        return
-    yield str(POSTGRES_BIN_PATH)
-
-
-def _bindir() -> Path:
-    """Directory with initdb and pg_ctl: PGQ_PG_BINDIR, pg_config, Debian's, or pgserver's."""
-    for candidate in _bindirs():
-        path = Path(candidate)
-        if (path / "initdb").exists() and (path / "pg_ctl").exists():
-            return path
-    pytest.skip("no initdb/pg_ctl found to start a password-checking cluster")
-
-
-def _run_as() -> pwd.struct_passwd | None:
-    """initdb refuses to run as root: pick an unprivileged account when we are root."""
-    if os.geteuid() != 0:
-        return None
-    for name in ("postgres", "pgserver", "nobody"):
-        try:
-            return pwd.getpwnam(name)
-        except KeyError:
-            continue
-    pytest.skip("running as root without an unprivileged account for initdb")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class ScramCluster:
     port: int
@@ -197,40 +152,13 @@ class ScramCluster:
 
 @pytest.fixture(scope="module")
 def scram_cluster() -> Iterator[ScramCluster]:
-    bindir = _bindir()
-    account = _run_as()
-    root = Path(tempfile.mkdtemp(prefix="pgq-scram-"))
-    data = root / "data"
-    pwfile = root / "pw"
     password = "right-" + secrets.token_hex(8)
-    pwfile.write_text(password + "\n")
-    run: dict[str, Any] = {"check": True, "capture_output": True, "text": True}
-    if account is not None:
-        os.chown(root, account.pw_uid, account.pw_gid)
-        os.chown(pwfile, account.pw_uid, account.pw_gid)
-        run.update(user=account.pw_uid, group=account.pw_gid, extra_groups=[])
-    port = _free_port()
-    subprocess.run(
-        [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
-         f"--pwfile={pwfile}", "--encoding=UTF8", "--no-sync"],
-        **run,
-    )
-    pg_ctl = [str(bindir / "pg_ctl"), "-D", str(data)]
-    try:
-        subprocess.run(
-            [*pg_ctl, "-w", "-t", "60", "-l", str(root / "log"), "-o",
-             f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start"],
-            **run,
-        )
-    except subprocess.CalledProcessError as exc:
-        log = (root / "log").read_text() if (root / "log").exists() else ""
-        shutil.rmtree(root, ignore_errors=True)
-        raise AssertionError(f"throwaway cluster did not start: {exc.stderr}\n{log}") from exc
-    try:
-        yield ScramCluster(port=port, user="postgres", password=password)
-    finally:
-        subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], **{**run, "check": False})
-        shutil.rmtree(root, ignore_errors=True)
+    with ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(throwaway_cluster(password=password))
+        except ClusterUnavailable as exc:
+            pytest.skip(f"no password-checking cluster here: {exc}")
+        yield ScramCluster(port=cluster.port, user="postgres", password=password)
 
 
 @pytest.fixture
