@@ -45,9 +45,9 @@ class Listener:
         self.use_notify = use_notify
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # The wake-up pipe exists once someone waits: a publishing-only connection
+        # (most of Celery's producer pool) never holds its two descriptors.
+        self._wake_r = self._wake_w = -1
 
     def start(self) -> None:
         """Open the LISTEN session (idempotent)."""
@@ -59,15 +59,24 @@ class Listener:
 
     def wake(self) -> None:
         """Wake a waiter from any thread; cheap, never blocks."""
+        if self._wake_w < 0:
+            return  # nobody has waited yet: the next wait begins with a claim anyway
         # A full pipe means a wake-up is already pending.
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
+    def _ensure_pipe(self) -> None:
+        if self._wake_r < 0:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake_r, self._wake_w = read, write
 
     def wait(self, timeout: float) -> Wakeup:
         """Block up to ``timeout`` seconds; raises psycopg errors if LISTEN died."""
         if self.use_notify:
             self.start()
+        self._ensure_pipe()
         result = Wakeup()
         fds: list[int] = [self._wake_r]
         conn = self._conn
@@ -113,8 +122,12 @@ class Listener:
                 conn.close()
             except psycopg.Error:
                 logger.debug("closing the LISTEN connection failed", exc_info=True)
+        # Forget the descriptors before closing them, so a late wake() from another
+        # thread finds nothing to write to rather than a recycled descriptor number.
+        fds = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1
         if self._pid == os.getpid():
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+            for fd in fds:
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)

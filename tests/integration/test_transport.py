@@ -182,3 +182,24 @@ def test_concurrent_declares_of_one_new_exchange_agree_on_its_type(
     finally:
         for c in others:
             c.release()
+
+
+def test_a_publishing_connection_holds_no_wake_up_pipe(broker_url: str, schema: str) -> None:
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with Connection(broker_url, transport_options={"schema": schema}) as warm:
+        warm.SimpleQueue("pub-only").put({"n": 0})  # imports, schema, first connections
+    before = open_fds()
+    publishers = [Connection(broker_url, transport_options={"schema": schema}) for _ in range(20)]
+    try:
+        for c in publishers:
+            Producer(c).publish({"n": 1}, routing_key="pub-only")
+        for c in publishers:
+            assert c.transport.listener._wake_r == -1
+    finally:
+        for c in publishers:
+            c.release()
+    assert open_fds() <= before + 2
