@@ -28,7 +28,7 @@ def test_worker_killing_task_is_dead_lettered_after_max_attempts(env: Env) -> No
 
     for delivery in range(1, attempts + 1):
         worker = start_worker(env, f"solo{delivery}", pool="solo", concurrency=1,
-                              app=APP, environ=environ)
+                              app=APP, environ=environ, may_exit=True)
         wait_for(lambda d=delivery: len(env.runs()) >= d, 30, f"delivery {delivery}")
         assert worker.proc.wait(30) != 0  # os._exit(1) took the worker down
     # One more worker: its claim finds the message past max_attempts.
