@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from hashlib import blake2b
 from typing import Any
 
@@ -24,6 +23,7 @@ from celery.utils import uuid
 
 from barrier.codec import compress, serialize
 from barrier.errors import BarrierError
+from pg_transport.eta import eta_delay
 
 __all__ = ["Outgoing", "as_signature", "eta_delay", "publish_key", "task_message"]
 
@@ -41,21 +41,6 @@ class Outgoing:
     task_id: str
     #: Seconds until its ETA (countdown/eta option); 0 for "now".
     delay: float = 0.0
-
-
-def eta_delay(headers: Mapping[str, Any], now: datetime | None = None) -> float:
-    """Seconds until the Celery ``eta`` header is due, as the transport's ``_put``
-    computes it for native delayed delivery (naive ETAs are UTC, Celery's default)."""
-    eta = headers.get("eta")
-    if not eta or not isinstance(eta, str):
-        return 0.0
-    try:
-        due = datetime.fromisoformat(eta)
-    except ValueError:
-        return 0.0  # Celery itself reports a bad ETA when it runs the task
-    if due.tzinfo is None:
-        due = due.replace(tzinfo=timezone.utc)
-    return max((due - (now or datetime.now(timezone.utc))).total_seconds(), 0.0)
 
 
 def as_signature(app: Any, sig: Any, what: str) -> Signature:

@@ -33,7 +33,6 @@ import base64
 import logging
 import os
 import threading
-from datetime import datetime, timezone
 from hashlib import md5
 from queue import Empty
 from time import monotonic
@@ -50,6 +49,7 @@ from pg_transport import identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.errors import BrokerUnavailable, BrokerUnreachable, SchemaError
+from pg_transport.eta import eta_delay
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
@@ -269,17 +269,8 @@ class Channel(virtual.Channel):
         """Seconds until a Celery ETA/countdown message is due (0: deliver now)."""
         if not self.connection.options.native_delayed_delivery:
             return 0.0
-        headers = message.get("headers") or {}
-        eta = headers.get("eta") if isinstance(headers, dict) else None
-        if not eta or not isinstance(eta, str):
-            return 0.0
-        try:
-            due = datetime.fromisoformat(eta)
-        except ValueError:
-            return 0.0  # Celery itself will report the bad ETA when it runs the task
-        if due.tzinfo is None:
-            due = due.replace(tzinfo=timezone.utc)  # Celery's default: enable_utc
-        return max((due - datetime.now(timezone.utc)).total_seconds(), 0.0)
+        headers = message.get("headers")
+        return eta_delay(headers) if isinstance(headers, dict) else 0.0
 
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         check_queue_name(queue)
