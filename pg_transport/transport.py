@@ -593,6 +593,10 @@ class Transport(virtual.Transport):
     def _consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
 
+    def _consumed_queues(self) -> set[str]:
+        """Every queue some channel of this connection consumes, acked or not."""
+        return {q for c in self._consuming_channels() for qs in c.consuming() for q in qs}
+
     def _claim_and_deliver(self) -> int:
         delivered = 0
         for channel in self._consuming_channels():
@@ -646,7 +650,7 @@ class Transport(virtual.Transport):
             wait = self.polling_interval or 1.0
             if timeout is not None:
                 wait = min(wait, timeout - waited)
-            active = {q for c in self._consuming_channels() for qs in c.consuming() for q in qs}
+            active = self._consumed_queues()
             while True:
                 woke = self.listener.wait(wait)
                 if woke.concerns(active) or not woke.queues:
@@ -662,7 +666,7 @@ class Transport(virtual.Transport):
             self._renewer.start()
 
     def maintain(self) -> None:
-        queues = sorted({q for c in self._consuming_channels() for qs in c.consuming() for q in qs})
+        queues = sorted(self._consumed_queues())
         self.store.maintain(queues)
 
     def held(self) -> list[tuple[int, int, float]]:
