@@ -326,7 +326,5 @@ class Store:
 
 
 def _ordered(rows: Sequence[Any]) -> list[Claimed]:
-    """Rows of a claim in delivery order (RETURNING keeps none): priority, then age."""
-    claimed = [Claimed(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
-    claimed.sort(key=lambda c: (-c.priority, c.id))
-    return claimed
+    """Rows of a claim or pop, which the statement returns in delivery order."""
+    return [Claimed(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]

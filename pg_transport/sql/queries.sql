@@ -16,30 +16,31 @@ SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
 -- Take up to limit visible messages over several queues in one statement. A message
 -- whose next delivery would exceed its queue's max_attempts is moved to dead_letter
 -- instead, in the same statement: it is never delivered again and never lost.
+-- Rows come back in delivery order: priority, then the time they became visible.
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM unnest(%(queues)s::text[], %(vts)s::float8[], %(max_attempts)s::integer[])
         AS w(name, vt, max_attempts)
 ), picked AS (
-    SELECT c.id, c.read_ct, wanted.vt, wanted.max_attempts
+    SELECT c.id, c.priority, c.visible_at, c.read_ct, wanted.vt, wanted.max_attempts
     FROM wanted
     CROSS JOIN LATERAL (
-        SELECT m.id, m.priority, m.read_ct
+        SELECT m.id, m.priority, m.visible_at, m.read_ct
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
           AND (m.expires_at IS NULL OR m.expires_at > now())
-        ORDER BY m.priority DESC, m.id
+        ORDER BY m.priority DESC, m.visible_at, m.id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ) AS c
-    ORDER BY c.priority DESC, c.id
+    ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
 ), poisoned AS (
     DELETE FROM {schema}.message AS t
     USING picked
     WHERE t.id = picked.id AND picked.read_ct >= picked.max_attempts
     RETURNING t.id, t.queue, t.priority, t.read_ct, t.enqueued_at, t.payload,
-              picked.max_attempts
+              picked.max_attempts, picked.visible_at
 ), dead AS (
     INSERT INTO {schema}.dead_letter
         (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
@@ -53,36 +54,44 @@ WITH wanted AS (
         read_ct = t.read_ct + 1
     FROM picked
     WHERE t.id = picked.id AND picked.read_ct < picked.max_attempts
-    RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
+    RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload, picked.visible_at
 )
-SELECT id, queue, priority, read_ct, payload, NULL::bigint AS dead_letter_id FROM claimed
-UNION ALL
-SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id
-FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
+SELECT id, queue, priority, read_ct, payload, dead_letter_id FROM (
+    SELECT id, queue, priority, read_ct, payload, NULL::bigint AS dead_letter_id, visible_at
+    FROM claimed
+    UNION ALL
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id, p.visible_at
+    FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
+) AS delivered
+ORDER BY priority DESC, visible_at, id
 
 -- name: pop
--- Take and delete up to limit visible messages at once, for consumers that never ack (no_ack).
+-- Take and delete up to limit visible messages at once, for consumers that never ack
+-- (no_ack). Rows come back in delivery order.
 WITH wanted AS (
     SELECT w.name FROM unnest(%(queues)s::text[]) AS w(name)
 ), picked AS (
-    SELECT c.id
+    SELECT c.id, c.priority, c.visible_at
     FROM wanted
     CROSS JOIN LATERAL (
-        SELECT m.id, m.priority
+        SELECT m.id, m.priority, m.visible_at
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
           AND (m.expires_at IS NULL OR m.expires_at > now())
-        ORDER BY m.priority DESC, m.id
+        ORDER BY m.priority DESC, m.visible_at, m.id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ) AS c
-    ORDER BY c.priority DESC, c.id
+    ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
+), popped AS (
+    DELETE FROM {schema}.message AS t
+    USING picked
+    WHERE t.id = picked.id
+    RETURNING t.id, t.queue, t.priority, t.read_ct + 1 AS read_ct, t.payload, picked.visible_at
 )
-DELETE FROM {schema}.message AS t
-USING picked
-WHERE t.id = picked.id
-RETURNING t.id, t.queue, t.priority, t.read_ct + 1, t.payload, NULL::bigint
+SELECT id, queue, priority, read_ct, payload, NULL::bigint FROM popped
+ORDER BY priority DESC, visible_at, id
 
 -- name: ack
 -- Delete delivered messages, fenced by the read_ct each was claimed with.
@@ -91,10 +100,12 @@ USING unnest(%(ids)s::bigint[], %(read_cts)s::integer[]) AS a(id, read_ct)
 WHERE m.id = a.id AND m.read_ct = a.read_ct
 
 -- name: release
--- Make claimed messages visible again now (requeue), fenced by read_ct, and wake listeners.
+-- Make claimed messages visible again now (requeue), fenced by read_ct, and wake
+-- listeners. A released message goes back to the place it had when it was published
+-- (visible since enqueued_at), ahead of what arrived after it, as on AMQP brokers.
 WITH released AS (
     UPDATE {schema}.message AS m
-    SET visible_at = now()
+    SET visible_at = least(m.enqueued_at, now())
     FROM unnest(%(ids)s::bigint[], %(read_cts)s::integer[]) AS a(id, read_ct)
     WHERE m.id = a.id AND m.read_ct = a.read_ct
     RETURNING m.queue

@@ -59,8 +59,10 @@ CREATE TABLE {schema}.message (
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (fillfactor = 90);
 
--- Claim order within a queue: priority first, then arrival.
-CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, id);
+-- Claim order within a queue: priority first, then the time a message became visible
+-- (published, due, released or its lease lapsed), then arrival. Rows in flight or
+-- delayed sort after the ready ones of their priority, so a claim never reads them.
+CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, visible_at, id);
 
 CREATE INDEX message_expiring_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
 

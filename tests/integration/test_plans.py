@@ -75,3 +75,50 @@ def test_size_counts_through_the_claim_index(backlog: Store) -> None:
     nodes = explain(backlog, "size", {"queue": "q7"})
     assert uses(nodes, "message_claim_idx"), nodes
     assert no_seq_scan_of_message(nodes), nodes
+
+
+def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
+    """(shared buffers touched, rows the message scan threw away) of one real claim,
+    rolled back."""
+    params = {"queues": [queue], "vts": [30.0], "max_attempts": [5], "limit": limit}
+    with psycopg.connect(store.connector.conninfo, autocommit=True) as conn, \
+            conn.transaction(force_rollback=True):
+        row = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store.q["claim"], params
+        ).fetchone()
+    assert row is not None
+    plan = (row[0] if isinstance(row[0], list) else json.loads(row[0]))[0]["Plan"]
+    removed = sum(
+        node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+        for node in walk(plan) if node.get("Relation Name") == "message"
+    )
+    return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"], removed
+
+
+def walk(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from walk(child)
+
+
+@pytest.mark.parametrize("head", ["in flight", "delayed"])
+def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, head: str) -> None:
+    # 20,000 invisible rows published before the ready ones: the head of the queue in
+    # arrival order. Leased (claimed, not acked) or delayed (ETA), a claim must go
+    # straight to the ready rows instead of stepping over every one of them.
+    ready = "INSERT INTO {schema}.message (queue, payload) SELECT %s, '{{}}'" \
+        " FROM generate_series(1, 10)"
+    peek(ready, "plain")
+    peek(
+        "INSERT INTO {schema}.message (queue, visible_at, read_ct, payload)"
+        " SELECT 'q', now() + interval '1 hour', %s, '{{}}' FROM generate_series(1, 20000)",
+        1 if head == "in flight" else 0,
+    )
+    peek(ready, "q")
+    peek("VACUUM ANALYZE {schema}.message")
+    baseline, _ = claim_buffers(store, "plain", 4)
+    touched, removed = claim_buffers(store, "q", 4)
+    assert removed == 0, f"the claim read {removed} rows it could not take"
+    # The invisible head spans ~100 index leaf pages and hundreds of heap pages.
+    assert touched <= baseline + 5, (touched, baseline)
+    assert [c.read_ct for c in store.claim(["q"], [30.0], 4)] == [1, 1, 1, 1]
