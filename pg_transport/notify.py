@@ -65,6 +65,16 @@ class Listener:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
+    def wake_fd(self) -> int:
+        """The read end of the wake-up pipe, for an event loop to watch."""
+        self._ensure_pipe()
+        return self._wake_r
+
+    def clear_wakes(self) -> None:
+        """Consume pending wake-ups (after the event loop saw the pipe readable)."""
+        if self._wake_r >= 0:
+            self._drain_pipe()
+
     def _ensure_pipe(self) -> None:
         if self._wake_r < 0:
             read, write = os.pipe()

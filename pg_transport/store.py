@@ -8,6 +8,7 @@ by its publish key.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from psycopg.types.json import Json
 from pg_transport.connection import Connector
 from pg_transport.sql import load_queries, notify_channel
 
-__all__ = ["Claimed", "Store", "notify_channel"]
+__all__ = ["Claimed", "Store", "claim_params", "decode_claimed", "notify_channel"]
 
 @dataclass(frozen=True)
 class Claimed:
@@ -98,22 +99,24 @@ class Store:
         vts: Sequence[float],
         limit: int,
         max_attempts: Sequence[int] | None = None,
+        *,
+        acks: Sequence[tuple[int, int]] = (),
     ) -> list[Claimed]:
         """Claim up to ``limit`` visible messages over ``queues``, best first.
 
         A message already delivered ``max_attempts`` times (per queue; unlimited
         when not given) is dead-lettered by the same statement and comes back with
-        ``dead_letter_id`` set instead of being delivered.
+        ``dead_letter_id`` set instead of being delivered. ``acks`` (id, read_ct)
+        are acked by the same statement.
 
         Not retried: a claim whose result was lost is indistinguishable from a
-        consumer that died, and the visibility timeout brings those rows back.
+        consumer that died, and the visibility timeout brings those rows back. The
+        caller still owns ``acks`` when this raises.
         """
         if limit <= 0 or not queues:
+            self.ack(acks)
             return []
-        attempts = list(max_attempts) if max_attempts is not None else [2**31 - 1] * len(queues)
-        params = {
-            "queues": list(queues), "vts": list(vts), "max_attempts": attempts, "limit": limit
-        }
+        params = claim_params(queues, vts, limit, max_attempts, acks)
 
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["claim"], params).fetchall()
@@ -323,6 +326,32 @@ class Store:
             return (int(row[0]), int(row[1])) if row else (0, 0)
 
         return self.relaxed.run(work, idempotent=True)
+
+
+def claim_params(
+    queues: Sequence[str],
+    vts: Sequence[float],
+    limit: int,
+    max_attempts: Sequence[int] | None,
+    acks: Sequence[tuple[int, int]],
+) -> dict[str, Any]:
+    """Parameters of the ``claim`` query."""
+    attempts = list(max_attempts) if max_attempts is not None else [2**31 - 1] * len(queues)
+    return {
+        "queues": list(queues), "vts": list(vts), "max_attempts": attempts, "limit": limit,
+        "ack_ids": [t[0] for t in acks], "ack_read_cts": [t[1] for t in acks],
+    }
+
+
+def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
+    """A claim or pop row as libpq's text values (statements sent without psycopg)."""
+    ident, queue, priority, read_ct, payload, dead = row
+    assert ident is not None and queue is not None and payload is not None
+    assert priority is not None and read_ct is not None
+    return Claimed(
+        int(ident), queue.decode(), int(priority), int(read_ct), json.loads(payload),
+        None if dead is None else int(dead),
+    )
 
 
 def _ordered(rows: Sequence[Any]) -> list[Claimed]:

@@ -35,7 +35,6 @@ import os
 import threading
 from hashlib import md5
 from queue import Empty
-from time import monotonic
 from typing import Any
 from urllib.parse import quote
 
@@ -48,8 +47,11 @@ from kombu.transport.virtual.exchange import TopicExchange
 from pg_transport import identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
+from pg_transport.drain import UNAVAILABLE, Drain
 from pg_transport.errors import BrokerUnavailable, BrokerUnreachable, SchemaError
 from pg_transport.eta import eta_delay
+from pg_transport.housekeeping import Housekeeper
+from pg_transport.hub import EventLoopDrain
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
@@ -61,10 +63,6 @@ logger = logging.getLogger("pg_transport.transport")
 
 TOKEN = "pgq_token"
 MAX_PRIORITY = 255
-# Seconds between marking consumed queues as used and reaping expired ones.
-MAINTAIN_INTERVAL = 2.0
-# Claim batch when the consumer set no prefetch limit.
-UNLIMITED_BATCH = 100
 # Queue names are index keys and NOTIFY payloads: both have byte limits well above this.
 MAX_QUEUE_NAME_BYTES = 1024
 
@@ -79,8 +77,6 @@ def check_queue_name(queue: str) -> str:
     return queue
 
 
-# Errors that mean "Postgres is not there right now" (after the retries).
-UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable)
 
 
 def _token(message: Any) -> tuple[int, int]:
@@ -148,7 +144,12 @@ class QoS(virtual.QoS):
                     (held[0], held[1]), f"undecodable body: {undecodable}", message
                 )
             elif held is not None:
-                self.channel.store.ack([(held[0], held[1])])
+                token = (held[0], held[1])
+                transport = self.channel.connection
+                # Rides on the consumer's next claim (woken by _forget below); once
+                # the consumer has stopped, the ack is landed here and now.
+                if transport is None or not transport.drain.acks.add(token):
+                    self.channel.store.ack([token])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)
         finally:
@@ -378,7 +379,7 @@ class Channel(virtual.Channel):
                 raise Empty()
             if claimed[0].dead_letter_id is None:
                 return self.connection.as_payload(claimed[0])
-            self.connection._deliver_all(claimed, True)  # poisoned: handled, not delivered
+            self.connection.drain.deliver_all(claimed, leased=True)  # poisoned: handled
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
@@ -413,6 +414,7 @@ class Channel(virtual.Channel):
         check_queue_name(queue)
         if no_ack:
             self._noack_queues.add(queue)
+        self.connection.drain.reset(queue)
         return super().basic_consume(queue, no_ack, *args, **kwargs)
 
     def basic_cancel(self, consumer_tag: str) -> Any:
@@ -421,6 +423,11 @@ class Channel(virtual.Channel):
         if queue is not None and queue not in self._active_queues:
             self._noack_queues.discard(queue)
         return result
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> None:
+        super().basic_qos(*args, **kwargs)
+        if self.connection is not None:
+            self.connection.wake()  # a larger prefetch window is room for a claim now
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         if not no_ack:
@@ -491,7 +498,7 @@ class Transport(virtual.Transport):
     recoverable_channel_errors = ()
 
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
+        asynchronous=True,
         exchange_type=EXCHANGE_TYPES,
         heartbeats=False,
     )
@@ -519,9 +526,11 @@ class Transport(virtual.Transport):
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify
         )
-        self._renewer: _LeaseRenewer | None = None
+        self._renewer: Housekeeper | None = None
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
+        self.drain = Drain(self)
+        self.hub = EventLoopDrain(self, self.drain)
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
@@ -540,6 +549,8 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
         finally:
+            self.hub.unregister()
+            self.drain.close()
             if self._renewer is not None:
                 self._renewer.stop()
             self.listener.close()
@@ -558,6 +569,9 @@ class Transport(virtual.Transport):
         self.lost = True
         if self._renewer is not None:
             self._renewer.stop()
+        # Acks open fresh connections: what finished before the loss still lands.
+        self.hub.unregister()
+        self.drain.close()
         self.listener.close()
         self.relaxed.close()
         self.connector.close()
@@ -590,79 +604,36 @@ class Transport(virtual.Transport):
             "properties": {},
         }
 
-    def _consuming_channels(self) -> list[PgChannel]:
+    # -- Celery's event loop (see hub.py) ------------------------------------------
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        self._ensure_renewer()
+        self.hub.register(loop)
+        self.drain.acks.start()
+
+    def deliver(self, payload: dict[str, Any], queue: str) -> None:
+        """Hand a message to the consumer of ``queue`` (kombu's callback)."""
+        self._deliver(payload, queue)
+
+    def consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
 
     def _consumed_queues(self) -> set[str]:
         """Every queue some channel of this connection consumes, acked or not."""
-        return {q for c in self._consuming_channels() for qs in c.consuming() for q in qs}
-
-    def _claim_and_deliver(self) -> int:
-        delivered = 0
-        for channel in self._consuming_channels():
-            acked, unacked = channel.consuming()
-            if unacked:
-                delivered += self._deliver_all(self.store.pop(unacked, UNLIMITED_BATCH), False)
-            if acked and channel.qos.can_consume():
-                limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
-                vts = [channel.visibility_timeout(q) for q in acked]
-                attempts = [channel.max_attempts(q) for q in acked]
-                batch = self.store.claim(acked, vts, limit, attempts)
-                delivered += self._deliver_all(batch, True)
-        return delivered
-
-    def _deliver_all(self, batch: list[Claimed], leased: bool) -> int:
-        for n, claimed in enumerate(batch):
-            try:
-                if claimed.dead_letter_id is not None:
-                    poison.handle_poisoned(
-                        self.store,
-                        dead_letter_id=claimed.dead_letter_id,
-                        queue=claimed.queue,
-                        payload=claimed.payload,
-                        attempts=claimed.read_ct,
-                    )
-                    continue
-                self._deliver(self.as_payload(claimed), claimed.queue)
-            except BaseException:
-                if leased:
-                    # Hand the rest back now rather than after their lease expires.
-                    rest = [c for c in batch[n + 1 :] if c.dead_letter_id is None]
-                    self.store.release([(c.id, c.read_ct) for c in rest])
-                raise
-        return len(batch)
+        return {q for c in self.consuming_channels() for qs in c.consuming() for q in qs}
 
     def drain_events(  # type: ignore[override]
         self, connection: Any, timeout: float | None = None
     ) -> None:
         """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
-        start = monotonic()
         # LISTEN before the first claim: a publish landing between an empty claim
         # and the LISTEN would otherwise wait for the next poll.
         self.listener.start()
         self._ensure_renewer()
-        while True:
-            if self._claim_and_deliver():
-                return
-            waited = monotonic() - start
-            if timeout is not None and waited >= timeout:
-                raise TimeoutError()
-            wait = self.polling_interval or 1.0
-            if timeout is not None:
-                wait = min(wait, timeout - waited)
-            active = self._consumed_queues()
-            while True:
-                woke = self.listener.wait(wait)
-                if woke.concerns(active) or not woke.queues:
-                    break
-                # Only other queues were notified: keep waiting out the rest.
-                wait -= monotonic() - start - waited
-                if wait <= 0:
-                    break
+        self.drain.drain(timeout)
 
     def _ensure_renewer(self) -> None:
         if self._renewer is None or not self._renewer.is_alive():
-            self._renewer = _LeaseRenewer(self)
+            self._renewer = Housekeeper(self)
             self._renewer.start()
 
     def maintain(self) -> None:
@@ -670,56 +641,14 @@ class Transport(virtual.Transport):
         self.store.maintain(queues)
 
     def held(self) -> list[tuple[int, int, float]]:
-        held: list[tuple[int, int, float]] = []
+        """Every message this consumer holds a lease on: delivered and unacked, or
+        claimed and not handed over yet."""
+        held = self.drain.held()
         for channel in list(self.channels):
             qos = channel._qos
             if qos is not None:
                 held.extend(qos.held())
         return held
-
-
-class _LeaseRenewer(threading.Thread):
-    """The consumer's housekeeping while this process lives.
-
-    Every vt/3 it extends the vt of every held message (renewal stops when the
-    process dies: that is the point). Every few seconds it marks the consumed
-    queues as in use and reaps queues past their expiry and messages past their
-    TTL, so a SIGKILLed worker's control queue disappears after its expiry.
-    """
-
-    def __init__(self, transport: Transport) -> None:
-        super().__init__(name="pgq-lease-renewal", daemon=True)
-        self.transport = transport
-        self._stop_event = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-    def run(self) -> None:
-        transport = self.transport
-        default = transport.options.visibility_timeout
-        renew_due = maintain_due = monotonic()
-        while not self._stop_event.is_set():
-            now = monotonic()
-            if now >= renew_due:
-                held = transport.held()
-                if held and transport.options.lease_renewal:
-                    self._guard("lease renewal", transport.store.renew, held)
-                renew_due = now + min((h[2] for h in held), default=default) / 3
-            if now >= maintain_due:
-                self._guard("queue maintenance", transport.maintain)
-                maintain_due = now + MAINTAIN_INTERVAL
-            if self._stop_event.wait(max(min(renew_due, maintain_due) - monotonic(), 0.05)):
-                return
-
-    @staticmethod
-    def _guard(what: str, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except (psycopg.Error, BrokerUnavailable) as exc:
-            # Nothing is lost: a lapsed lease means a redelivery, a late reap a
-            # queue that lives a little longer.
-            logger.warning("%s failed: %s", what, exc)
 
 
 def _client_url(client: Any) -> str:

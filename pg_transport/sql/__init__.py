@@ -9,6 +9,7 @@ from pg_transport.sql.loader import (
     load_queries,
     load_schema,
     notify_channel,
+    to_positional,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "load_queries",
     "load_schema",
     "notify_channel",
+    "to_positional",
 ]

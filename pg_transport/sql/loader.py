@@ -10,6 +10,7 @@ from importlib import resources
 from psycopg import sql
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$")
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
 
 
@@ -30,6 +31,22 @@ def parse_named(text: str) -> dict[str, str]:
         elif current is not None and not line.lstrip().startswith("--"):
             current.append(line)
     return {name: "\n".join(lines).strip() for name, lines in queries.items()}
+
+
+def to_positional(query: str) -> tuple[str, tuple[str, ...]]:
+    """A rendered query with ``%(name)s`` placeholders as libpq's ``$n``, and the
+    parameter names in ``$n`` order (for statements sent without psycopg's cursor)."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "%"
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(number, query), tuple(names)
 
 
 def notify_channel(schema: str) -> str:

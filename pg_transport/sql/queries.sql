@@ -17,10 +17,16 @@ SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
 -- whose next delivery would exceed its queue's max_attempts is moved to dead_letter
 -- instead, in the same statement: it is never delivered again and never lost.
 -- Rows come back in delivery order: priority, then the time they became visible.
+-- The same statement acks (deletes, fenced by read_ct) the messages in ack_ids, which
+-- are never picked: an ack whose lease lapsed must not race its own redelivery.
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM unnest(%(queues)s::text[], %(vts)s::float8[], %(max_attempts)s::integer[])
         AS w(name, vt, max_attempts)
+), acked AS (
+    DELETE FROM {schema}.message AS m
+    USING unnest(%(ack_ids)s::bigint[], %(ack_read_cts)s::integer[]) AS a(id, read_ct)
+    WHERE m.id = a.id AND m.read_ct = a.read_ct
 ), picked AS (
     SELECT c.id, c.priority, c.visible_at, c.read_ct, wanted.vt, wanted.max_attempts
     FROM wanted
@@ -29,6 +35,7 @@ WITH wanted AS (
         FROM {schema}.message AS m
         WHERE m.queue = wanted.name AND m.visible_at <= now()
           AND (m.expires_at IS NULL OR m.expires_at > now())
+          AND m.id <> ALL(%(ack_ids)s::bigint[])
         ORDER BY m.priority DESC, m.visible_at, m.id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED

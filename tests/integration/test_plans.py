@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pg_transport.store import Store
+from pg_transport.store import Store, claim_params
 from tests.integration.conftest import Peek
 
 
@@ -53,9 +53,11 @@ def no_seq_scan_of_message(nodes: list[tuple[str, str | None]]) -> bool:
 
 
 def test_claim_walks_the_claim_index(backlog: Store) -> None:
-    nodes = explain(backlog, "claim", {"queues": ["q1", "q2"], "vts": [30.0, 30.0],
-                                       "max_attempts": [5, 5], "limit": 16})
+    # The acks riding on the claim find their rows by primary key.
+    params = claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5], [(1, 1), (2, 1)])
+    nodes = explain(backlog, "claim", params)
     assert uses(nodes, "message_claim_idx"), nodes
+    assert uses(nodes, "message_pkey"), nodes
     assert no_seq_scan_of_message(nodes), nodes
 
 
@@ -80,7 +82,7 @@ def test_size_counts_through_the_claim_index(backlog: Store) -> None:
 def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
     """(shared buffers touched, rows the message scan threw away) of one real claim,
     rolled back."""
-    params = {"queues": [queue], "vts": [30.0], "max_attempts": [5], "limit": limit}
+    params = claim_params([queue], [30.0], limit, [5], [])
     with psycopg.connect(store.connector.conninfo, autocommit=True) as conn, \
             conn.transaction(force_rollback=True):
         row = conn.execute(

@@ -1,0 +1,244 @@
+"""The transport inside kombu's event loop (the hub Celery runs its workers on).
+
+Each test registers a real transport with a real ``Hub`` and turns the loop by hand,
+so what happens between two iterations is what the test says, not what a timer did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu import Connection, Consumer, Producer, Queue
+from kombu.asynchronous import Hub
+
+from tests.integration.conftest import Peek
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    loop = Hub()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def conn(broker_url: str, schema: str) -> Iterator[Connection]:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+        yield c
+
+
+@pytest.fixture
+def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
+    p = Peek(pg_url, schema)
+    yield p
+    p.conn.close()
+
+
+def turn_until(hub: Hub, done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the event loop never got there"
+        hub.run_once()
+
+
+def consume(conn: Connection, queue: str, prefetch: int) -> list[Any]:
+    got: list[Any] = []
+    consumer = Consumer(conn.channel(), [Queue(queue)], callbacks=[lambda _b, m: got.append(m)])
+    consumer.qos(prefetch_count=prefetch)
+    consumer.consume()
+    return got
+
+
+def sent_statements(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """(query name, ack ids) of every statement the consumer session sends."""
+    session = conn.transport.hub.session
+    sent: list[tuple[str, Any]] = []
+    real_send = session.send
+
+    def send(name: str, params: dict[str, Any]) -> None:
+        sent.append((name, params.get("ack_ids", params.get("ids"))))
+        real_send(name, params)
+
+    monkeypatch.setattr(session, "send", send)
+    return sent
+
+
+def test_an_ack_rides_on_the_next_claim(
+    conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = conn.transport
+    # Only the loop lands acks here: no housekeeping thread.
+    monkeypatch.setattr(transport, "_ensure_renewer", lambda: None)
+    sent = sent_statements(conn, monkeypatch)
+    got = consume(conn, "rides", prefetch=1)
+    producer = Producer(conn.channel(), routing_key="rides")
+    producer.publish({"n": 1})
+    producer.publish({"n": 2})
+    transport.register_with_event_loop(conn.connection, hub)
+    turn_until(hub, lambda: len(got) == 1)
+    first = got[0]
+    first.ack()
+    # Buffered, not deleted yet: the loop has not turned since.
+    assert rows("SELECT count(*) FROM {schema}.message") == [(2,)]
+    turn_until(hub, lambda: len(got) == 2)
+    assert [m.payload for m in got] == [{"n": 1}, {"n": 2}]
+    # The claim of the second message deleted the first: no statement of its own.
+    first_id = first.delivery_info["pgq_token"][0]
+    assert ("claim", [first_id]) in sent
+    assert [name for name, _ in sent].count("ack") == 0
+    assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
+
+
+def test_acks_land_alone_when_there_is_nothing_to_claim(
+    conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
+    sent = sent_statements(conn, monkeypatch)
+    got = consume(conn, "alone", prefetch=4)
+    Producer(conn.channel(), routing_key="alone").publish({"n": 1})
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    turn_until(hub, lambda: len(got) == 1)
+    got[0].ack()
+    turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
+    # The queue was known to be empty: the ack went alone, no claim came with it.
+    assert sent[-1] == ("ack", [got[0].delivery_info["pgq_token"][0]])
+
+
+def test_a_stalled_loop_does_not_keep_acks_from_landing(
+    conn: Connection, hub: Hub, rows: Peek
+) -> None:
+    got = consume(conn, "stalled", prefetch=4)
+    Producer(conn.channel(), routing_key="stalled").publish({"n": 1})
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    turn_until(hub, lambda: len(got) == 1)
+    got[0].ack()
+    # The loop never turns again (a task running inline, say): the housekeeping thread
+    # lands the ack within its cycle (2 s at most).
+    deadline = time.monotonic() + 10
+    while rows("SELECT count(*) FROM {schema}.message") != [(0,)]:
+        assert time.monotonic() < deadline, "the buffered ack never landed"
+        time.sleep(0.05)
+
+
+def test_closing_lands_buffered_acks(
+    broker_url: str, schema: str, hub: Hub, rows: Peek
+) -> None:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+        c.transport._ensure_renewer = lambda: None
+        got = consume(c, "closing", prefetch=4)
+        producer = Producer(c.channel(), routing_key="closing")
+        producer.publish({"n": 1})
+        producer.publish({"n": 2})
+        c.transport.register_with_event_loop(c.connection, hub)
+        turn_until(hub, lambda: len(got) == 2)
+        got[0].ack()
+        assert rows("SELECT count(*) FROM {schema}.message") == [(2,)]
+    # Closed: the buffered ack landed with the close; the unacked one was handed back.
+    assert rows("SELECT read_ct, visible_at <= now() FROM {schema}.message") == [(1, True)]
+
+
+def test_a_notify_wakes_the_loop_not_the_poll(broker_url: str, schema: str, hub: Hub) -> None:
+    options = {"schema": schema, "polling_interval": 60}
+    with Connection(broker_url, transport_options=options) as c:
+        c.connect()
+        got = consume(c, "woken", prefetch=4)
+        c.transport.register_with_event_loop(c.connection, hub)
+        turn_until(hub, lambda: not c.transport.hub.session.busy and "woken" in
+                   c.transport.drain.exhausted)
+        with Connection(broker_url, transport_options=options) as other:
+            Producer(other.channel(), routing_key="woken").publish({"n": 1})
+        started = time.monotonic()
+        turn_until(hub, lambda: len(got) == 1, timeout=5)
+        assert time.monotonic() - started < 5  # the poll would take 60 s
+
+
+def test_the_poll_finds_a_delayed_message_that_fell_due(
+    broker_url: str, schema: str, hub: Hub, rows: Peek
+) -> None:
+    options = {"schema": schema, "polling_interval": 0.2}
+    with Connection(broker_url, transport_options=options) as c:
+        c.connect()
+        got = consume(c, "due", prefetch=4)
+        c.transport.register_with_event_loop(c.connection, hub)
+        turn_until(hub, lambda: "due" in c.transport.drain.exhausted)
+        rows("INSERT INTO {schema}.message (queue, visible_at, payload) VALUES"
+             " ('due', now() + interval '300 ms', %s)",
+             '{"body": "{}", "content-type": "application/json", "headers": {},'
+             ' "properties": {"delivery_info": {}}}')
+        turn_until(hub, lambda: len(got) == 1, timeout=5)
+
+
+def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
+    conn: Connection, hub: Hub, rows: Peek, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transport = conn.transport
+    monkeypatch.setattr(transport, "_ensure_renewer", lambda: None)
+    got = consume(conn, "cut", prefetch=1)
+    producer = Producer(conn.channel(), routing_key="cut")
+    producer.publish({"n": 1})
+    producer.publish({"n": 2})
+    transport.register_with_event_loop(conn.connection, hub)
+    turn_until(hub, lambda: len(got) == 1)
+    backend = transport.hub.session._conn.info.backend_pid
+    # The server drops the consumer's session (a restart, a pooler reaping it).
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", [backend])
+    got[0].ack()
+    with pytest.raises(transport.connection_errors):
+        turn_until(hub, lambda: False, timeout=10)
+    # Celery now collects the transport: the ack still lands, on a fresh session.
+    transport._collect(conn.connection)
+    assert rows("SELECT count(*), min(read_ct) FROM {schema}.message") == [(1, 0)]
+
+
+def test_many_acks_from_pool_threads_land_in_few_statements(
+    conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
+    sent = sent_statements(conn, monkeypatch)
+    got = consume(conn, "pool", prefetch=50)
+    producer = Producer(conn.channel(), routing_key="pool")
+    for n in range(200):
+        producer.publish({"n": n})
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    acked = 0
+    while acked < 200:
+        turn_until(hub, lambda done=acked: len(got) > done)
+        batch, acked = got[acked:], len(got)
+        # Acked from other threads, as Celery's pool does.
+        threads = [threading.Thread(target=m.ack) for m in batch]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
+    assert [m.payload["n"] for m in got] == list(range(200))
+    claims = [ids for name, ids in sent if name == "claim"]
+    # Each claim took every ack buffered since the one before.
+    assert sum(len(ids) for ids in claims) + sum(
+        len(ids) for name, ids in sent if name == "ack") == 200
+    assert len(claims) < 20
+
+
+def test_a_claim_out_when_the_connection_closes_is_handed_back(
+    broker_url: str, schema: str, hub: Hub, rows: Peek
+) -> None:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+        got = consume(c, "out", prefetch=4)
+        c.transport.register_with_event_loop(c.connection, hub)
+        turn_until(hub, lambda: "out" in c.transport.drain.exhausted)
+        Producer(c.channel(), routing_key="out").publish({"n": 1})
+        c.transport.drain.exhausted.clear()
+        c.transport.hub.kick()  # the claim goes out; the loop never reads its answer
+        assert c.transport.hub.session.busy
+    assert got == []
+    # Claimed (read_ct 1) and handed back at once, not after its lease.
+    assert rows("SELECT read_ct, visible_at <= now() FROM {schema}.message") == [(1, True)]
