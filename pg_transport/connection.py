@@ -210,13 +210,14 @@ class Connector:
         max_idle: int = 8,
         application_name: str = "pgq",
         prepare_threshold: int | None = 5,
-        on_connect: Callable[[psycopg.Connection[Any]], None] | None = None,
+        setup: tuple[str, ...] = (),
     ) -> None:
+        """``setup``: statements every new session runs first (session settings)."""
         self.conninfo = conninfo
         self.display_url = display_url or "pgq://"
         self.max_idle = max_idle
         self.prepare_threshold = prepare_threshold
-        self.on_connect = on_connect
+        self.setup = setup
         given = pg_conninfo.conninfo_to_dict(conninfo)
         self._application_name = None if "application_name" in given else application_name
         self._kwargs: dict[str, Any] = {}
@@ -242,12 +243,12 @@ class Connector:
             ) from exc
         conn.prepare_threshold = self.prepare_threshold
         _live.add(conn)
-        if self.on_connect is not None:
-            try:
-                self.on_connect(conn)
-            except BaseException:
-                conn.close()
-                raise
+        try:
+            for statement in self.setup:
+                conn.execute(statement)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _take(self) -> psycopg.Connection[Any]:

@@ -322,10 +322,15 @@ class Store:
         """Touch ``queues``; reap expired queues and messages. (queues, messages) reaped."""
 
         def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
-            row = conn.execute(self.q["maintain"], {"queues": list(queues)}).fetchone()
-            return (int(row[0]), int(row[1])) if row else (0, 0)
+            with conn.transaction():
+                row = conn.execute(self.q["maintain"], {"queues": list(queues)}).fetchone()
+                gone, expired = (list(row[0]), int(row[1])) if row else ([], 0)
+                if gone:
+                    conn.execute(self.q["drop_messages"], {"queues": gone})
+            return len(gone), expired
 
-        return self.relaxed.run(work, idempotent=True)
+        # On a session that plans for the values it gets (see drop_messages).
+        return self.connector.run(work, idempotent=True)
 
 
 def claim_params(

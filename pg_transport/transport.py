@@ -510,16 +510,17 @@ class Transport(virtual.Transport):
         self.url = _client_url(client)
         conninfo, shown = url_to_conninfo(self.url), mask_url(self.url)
         # Behind a transaction pooler (use_notify off) a session is not ours from one
-        # statement to the next: no server-side prepared statements either.
-        prepare = 5 if self.options.use_notify else None
+        # statement to the next: no server-side prepared statements, no session
+        # settings (every statement commits synchronously, is planned every time).
+        queries = load_queries(self.options.schema)
+        own = self.options.use_notify
+        prepare = 5 if own else None
         self.connector = Connector(conninfo, display_url=shown, prepare_threshold=prepare)
-        # Session settings need sessions of our own; behind a transaction pooler
-        # (use_notify off) every statement commits synchronously.
-        relax = load_queries(self.options.schema)["relax_commit"]
+        # The consumer's statements (claim, ack, renew, ...) are planned once.
         self.relaxed = (
             Connector(conninfo, display_url=shown, prepare_threshold=prepare,
-                      on_connect=lambda c: _run(c, relax))
-            if self.options.use_notify
+                      setup=(queries["relax_commit"], queries["generic_plans"]))
+            if own
             else self.connector
         )
         self.store = Store(self.connector, self.options.schema, relaxed=self.relaxed)
@@ -668,6 +669,3 @@ def _client_url(client: Any) -> str:
     vhost = "" if vhost == "/" else quote(vhost.lstrip("/"), safe="")
     return f"pgq://{auth}{host}{port}/{vhost}"
 
-
-def _run(conn: psycopg.Connection[Any], query: str) -> None:
-    conn.execute(query)

@@ -19,6 +19,9 @@ SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
 -- Rows come back in delivery order: priority, then the time they became visible.
 -- The same statement acks (deletes, fenced by read_ct) the messages in ack_ids, which
 -- are never picked: an ack whose lease lapsed must not race its own redelivery.
+-- Shaped for one cached generic plan (no planning per claim): the picked rows are
+-- reached by primary key (id = ANY), never by a join the planner could turn into a
+-- scan of the whole table when it cannot see the limit.
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM unnest(%(queues)s::text[], %(vts)s::float8[], %(max_attempts)s::integer[])
@@ -27,7 +30,7 @@ WITH wanted AS (
     DELETE FROM {schema}.message AS m
     USING unnest(%(ack_ids)s::bigint[], %(ack_read_cts)s::integer[]) AS a(id, read_ct)
     WHERE m.id = a.id AND m.read_ct = a.read_ct
-), picked AS (
+), picked AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at, c.read_ct, wanted.vt, wanted.max_attempts
     FROM wanted
     CROSS JOIN LATERAL (
@@ -44,40 +47,40 @@ WITH wanted AS (
     LIMIT %(limit)s
 ), poisoned AS (
     DELETE FROM {schema}.message AS t
-    USING picked
-    WHERE t.id = picked.id AND picked.read_ct >= picked.max_attempts
-    RETURNING t.id, t.queue, t.priority, t.read_ct, t.enqueued_at, t.payload,
-              picked.max_attempts, picked.visible_at
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE read_ct >= max_attempts))
+    RETURNING t.id, t.queue, t.priority, t.read_ct, t.enqueued_at, t.payload
 ), dead AS (
     INSERT INTO {schema}.dead_letter
         (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
-    SELECT id, queue, priority, read_ct, enqueued_at,
-           format('delivered %%s times; max_attempts is %%s', read_ct, max_attempts), payload
-    FROM poisoned
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at,
+           format('delivered %%s times; max_attempts is %%s', p.read_ct, picked.max_attempts),
+           p.payload
+    FROM poisoned AS p JOIN picked ON picked.id = p.id
     RETURNING id, message_id
 ), claimed AS (
     UPDATE {schema}.message AS t
-    SET visible_at = now() + make_interval(secs => picked.vt),
+    SET visible_at = now() + make_interval(secs => (
+            SELECT picked.vt FROM picked WHERE picked.id = t.id)),
         read_ct = t.read_ct + 1
-    FROM picked
-    WHERE t.id = picked.id AND picked.read_ct < picked.max_attempts
-    RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload, picked.visible_at
-)
-SELECT id, queue, priority, read_ct, payload, dead_letter_id FROM (
-    SELECT id, queue, priority, read_ct, payload, NULL::bigint AS dead_letter_id, visible_at
-    FROM claimed
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE read_ct < max_attempts))
+    RETURNING t.id, t.queue, t.priority, t.read_ct, t.payload
+), delivered AS (
+    SELECT id, queue, priority, read_ct, payload, NULL::bigint AS dead_letter_id FROM claimed
     UNION ALL
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id, p.visible_at
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id
     FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
-) AS delivered
-ORDER BY priority DESC, visible_at, id
+)
+SELECT delivered.id, delivered.queue, delivered.priority, delivered.read_ct,
+       delivered.payload, delivered.dead_letter_id
+FROM delivered JOIN picked ON picked.id = delivered.id
+ORDER BY picked.priority DESC, picked.visible_at, picked.id
 
 -- name: pop
 -- Take and delete up to limit visible messages at once, for consumers that never ack
--- (no_ack). Rows come back in delivery order.
+-- (no_ack). Rows come back in delivery order; reached by primary key, as in claim.
 WITH wanted AS (
     SELECT w.name FROM unnest(%(queues)s::text[]) AS w(name)
-), picked AS (
+), picked AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at
     FROM wanted
     CROSS JOIN LATERAL (
@@ -93,12 +96,12 @@ WITH wanted AS (
     LIMIT %(limit)s
 ), popped AS (
     DELETE FROM {schema}.message AS t
-    USING picked
-    WHERE t.id = picked.id
-    RETURNING t.id, t.queue, t.priority, t.read_ct + 1 AS read_ct, t.payload, picked.visible_at
+    WHERE t.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING t.id, t.queue, t.priority, t.read_ct + 1 AS read_ct, t.payload
 )
-SELECT id, queue, priority, read_ct, payload, NULL::bigint FROM popped
-ORDER BY priority DESC, visible_at, id
+SELECT popped.id, popped.queue, popped.priority, popped.read_ct, popped.payload, NULL::bigint
+FROM popped JOIN picked ON picked.id = popped.id
+ORDER BY picked.priority DESC, picked.visible_at, picked.id
 
 -- name: ack
 -- Delete delivered messages, fenced by the read_ct each was claimed with.
@@ -262,8 +265,9 @@ RETURNING id
 
 -- name: maintain
 -- Mark the queues this consumer uses as in use; delete queues unused past their
--- expiry (with bindings and messages) and queued messages past their TTL.
--- Safe to run from every consumer at once.
+-- expiry (with their bindings) and queued messages past their TTL. Returns the names
+-- of the deleted queues (drop_messages then deletes their messages) and how many
+-- messages expired. Safe to run from every consumer at once.
 WITH touched AS (
     UPDATE {schema}.queue SET last_used = now() WHERE name = ANY(%(queues)s::text[])
     RETURNING name
@@ -274,15 +278,19 @@ WITH touched AS (
       AND q.name <> ALL(%(queues)s::text[])
     RETURNING q.name
 ), unbound AS (
-    DELETE FROM {schema}.binding AS b USING gone WHERE b.queue = gone.name
-), dropped AS (
-    DELETE FROM {schema}.message AS m USING gone WHERE m.queue = gone.name
+    DELETE FROM {schema}.binding AS b WHERE b.queue = ANY(ARRAY(SELECT name FROM gone))
 ), expired AS (
     DELETE FROM {schema}.message AS m
     WHERE m.expires_at < now() AND (m.read_ct = 0 OR m.visible_at <= now())
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM expired)
+SELECT ARRAY(SELECT name FROM gone), (SELECT count(*) FROM expired)
+
+-- name: drop_messages
+-- Delete every message of the given queues (queues that expired). A statement of its
+-- own, planned for the names it gets: a join on queue names the planner cannot see
+-- could become a scan of every message.
+DELETE FROM {schema}.message WHERE queue = ANY(%(queues)s::text[])
 
 -- name: has_version_table
 -- Whether the schema has been created (its version table exists). A plain query
@@ -321,6 +329,12 @@ CREATE SCHEMA {schema}
 -- name: drop_schema
 -- Drop a throwaway schema and everything in it.
 DROP SCHEMA {schema} CASCADE
+
+-- name: generic_plans
+-- For the consumer's own sessions (claim, ack, release, renew): plan each prepared
+-- statement once. Those queries are shaped so that their generic plan is the index
+-- plan (tests/integration/test_plans.py); planning a claim costs more than running it.
+SET plan_cache_mode TO force_generic_plan
 
 -- name: relax_commit
 -- For sessions that only claim, ack, release and renew: a commit lost in a server

@@ -38,6 +38,9 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
     transport = conn.transport
     assert setting(transport.relaxed, "synchronous_commit") == "off"
     assert setting(transport.connector, "synchronous_commit") == "on"
+    # The consumer's statements are planned once (test_plans.py checks those plans).
+    assert setting(transport.relaxed, "plan_cache_mode") == "force_generic_plan"
+    assert setting(transport.connector, "plan_cache_mode") == "auto"
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as pooled:
         pooled.connect()
@@ -45,6 +48,7 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
         # statement is prepared on a server session that may be someone else's next.
         assert pooled.transport.relaxed is pooled.transport.connector
         assert setting(pooled.transport.relaxed, "synchronous_commit") == "on"
+        assert setting(pooled.transport.relaxed, "plan_cache_mode") == "auto"
         assert pooled.transport.connector.prepare_threshold is None
         with pooled.transport.connector.connection() as c:
             assert c.prepare_threshold is None
