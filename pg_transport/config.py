@@ -154,6 +154,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "lease_renewal": _flag,
     "native_delayed_delivery": _flag,
     "auto_migrate": _flag,
+    "durable_publish": _flag,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -173,6 +174,7 @@ class Options:
     lease_renewal: bool = True
     native_delayed_delivery: bool = True
     auto_migrate: bool = True
+    durable_publish: bool = True
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)

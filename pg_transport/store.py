@@ -18,6 +18,7 @@ from psycopg.types.json import Json
 
 from pg_transport.connection import Connector
 from pg_transport.sql import load_queries, notify_channel
+from pg_transport.wire import Statement
 
 __all__ = ["Claimed", "Store", "claim_params", "decode_claimed", "notify_channel"]
 
@@ -36,16 +37,25 @@ class Store:
     """SQL on one schema of one database."""
 
     def __init__(
-        self, connector: Connector, schema: str, *, relaxed: Connector | None = None
+        self,
+        connector: Connector,
+        schema: str,
+        *,
+        relaxed: Connector | None = None,
+        publisher: Connector | None = None,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
-        message (see the ``relax_commit`` query)."""
+        message (see the ``relax_commit`` query). ``publisher`` (default: ``connector``)
+        runs publishes."""
         self.connector = connector
         self.relaxed = relaxed or connector
+        self.publisher = publisher or connector
         self.schema = schema
         self.channel = notify_channel(schema)
         self.q = load_queries(schema)
+        # The statements run once per message go through libpq directly (wire.py).
+        self.wire = {name: Statement(name, self.q[name]) for name in ("publish", "claim")}
 
     # -- publishing ----------------------------------------------------------
     def publish(
@@ -64,7 +74,7 @@ class Store:
                 conn, queue, payload, priority=priority, delay=delay, publish_key=publish_key
             )
 
-        self.connector.run(work, idempotent=publish_key is not None)
+        self.publisher.run(work, idempotent=publish_key is not None)
 
     def publish_on(
         self,
@@ -86,11 +96,16 @@ class Store:
             "priority": priority,
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
-            "payload": Json(payload),
+            "payload": json.dumps(payload),
             "channel": self.channel,
             "notify": delay <= 0,
         }
-        conn.execute(self.q["publish"], params)
+        if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+            # The caller batches its statements (psycopg's pipeline): join the batch.
+            conn.execute(self.q["publish"], params)
+            return
+        # Prepared on sessions that prepare at all (none behind a transaction pooler).
+        self.wire["publish"].execute(conn, params, prepare=conn.prepare_threshold is not None)
 
     # -- consuming -----------------------------------------------------------
     def claim(
@@ -309,7 +324,7 @@ class Store:
             assert row is not None
             return (None if row[0] is None else str(row[0])), int(row[1])
 
-        return self.connector.run(work, idempotent=publish_tag is not None)
+        return self.publisher.run(work, idempotent=publish_tag is not None)
 
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str

@@ -523,7 +523,12 @@ class Transport(virtual.Transport):
             if own
             else self.connector
         )
-        self.store = Store(self.connector, self.options.schema, relaxed=self.relaxed)
+        # durable_publish off: a publish commits without waiting for its WAL flush, as
+        # the consumer's statements do.
+        publisher = self.connector if self.options.durable_publish else self.relaxed
+        self.store = Store(
+            self.connector, self.options.schema, relaxed=self.relaxed, publisher=publisher
+        )
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify
         )

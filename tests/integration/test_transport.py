@@ -49,6 +49,12 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
         assert pooled.transport.relaxed is pooled.transport.connector
         assert setting(pooled.transport.relaxed, "synchronous_commit") == "on"
         assert setting(pooled.transport.relaxed, "plan_cache_mode") == "auto"
+    # Publishes wait for their WAL flush unless durable_publish is off.
+    assert transport.store.publisher is transport.connector
+    options = {"schema": schema, "durable_publish": False}
+    with Connection(broker_url, transport_options=options) as fast:
+        fast.connect()
+        assert setting(fast.transport.store.publisher, "synchronous_commit") == "off"
         assert pooled.transport.connector.prepare_threshold is None
         with pooled.transport.connector.connection() as c:
             assert c.prepare_threshold is None

@@ -40,6 +40,7 @@ def test_defaults(transport_options: dict[str, Any] | None) -> None:
     assert opts.lease_renewal is True
     assert opts.native_delayed_delivery is True
     assert opts.auto_migrate is True
+    assert opts.durable_publish is True
     assert dict(opts.queue_visibility_timeouts) == {}
     assert dict(opts.queue_max_attempts) == {}
     assert opts.visibility_timeout_for("celery") == 30.0
@@ -68,6 +69,7 @@ OPTION_CASES: list[tuple[str, Any, Any, str, Any]] = [
     ("lease_renewal", False, False, "yes", True),
     ("native_delayed_delivery", False, False, "on", True),
     ("auto_migrate", False, False, "1", True),
+    ("durable_publish", False, False, "true", True),
 ]
 
 
