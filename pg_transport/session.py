@@ -20,17 +20,15 @@ from time import monotonic
 from typing import Any
 
 import psycopg
-from psycopg import abc, pq
-from psycopg.adapt import PyFormat, Transformer
+from psycopg import pq
 
 from pg_transport.connection import Connector
-from pg_transport.sql import load_queries, to_positional
+from pg_transport.sql import load_queries
+from pg_transport.wire import Row, Statement, rows
 
-__all__ = ["Reply", "Session"]
+__all__ = ["Reply", "Row", "Session"]
 
 logger = logging.getLogger("pg_transport.session")
-
-Row = tuple["bytes | None", ...]
 
 
 @dataclass
@@ -55,10 +53,8 @@ class Session:
         # statements: nothing may be prepared on it.
         self.prepare = prepare
         self._queries = load_queries(schema)
+        self._statements: dict[str, Statement] = {}
         self._conn: psycopg.Connection[Any] | None = None
-        self._tx: abc.Transformer | None = None
-        self._prepared: set[str] = set()
-        self._plans: dict[str, tuple[bytes, tuple[str, ...]]] = {}
         self.busy = False
 
     # -- lifecycle --------------------------------------------------------------
@@ -74,8 +70,7 @@ class Session:
         if self.listen:
             conn.execute(self._queries["listen"])
         conn.pgconn.nonblocking = 1
-        self._conn, self._tx = conn, Transformer(conn)
-        self._prepared.clear()
+        self._conn = conn
         self.busy = False
 
     def fileno(self) -> int:
@@ -95,23 +90,14 @@ class Session:
     def send(self, name: str, params: Mapping[str, Any]) -> None:
         """Put the named query on the wire; its rows come with a later :meth:`read`."""
         assert not self.busy, "one statement at a time"
-        conn, tx = self._conn, self._tx
-        assert conn is not None and tx is not None, "session not open"
-        text, names = self._plan(name)
-        values = tx.dump_sequence([params[n] for n in names], [PyFormat.TEXT] * len(names))
-        pgconn = conn.pgconn
-        if not self.prepare:
-            pgconn.send_query_params(text, values)
-        else:
-            key = name.encode()
-            if name not in self._prepared:
-                # Once per session, blocking: a round trip at start-up, not per claim.
-                result = pgconn.prepare(key, text)
-                self._check(result)
-                self._prepared.add(name)
-            pgconn.send_query_prepared(key, values)
+        conn = self._conn
+        assert conn is not None, "session not open"
+        statement = self._statements.get(name)
+        if statement is None:
+            statement = self._statements[name] = Statement(name, self._queries[name])
+        statement.send(conn, params, prepare=self.prepare)
         self.busy = True
-        self._flush(pgconn)
+        self._flush(conn.pgconn)
 
     def read(self) -> Reply:
         """Take what the socket has: notifications, and the finished statement's rows.
@@ -132,19 +118,16 @@ class Session:
             reply.notified.add(note.extra.decode("utf-8", "replace"))
         if self.busy and not pgconn.is_busy():
             self.busy = False
-            rows: list[Row] = []
+            found: list[Row] = []
             error: BaseException | None = None
             while (result := pgconn.get_result()) is not None:
-                if result.status == pq.ExecStatus.TUPLES_OK:
-                    rows.extend(
-                        tuple(result.get_value(r, c) for c in range(result.nfields))
-                        for r in range(result.ntuples)
-                    )
-                elif result.status != pq.ExecStatus.COMMAND_OK and error is None:
-                    error = _error(result, conn)
+                try:
+                    found.extend(rows(result, conn))
+                except psycopg.Error as exc:
+                    error = error or exc
             if error is not None:
                 raise error
-            reply.rows = rows
+            reply.rows = found
         return reply
 
     def finish(self, timeout: float) -> Reply | None:
@@ -164,25 +147,8 @@ class Session:
                 return reply
         return None
 
-    def _plan(self, name: str) -> tuple[bytes, tuple[str, ...]]:
-        plan = self._plans.get(name)
-        if plan is None:
-            text, names = to_positional(self._queries[name])
-            plan = self._plans[name] = (text.encode(), names)
-        return plan
-
     def _flush(self, pgconn: pq.abc.PGconn) -> None:
         # A claim is a few hundred bytes: the socket buffer takes it at once. Should
         # it not, wait until it is writable rather than leave half a message queued.
         while pgconn.flush():
             select.select([], [pgconn.socket], [], 1.0)
-
-    def _check(self, result: pq.abc.PGresult) -> None:
-        if result.status not in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
-            assert self._conn is not None
-            raise _error(result, self._conn)
-
-
-def _error(result: pq.abc.PGresult, conn: psycopg.Connection[Any]) -> BaseException:
-    return psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
-
