@@ -103,6 +103,13 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def _vacuum_threshold(key: str, value: Any) -> int:
+    # Dead rows; 0 turns pgq's own vacuuming off.
+    return int(
+        _number(key, value, integer=True, minimum=0, allow_zero=True, maximum=MAX_ATTEMPTS)
+    )
+
+
 def _flag(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -155,6 +162,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "native_delayed_delivery": _flag,
     "auto_migrate": _flag,
     "durable_publish": _flag,
+    "vacuum_threshold": _vacuum_threshold,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -175,6 +183,7 @@ class Options:
     native_delayed_delivery: bool = True
     auto_migrate: bool = True
     durable_publish: bool = True
+    vacuum_threshold: int = 10_000
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)

@@ -56,6 +56,7 @@ from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Store
+from pg_transport.vacuum import Vacuumer
 
 __all__ = ["Channel", "Message", "QoS", "Transport"]
 
@@ -533,6 +534,7 @@ class Transport(virtual.Transport):
             self.connector, self.options.schema, use_notify=self.options.use_notify
         )
         self._renewer: Housekeeper | None = None
+        self._vacuumer: Vacuumer | None = None
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
         self.drain = Drain(self)
@@ -557,8 +559,7 @@ class Transport(virtual.Transport):
         finally:
             self.hub.unregister()
             self.drain.close()
-            if self._renewer is not None:
-                self._renewer.stop()
+            self._stop_housekeeping()
             self.listener.close()
             self.relaxed.close()
             self.connector.close()
@@ -573,8 +574,7 @@ class Transport(virtual.Transport):
         running tasks to another consumer at once.
         """
         self.lost = True
-        if self._renewer is not None:
-            self._renewer.stop()
+        self._stop_housekeeping()
         # Acks open fresh connections: what finished before the loss still lands.
         self.hub.unregister()
         self.drain.close()
@@ -638,9 +638,20 @@ class Transport(virtual.Transport):
         self.drain.drain(timeout)
 
     def _ensure_renewer(self) -> None:
+        """Start the consumer's background threads: lease renewal and maintenance,
+        and (unless ``vacuum_threshold`` is 0) vacuuming of the message table."""
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = Housekeeper(self)
             self._renewer.start()
+        threshold = self.options.vacuum_threshold
+        if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
+            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
+            self._vacuumer.start()
+
+    def _stop_housekeeping(self) -> None:
+        for thread in (self._renewer, self._vacuumer):
+            if thread is not None:
+                thread.stop()
 
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())

@@ -292,6 +292,18 @@ SELECT ARRAY(SELECT name FROM gone), (SELECT count(*) FROM expired)
 -- could become a scan of every message.
 DELETE FROM {schema}.message WHERE queue = ANY(%(queues)s::text[])
 
+-- name: dead_rows
+-- Dead row versions in the message table (cumulative statistics, a second or so
+-- behind) and whether this role may vacuum it (its owner or a member of the owner).
+SELECT s.n_dead_tup, pg_catalog.pg_has_role(current_user, c.relowner, 'USAGE')
+FROM pg_catalog.pg_stat_user_tables AS s
+JOIN pg_catalog.pg_class AS c ON c.oid = s.relid
+WHERE s.schemaname = %(schema)s AND s.relname = 'message'
+
+-- name: vacuum
+-- Remove the message table's dead rows; skipped when another VACUUM holds the table.
+VACUUM (SKIP_LOCKED) {schema}.message
+
 -- name: has_version_table
 -- Whether the schema has been created (its version table exists). A plain query
 -- of pg_class, not to_regclass(): after waiting on the migration lock the catalog

@@ -242,3 +242,21 @@ def test_a_claim_out_when_the_connection_closes_is_handed_back(
     assert got == []
     # Claimed (read_ct 1) and handed back at once, not after its lease.
     assert rows("SELECT read_ct, visible_at <= now() FROM {schema}.message") == [(1, True)]
+
+
+@pytest.mark.parametrize(("threshold", "vacuuming"), [(10_000, True), (0, False)])
+def test_a_consumer_vacuums_its_table_unless_told_not_to(
+    broker_url: str, schema: str, hub: Hub, threshold: int, vacuuming: bool
+) -> None:
+    options = {"schema": schema, "vacuum_threshold": threshold}
+    with Connection(broker_url, transport_options=options) as c:
+        c.connect()
+        consume(c, "v", prefetch=1)
+        c.transport.register_with_event_loop(c.connection, hub)
+        vacuumer = c.transport._vacuumer
+        assert (vacuumer is not None and vacuumer.is_alive()) is vacuuming
+        if vacuumer is not None:
+            assert vacuumer.threshold == threshold
+    if vacuumer is not None:
+        vacuumer.join(5)
+        assert not vacuumer.is_alive(), "closing the connection stops it"

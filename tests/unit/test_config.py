@@ -41,6 +41,7 @@ def test_defaults(transport_options: dict[str, Any] | None) -> None:
     assert opts.native_delayed_delivery is True
     assert opts.auto_migrate is True
     assert opts.durable_publish is True
+    assert opts.vacuum_threshold == 10_000
     assert dict(opts.queue_visibility_timeouts) == {}
     assert dict(opts.queue_max_attempts) == {}
     assert opts.visibility_timeout_for("celery") == 30.0
@@ -70,6 +71,7 @@ OPTION_CASES: list[tuple[str, Any, Any, str, Any]] = [
     ("native_delayed_delivery", False, False, "on", True),
     ("auto_migrate", False, False, "1", True),
     ("durable_publish", False, False, "true", True),
+    ("vacuum_threshold", 0, 0, "50000", 50000),
 ]
 
 
@@ -236,6 +238,8 @@ def test_bad_environment_is_refused_naming_variable_and_value(
         ({"queue_max_attempts": {"q": 0}}, ["queue_max_attempts", "'q'", "=0"], "must be >= 1"),
         ({"max_attempts": 1.5}, ["max_attempts", "1.5"], "not a whole number"),
         ({"max_attempts": 2**40}, ["max_attempts", str(2**40)], "must be <="),
+        ({"vacuum_threshold": -1}, ["vacuum_threshold", "-1"], "must be >= 0"),
+        ({"vacuum_threshold": "lots"}, ["vacuum_threshold", "lots"], "not a number"),
         ({"use_notify": "sometimes"}, ["use_notify", "sometimes"], "not a boolean"),
         ({"use_notify": 2}, ["use_notify", "=2"], "not a boolean"),
         ({"schema": "my schema"}, ["schema", "my schema"], "plain identifier"),

@@ -1,0 +1,77 @@
+"""pgq vacuums its message table itself once dead rows pile up (autovacuum may lag or
+be off), and leaves it alone when it does not own it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pg_transport.connection import Connector
+from pg_transport.store import Store
+from pg_transport.vacuum import Vacuumer
+from tests.integration.conftest import Peek
+
+
+def dead_rows(peek: Peek, count: int) -> None:
+    """``count`` messages through the table, then the statistics made current."""
+    peek("INSERT INTO {schema}.message (queue, payload)"
+         " SELECT 'q', '{{}}' FROM generate_series(1, %s)", count)
+    peek("DELETE FROM {schema}.message")
+    # The deleting session reports its statistics at the end of its next transaction.
+    peek("SELECT pg_stat_force_next_flush()")
+    peek("SELECT 1")
+
+
+def heap_pages(peek: Peek) -> int:
+    ((pages,),) = peek("SELECT pg_relation_size(%s::regclass) / 8192",
+                       f"{peek.schema}.message")
+    return int(pages)
+
+
+def test_vacuums_once_the_threshold_is_reached(store: Store, peek: Peek) -> None:
+    vacuumer = Vacuumer(store.connector, store.schema, threshold=5000)
+    dead_rows(peek, 4000)
+    assert vacuumer.check() is True
+    assert vacuumer.vacuums == 0, "below the threshold: left to autovacuum"
+    assert heap_pages(peek) > 0
+    dead_rows(peek, 2000)
+    assert vacuumer.check() is True
+    assert vacuumer.vacuums == 1
+    # Every row was dead: the VACUUM gave the whole heap back.
+    assert heap_pages(peek) == 0
+
+
+@pytest.fixture
+def stranger(pg_url: str, schema: str, store: Store) -> Iterator[str]:
+    """A role with every right on the queue tables but not their owner."""
+    role = f"{schema}_stranger"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+            sql.Identifier(schema), sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA {} TO {}").format(
+            sql.Identifier(schema), sql.Identifier(role)))
+    yield role
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_role_that_does_not_own_the_table_leaves_it_to_autovacuum(
+    pg_url: str, store: Store, peek: Peek, stranger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    connector = Connector(psycopg.conninfo.make_conninfo(pg_url, user=stranger))
+    try:
+        vacuumer = Vacuumer(connector, store.schema, threshold=10)
+        dead_rows(peek, 100)
+        with caplog.at_level(logging.INFO, logger="pg_transport.vacuum"):
+            assert vacuumer.check() is False
+        assert vacuumer.vacuums == 0
+        assert "cannot vacuum it" in caplog.text and stranger in caplog.text
+        assert heap_pages(peek) > 0
+    finally:
+        connector.close()
