@@ -114,10 +114,10 @@ def scratch(pg_url: str) -> Iterator[Scratch]:
     generic-plan sessions for claims and acks); dropped afterwards."""
     schema = "pgq_scratch_" + uuid.uuid4().hex[:10]
     queries = load_queries(schema)
-    connector = Connector(pg_url, application_name="pgq-bench")
+    connector = Connector(pg_url, application_name="pgq-bench", setup=(queries["no_jit"],))
     relaxed = Connector(
         pg_url, application_name="pgq-bench",
-        setup=(queries["relax_commit"], queries["generic_plans"]),
+        setup=(queries["relax_commit"], queries["generic_plans"], queries["no_jit"]),
     )
     admin = psycopg.connect(pg_url, autocommit=True)
     try:

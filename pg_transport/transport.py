@@ -516,11 +516,14 @@ class Transport(virtual.Transport):
         queries = load_queries(self.options.schema)
         own = self.options.use_notify
         prepare = 5 if own else None
-        self.connector = Connector(conninfo, display_url=shown, prepare_threshold=prepare)
+        no_jit = (queries["no_jit"],) if own else ()
+        self.connector = Connector(
+            conninfo, display_url=shown, prepare_threshold=prepare, setup=no_jit
+        )
         # The consumer's statements (claim, ack, renew, ...) are planned once.
         self.relaxed = (
             Connector(conninfo, display_url=shown, prepare_threshold=prepare,
-                      setup=(queries["relax_commit"], queries["generic_plans"]))
+                      setup=(queries["relax_commit"], queries["generic_plans"], *no_jit))
             if own
             else self.connector
         )

@@ -41,6 +41,9 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
     # The consumer's statements are planned once (test_plans.py checks those plans).
     assert setting(transport.relaxed, "plan_cache_mode") == "force_generic_plan"
     assert setting(transport.connector, "plan_cache_mode") == "auto"
+    # No JIT: compiling a claim would cost more than a thousand claims.
+    assert setting(transport.relaxed, "jit") == "off"
+    assert setting(transport.connector, "jit") == "off"
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as pooled:
         pooled.connect()
