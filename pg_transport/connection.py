@@ -134,10 +134,10 @@ def is_refusal(exc: BaseException) -> bool:
 
 
 def retry_idempotent() -> Retrying:
-    """Retry once, on a fresh connection, after a dead-connection error."""
+    """After a first attempt failed on a dead connection: once more, on a fresh one."""
     return Retrying(
         retry=retry_if_exception(is_dead_connection),
-        stop=stop_after_attempt(2),
+        stop=stop_after_attempt(1),
         reraise=True,
     )
 
@@ -305,6 +305,14 @@ class Connector:
         if not idempotent:
             with self.connection() as conn:
                 return work(conn)
+        # The first attempt outside tenacity: building its retry state costs more than
+        # a publish's Python does, and nearly every statement succeeds the first time.
+        try:
+            with self.connection() as conn:
+                return work(conn)
+        except BaseException as exc:
+            if not (_dead_or_unreachable(exc) if fenced else is_dead_connection(exc)):
+                raise
         for attempt in retry_fenced() if fenced else retry_idempotent():
             with attempt, self.connection() as conn:
                 return work(conn)
