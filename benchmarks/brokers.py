@@ -32,8 +32,9 @@ import celery
 import kombu
 
 from benchmarks.app import TASK_NAME, Sink, make_app
+from benchmarks.pgbench import run_pgbench
 from benchmarks.phases import drain, latency, publish
-from benchmarks.report import RATIO_MEANING, format_report, ratios
+from benchmarks.report import RATIO_MEANING, format_report, pgbench_ratios, ratios
 from benchmarks.targets import (
     AmqpBroker,
     Broker,
@@ -46,7 +47,7 @@ from benchmarks.targets import (
 from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
 
 RESULTS = ROOT / "benchmarks" / "results"
-BROKERS = ("pgq", "redis", "rabbitmq", "sqla")
+BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "sqla")
 LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
 # After the drain, let the worker finish its last acks and block waiting for work,
 # so that the latency probes meet a really idle worker.
@@ -88,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--json", action="store_true", help="print the JSON result on stdout (table on stderr)")
     add("--output", type=Path, help="JSON file (default benchmarks/results/<timestamp>.json)")
     add("--no-save", action="store_true", help="do not write the JSON file")
+    add("--pgbench-seconds", type=float, default=5.0,
+        help="length of the pgbench single-row INSERT run (0: skip it)")
     args = parser.parse_args(argv)
     _validate(parser, args)
     return args
@@ -98,6 +101,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--tasks must be at least 2 (a rate needs two timestamps), got {args.tasks}")
     if args.latency_samples < 1 or args.concurrency < 1 or args.prefetch_multiplier < 1:
         parser.error("--latency-samples, --concurrency and --prefetch-multiplier must be >= 1")
+    if args.pgbench_seconds < 0:
+        parser.error(f"--pgbench-seconds must be >= 0, got {args.pgbench_seconds}")
     if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
         parser.error("--phase-timeout and --probe-timeout must be > 0, --probe-gap >= 0")
     unknown = set(args.brokers.split(",")) - set(BROKERS)
@@ -108,6 +113,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def make_brokers(args: argparse.Namespace) -> list[Broker]:
     every: dict[str, Broker] = {
         "pgq": PgqBroker(args.pg_url),
+        "pgq-async": PgqBroker(args.pg_url, "pgq-async", {"durable_publish": False}),
         "redis": RedisBroker(args.redis_url, args.redis_db),
         "rabbitmq": AmqpBroker(args.amqp_url),
         "sqla": SqlaBroker(args.pg_url),
@@ -310,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     # Before the run: the load other work puts on the machine, not the benchmark's own.
     config = {**build_config(args), **host_info(), **code_version()}
     brokers = {broker.name: run_broker(run, broker) for broker in make_brokers(args)}
+    pgbench: dict[str, Any] = {"status": "skipped", "reason": "--pgbench-seconds 0"}
+    if args.pgbench_seconds > 0:
+        run.say(f"[pgbench] single-row INSERT, 1 client, {args.pgbench_seconds:.0f} s")
+        pgbench = run_pgbench(args.pg_url, args.pgbench_seconds)
     report: dict[str, Any] = {
         "run_id": run.id,
         "started_at": started.isoformat(),
@@ -317,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": [sys.executable, "-m", "benchmarks.brokers", *(argv or sys.argv[1:])],
         "config": config,
         "brokers": brokers,
+        "pgbench": pgbench,
         "ratios": ratios(brokers),
+        "ratios_async": ratios(brokers, reference="pgq-async"),
+        "ratios_to_pgbench": pgbench_ratios(brokers, pgbench),
         "ratio_meaning": RATIO_MEANING,
     }
     if not args.no_save:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RATIO_MEANING", "format_report", "ratios"]
+__all__ = ["PGQ_VARIANTS", "RATIO_MEANING", "format_report", "pgbench_ratios", "ratios"]
 
 RATIO_MEANING = (
     "pgq's value divided by the other broker's: above 1 is better for publish and drain "
@@ -31,8 +31,12 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs
 
 
+PGQ_VARIANTS = ("pgq", "pgq-async")
+
+
 def ratios(brokers: dict[str, dict[str, Any]], reference: str = "pgq") -> dict[str, Any]:
-    """pgq ÷ each other broker that produced numbers, metric by metric."""
+    """``reference`` ÷ each other broker that produced numbers, metric by metric (pgq's
+    variants are compared with the other brokers, not with each other)."""
     ours = brokers.get(reference, {})
     if ours.get("status") != "ok":
         return {}
@@ -42,7 +46,18 @@ def ratios(brokers: dict[str, dict[str, Any]], reference: str = "pgq") -> dict[s
             for metric, section, key in _METRICS
         }
         for name, result in brokers.items()
-        if name != reference and result.get("status") == "ok"
+        if name not in PGQ_VARIANTS and result.get("status") == "ok"
+    }
+
+
+def pgbench_ratios(brokers: dict[str, dict[str, Any]], pgbench: dict[str, Any]) -> dict[str, Any]:
+    """Publish rate of each pgq variant ÷ single-row INSERTs/s of pgbench, one client."""
+    if pgbench.get("status") != "ok":
+        return {}
+    return {
+        name: _ratio(_value(brokers[name], "publish", "rate"), float(pgbench["tps"]))
+        for name in PGQ_VARIANTS
+        if brokers.get(name, {}).get("status") == "ok"
     }
 
 
@@ -67,14 +82,13 @@ def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
-def _ratio_rows(table: dict[str, Any]) -> list[str]:
+def _ratio_rows(table: dict[str, Any], reference: str = "pgq") -> list[str]:
     if not table:
-        return ["(no ratios: pgq or every other broker has no numbers)"]
-    rows = [f"{'pgq vs':<10}{'publish':>10}{'drain':>10}{'p50':>10}{'p99':>10}"]
+        return [f"(no ratios: {reference} or every other broker has no numbers)"]
+    rows = [f"{reference + ' vs':<12}{'publish':>10}{'drain':>10}{'p50':>10}{'p99':>10}"]
     for name, metrics in table.items():
         cells = "".join(f"{_cell(metrics[m], '.2f') + 'x':>10}" for m, _, _ in _METRICS)
-        rows.append(f"{name:<10}{cells}")
-    rows.append("ratio = pgq / other: > 1 better for publish, drain; < 1 better for p50, p99")
+        rows.append(f"{name:<12}{cells}")
     return rows
 
 
@@ -85,5 +99,18 @@ def format_report(report: dict[str, Any]) -> str:
         f"prefetch x{config['prefetch_multiplier']}, acks_late, "
         f"{config['latency_samples']} latency probes, {config['cpus']} CPUs"
     )
-    lines = [head, "", *_broker_rows(report["brokers"]), "", *_ratio_rows(report["ratios"])]
+    lines = [head, "", *_broker_rows(report["brokers"])]
+    pgbench = report.get("pgbench", {})
+    if pgbench.get("status") == "ok":
+        lines.append(f"{'pgbench':<10}{pgbench['tps']:>12.0f}  single-row INSERT, 1 client "
+                     "(the connection's limit)")
+    lines.append("")
+    lines += _ratio_rows(report["ratios"])
+    if report.get("ratios_async"):
+        lines += _ratio_rows(report["ratios_async"], "pgq-async")
+    lines.append("ratio = pgq / other: > 1 better for publish, drain; < 1 better for p50, p99")
+    to_pgbench = report.get("ratios_to_pgbench") or {}
+    if to_pgbench:
+        lines.append("publish / pgbench: " + ", ".join(
+            f"{name} {_cell(value, '.2f')}x" for name, value in to_pgbench.items()))
     return "\n".join(lines)

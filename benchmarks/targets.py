@@ -84,24 +84,31 @@ def _after_scheme(url: str) -> str:
 
 
 class PgqBroker(Broker):
-    """pgq in a fresh schema (``schema`` option and ``PGQ_SCHEMA``), dropped afterwards."""
+    """pgq in a fresh schema (``schema`` option and ``PGQ_SCHEMA``), dropped afterwards.
 
-    name = "pgq"
+    ``options`` are further transport options, set the same way in the worker
+    (``PGQ_<KEY>``): ``pgq-async`` is pgq with ``durable_publish`` off.
+    """
 
-    def __init__(self, pg_url: str) -> None:
+    def __init__(self, pg_url: str, name: str = "pgq", options: dict[str, Any] | None = None):
         self.pg_url = pg_url
+        self.name = name
+        self.options = dict(options or {})
 
     def check(self) -> str | None:
         return _pg_unreachable(self.pg_url)
 
     def setup(self, run_id: str) -> Target:
-        schema = f"pgq_bench_{run_id}"
+        # A schema per variant and run: one variant's teardown never touches another's.
+        schema = f"{self.name.replace('-', '_')}_bench_{run_id}"
+        env = {"PGQ_SCHEMA": schema}
+        env.update({f"PGQ_{k.upper()}": str(v).lower() for k, v in self.options.items()})
         # The transport migrates the schema on first connect, as it would for a user.
         return Target(
             broker_url="pgq://" + _after_scheme(self.pg_url),
             queue=f"bench_{run_id}",
-            transport_options={"schema": schema},
-            env={"PGQ_SCHEMA": schema},
+            transport_options={"schema": schema, **self.options},
+            env=env,
         )
 
     def teardown(self, target: Target) -> None:

@@ -16,12 +16,12 @@ import pytest
 import redis
 
 from benchmarks.phases import percentile
-from benchmarks.report import ratios
+from benchmarks.report import pgbench_ratios, ratios
 
 pytestmark = pytest.mark.benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-BROKERS = ("pgq", "redis", "rabbitmq", "sqla")
+BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "sqla")
 TASKS = 200
 PROBES = 5
 
@@ -39,7 +39,7 @@ def _run_benchmark(pg_url: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
         sys.executable, "-m", "benchmarks.brokers",
         "--tasks", str(TASKS), "--latency-samples", str(PROBES), "--probe-gap", "0.05",
         "--pg-url", pg_url, "--json", "--output", str(output),
-        "--log-dir", str(tmp_path / "logs"), "--phase-timeout", "120",
+        "--log-dir", str(tmp_path / "logs"), "--phase-timeout", "120", "--pgbench-seconds", "1",
     ]  # fmt: skip
     proc = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
@@ -75,11 +75,20 @@ def test_benchmark_reports_every_broker(pg_url: str, tmp_path: Path) -> None:
             _assert_sane(name, result)
         else:
             assert result["reason"], name
-    compared = {n for n, r in report["brokers"].items() if n != "pgq" and r["status"] == "ok"}
-    assert set(report["ratios"]) == compared
-    for metrics in report["ratios"].values():
-        assert set(metrics) == {"publish", "drain", "latency_p50", "latency_p99"}
-        assert all(value is not None and value > 0 for value in metrics.values())
+    assert report["brokers"]["pgq-async"]["status"] == "ok", report["brokers"]["pgq-async"]
+    compared = {n for n, r in report["brokers"].items()
+                if not n.startswith("pgq") and r["status"] == "ok"}
+    for table in ("ratios", "ratios_async"):
+        assert set(report[table]) == compared
+        for metrics in report[table].values():
+            assert set(metrics) == {"publish", "drain", "latency_p50", "latency_p99"}
+            assert all(value is not None and value > 0 for value in metrics.values())
+    # The single-connection limit the publish rates are compared with.
+    if report["pgbench"]["status"] == "ok":
+        assert report["pgbench"]["tps"] > 0
+        assert set(report["ratios_to_pgbench"]) == {"pgq", "pgq-async"}
+    else:
+        assert report["pgbench"]["reason"]
 
 
 def test_percentile_is_an_observed_value_and_monotonic() -> None:
@@ -99,8 +108,16 @@ def test_ratios_compare_only_brokers_with_numbers() -> None:
             "latency": {"p50_ms": p50, "p99_ms": p50 * 2},
         }
 
-    brokers = {"pgq": ok(100, 4), "redis": ok(200, 2), "sqla": {"status": "skipped"}}
+    brokers = {"pgq": ok(100, 4), "pgq-async": ok(150, 3), "redis": ok(200, 2),
+               "sqla": {"status": "skipped"}}
     table = ratios(brokers)
-    assert set(table) == {"redis"}
+    assert set(table) == {"redis"}  # pgq's variants are not compared with each other
     assert table["redis"] == {"publish": 0.5, "drain": 0.5, "latency_p50": 2.0, "latency_p99": 2.0}
     assert ratios({"pgq": {"status": "failed"}, "redis": ok(1, 1)}) == {}
+
+
+def test_publish_rates_are_compared_with_pgbench() -> None:
+    brokers = {"pgq": {"status": "ok", "publish": {"rate": 1000.0}},
+               "pgq-async": {"status": "failed"}, "redis": {"status": "ok"}}
+    assert pgbench_ratios(brokers, {"status": "ok", "tps": 4000.0}) == {"pgq": 0.25}
+    assert pgbench_ratios(brokers, {"status": "skipped", "reason": "no pgbench"}) == {}
