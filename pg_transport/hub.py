@@ -6,8 +6,10 @@ watches three things of ours: the consumer :class:`~pg_transport.session.Session
 and a polling timer (delayed messages falling due, lapsed leases). Each of them ends
 in :meth:`EventLoopDrain.kick`, which puts the next claim on the wire with every
 buffered ack riding on it, and returns. Its rows are handed to Celery when they
-arrive. While a claim is out, acks pile up for the next one, so claims grow with the
-load instead of costing a round trip per task.
+arrive. While a claim is out, acks pile up for the next one, and a refill waits a
+moment (``REFILL_DELAY``) for more slots to free up while the worker still holds a good
+part of its prefetch window, so claims grow with the load instead of costing a
+statement per task. An idle consumer, or one running low, claims at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pg_transport.acks import Token
+from pg_transport.drain import Wanted
 from pg_transport.session import Row, Session
 from pg_transport.store import Claimed, claim_params, decode_claimed
 
@@ -27,6 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["EventLoopDrain"]
 
 logger = logging.getLogger("pg_transport.hub")
+
+# Longest a refill claim waits for more prefetch slots to free up (seconds).
+REFILL_DELAY = 0.002
 
 
 @dataclass
@@ -52,6 +58,8 @@ class EventLoopDrain:
         self._timer: Any = None
         self._fds: list[int] = []
         self._in_flight: _InFlight | None = None
+        self._refill_timer: Any = None
+        self._refill_due = False
 
     @property
     def registered(self) -> bool:
@@ -77,9 +85,11 @@ class EventLoopDrain:
             for fd in self._fds:
                 loop.remove(fd)
         self._fds = []
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._refill_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._refill_timer = None
+        self._refill_due = False
         if self._in_flight is not None and self._in_flight.channel is not None:
             # A claim is out: take its answer and hand its messages back now rather
             # than when their lease lapses (a dead session gives no answer: they lapse).
@@ -118,6 +128,8 @@ class EventLoopDrain:
             return
         drain = self.drain
         wanted = drain.next_claim()
+        if wanted is not None and not self._worth_claiming(wanted):
+            return  # the acks wait too: they ride on that claim, a moment later
         acks = drain.acks.take()
         try:
             if wanted is not None:
@@ -126,6 +138,10 @@ class EventLoopDrain:
                 attempts = [channel.max_attempts(q) for q in queues]
                 self._in_flight = _InFlight(acks, channel, queues, limit)
                 self.session.send("claim", claim_params(queues, vts, limit, attempts, acks))
+                self._refill_due = False
+                if self._refill_timer is not None:
+                    self._refill_timer.cancel()
+                    self._refill_timer = None
             elif acks:
                 self._in_flight = _InFlight(acks)
                 params = {"ids": [t[0] for t in acks], "read_cts": [t[1] for t in acks]}
@@ -133,6 +149,28 @@ class EventLoopDrain:
         except BaseException:
             self._abandon_in_flight()
             raise
+
+    def _worth_claiming(self, wanted: Wanted) -> bool:
+        """Claim now, or let more slots free up first (up to REFILL_DELAY)?
+
+        A claim per freed slot costs a statement per task. While the consumer still
+        holds a good part of its prefetch window (running or queued in the pool) a
+        refill can wait for a few more acks; a consumer running low, or all but idle,
+        claims at once."""
+        window = wanted.channel.qos.prefetch_count or 0
+        if self._refill_due or window <= 1:
+            return True
+        held = window - wanted.limit
+        if wanted.limit * 2 >= window or held * 4 <= window:
+            return True
+        if self._refill_timer is None:
+            self._refill_timer = self._loop.call_later(REFILL_DELAY, self._refill)
+        return False
+
+    def _refill(self) -> None:
+        self._refill_timer = None
+        self._refill_due = True
+        self.kick()
 
     def _finished(self, rows: list[Row]) -> None:
         flight, self._in_flight = self._in_flight, None

@@ -260,3 +260,30 @@ def test_a_consumer_vacuums_its_table_unless_told_not_to(
     if vacuumer is not None:
         vacuumer.join(5)
         assert not vacuumer.is_alive(), "closing the connection stops it"
+
+
+def test_a_refill_waits_a_moment_for_more_free_slots(
+    conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
+    sent = sent_statements(conn, monkeypatch)
+    got = consume(conn, "refill", prefetch=8)
+    producer = Producer(conn.channel(), routing_key="refill")
+    for n in range(40):
+        producer.publish({"n": n})
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    turn_until(hub, lambda: len(got) == 8)  # an idle consumer claims its whole window
+    assert next(ids for name, ids in sent if name == "claim") == []
+    claims_before = len(sent)
+    got[0].ack()
+    hub.run_once()  # the ack's wake-up: one slot of eight free, seven still held
+    assert len(sent) == claims_before, "a single free slot is not worth a claim yet"
+    turn_until(hub, lambda: len(sent) > claims_before)  # ...a moment later it is
+    assert sent[-1] == ("claim", [got[0].delivery_info["pgq_token"][0]])
+    turn_until(hub, lambda: len(got) == 9)
+    # Half the window free: no waiting.
+    for message in got[1:5]:
+        message.ack()
+    claims_before = len(sent)
+    hub.run_once()
+    assert len(sent) == claims_before + 1 and len(sent[-1][1]) == 4
