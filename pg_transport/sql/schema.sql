@@ -57,7 +57,13 @@ CREATE TABLE {schema}.message (
     expires_at  timestamptz,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
-) WITH (fillfactor = 90);
+) WITH (
+    fillfactor = 90,
+    -- Vacuumed once 10,000 rows are dead however small the table, unthrottled.
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 10000,
+    autovacuum_vacuum_cost_delay = 0
+);
 
 -- Claim order within a queue: priority first, then the time a message became visible
 -- (published, due, released or its lease lapsed), then arrival. Rows in flight or
