@@ -26,6 +26,8 @@ from kombu import Connection
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from pg_transport.connection import Connector
+from pg_transport.vacuum import Vacuumer
 from tests.acceptance.harness import Env, Worker, wait_for
 from tests.integration.test_cli import clean_env, invoke, pgq_command
 from tests.integration.test_docs import DOCS, sql_blocks
@@ -181,6 +183,19 @@ def test_worker_role_cannot_migrate_and_says_who_can(granted: Roles, pg_url: str
         finally:
             admin.execute(sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)")
                           .format(s), [last])
+
+
+def test_only_the_owner_vacuums_as_the_page_says(granted: Roles) -> None:
+    vacuum = re.search(r'-c "(VACUUM [^"]+)"', PAGE.read_text())
+    assert vacuum, "the page's scheduled VACUUM"
+    for role, allowed in ((granted.worker, False), (granted.owner, True)):
+        connector = Connector(granted.url(role).replace("pgq://", "postgresql://", 1))
+        try:
+            assert Vacuumer(connector, granted.schema, threshold=0).check() is allowed, role
+        finally:
+            connector.close()
+    with granted.connect(granted.owner) as owner:
+        owner.execute(granted.substitute(vacuum.group(1)))  # the cron line runs as written
 
 
 def test_tables_of_a_later_migration_are_usable_without_granting_again(granted: Roles) -> None:
