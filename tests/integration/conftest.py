@@ -5,6 +5,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from kombu import Connection
 from psycopg import sql
 
 from pg_transport.connection import Connector
@@ -40,6 +41,22 @@ class Peek:
 
 @pytest.fixture
 def peek(pg_url: str, schema: str, store: Store) -> Iterator[Peek]:
+    p = Peek(pg_url, schema)
+    yield p
+    p.conn.close()
+
+
+@pytest.fixture
+def conn(broker_url: str, schema: str) -> Iterator[Connection]:
+    """A connected kombu connection to the test schema (modules may define their own)."""
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+        yield c
+
+
+@pytest.fixture
+def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
+    """Direct SQL on the schema ``conn`` created."""
     p = Peek(pg_url, schema)
     yield p
     p.conn.close()

@@ -26,20 +26,6 @@ def hub() -> Iterator[Hub]:
     loop.close()
 
 
-@pytest.fixture
-def conn(broker_url: str, schema: str) -> Iterator[Connection]:
-    with Connection(broker_url, transport_options={"schema": schema}) as c:
-        c.connect()
-        yield c
-
-
-@pytest.fixture
-def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
-    p = Peek(pg_url, schema)
-    yield p
-    p.conn.close()
-
-
 def turn_until(hub: Hub, done: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not done():
@@ -69,25 +55,33 @@ def sent_statements(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[t
     return sent
 
 
+def started(
+    conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch, queue: str, prefetch: int,
+    messages: int,
+) -> tuple[list[tuple[str, Any]], list[Any]]:
+    """A consumer of ``queue`` with ``messages`` published, registered with the loop,
+    no housekeeping thread (only the loop lands acks): (statements sent, deliveries)."""
+    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
+    sent = sent_statements(conn, monkeypatch)
+    got = consume(conn, queue, prefetch)
+    producer = Producer(conn.channel(), routing_key=queue)
+    for n in range(messages):
+        producer.publish({"n": n})
+    conn.transport.register_with_event_loop(conn.connection, hub)
+    return sent, got
+
+
 def test_an_ack_rides_on_the_next_claim(
     conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    transport = conn.transport
-    # Only the loop lands acks here: no housekeeping thread.
-    monkeypatch.setattr(transport, "_ensure_renewer", lambda: None)
-    sent = sent_statements(conn, monkeypatch)
-    got = consume(conn, "rides", prefetch=1)
-    producer = Producer(conn.channel(), routing_key="rides")
-    producer.publish({"n": 1})
-    producer.publish({"n": 2})
-    transport.register_with_event_loop(conn.connection, hub)
+    sent, got = started(conn, hub, monkeypatch, "rides", prefetch=1, messages=2)
     turn_until(hub, lambda: len(got) == 1)
     first = got[0]
     first.ack()
     # Buffered, not deleted yet: the loop has not turned since.
     assert rows("SELECT count(*) FROM {schema}.message") == [(2,)]
     turn_until(hub, lambda: len(got) == 2)
-    assert [m.payload for m in got] == [{"n": 1}, {"n": 2}]
+    assert [m.payload for m in got] == [{"n": 0}, {"n": 1}]
     # The claim of the second message deleted the first: no statement of its own.
     first_id = first.delivery_info["pgq_token"][0]
     assert ("claim", [first_id]) in sent
@@ -98,11 +92,7 @@ def test_an_ack_rides_on_the_next_claim(
 def test_acks_land_alone_when_there_is_nothing_to_claim(
     conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
-    sent = sent_statements(conn, monkeypatch)
-    got = consume(conn, "alone", prefetch=4)
-    Producer(conn.channel(), routing_key="alone").publish({"n": 1})
-    conn.transport.register_with_event_loop(conn.connection, hub)
+    sent, got = started(conn, hub, monkeypatch, "alone", prefetch=4, messages=1)
     turn_until(hub, lambda: len(got) == 1)
     got[0].ack()
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
@@ -179,12 +169,7 @@ def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
     conn: Connection, hub: Hub, rows: Peek, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     transport = conn.transport
-    monkeypatch.setattr(transport, "_ensure_renewer", lambda: None)
-    got = consume(conn, "cut", prefetch=1)
-    producer = Producer(conn.channel(), routing_key="cut")
-    producer.publish({"n": 1})
-    producer.publish({"n": 2})
-    transport.register_with_event_loop(conn.connection, hub)
+    _, got = started(conn, hub, monkeypatch, "cut", prefetch=1, messages=2)
     turn_until(hub, lambda: len(got) == 1)
     backend = transport.hub.session._conn.info.backend_pid
     # The server drops the consumer's session (a restart, a pooler reaping it).
@@ -201,13 +186,7 @@ def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
 def test_many_acks_from_pool_threads_land_in_few_statements(
     conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
-    sent = sent_statements(conn, monkeypatch)
-    got = consume(conn, "pool", prefetch=50)
-    producer = Producer(conn.channel(), routing_key="pool")
-    for n in range(200):
-        producer.publish({"n": n})
-    conn.transport.register_with_event_loop(conn.connection, hub)
+    sent, got = started(conn, hub, monkeypatch, "pool", prefetch=50, messages=200)
     acked = 0
     while acked < 200:
         turn_until(hub, lambda done=acked: len(got) > done)
@@ -265,13 +244,7 @@ def test_a_consumer_vacuums_its_table_unless_told_not_to(
 def test_a_refill_waits_a_moment_for_more_free_slots(
     conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
-    sent = sent_statements(conn, monkeypatch)
-    got = consume(conn, "refill", prefetch=8)
-    producer = Producer(conn.channel(), routing_key="refill")
-    for n in range(40):
-        producer.publish({"n": n})
-    conn.transport.register_with_event_loop(conn.connection, hub)
+    sent, got = started(conn, hub, monkeypatch, "refill", prefetch=8, messages=40)
     turn_until(hub, lambda: len(got) == 8)  # an idle consumer claims its whole window
     assert next(ids for name, ids in sent if name == "claim") == []
     claims_before = len(sent)

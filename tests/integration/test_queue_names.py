@@ -71,13 +71,6 @@ class Peek:
 
 
 @pytest.fixture
-def conn(broker_url: str, schema: str) -> Iterator[Connection]:
-    with Connection(broker_url, transport_options={"schema": schema}) as connection:
-        connection.connect()
-        yield connection
-
-
-@pytest.fixture
 def peek(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
     with psycopg.connect(pg_url, autocommit=True) as admin:
         yield Peek(admin, schema)

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from tests.integration.conftest import Peek
-
-
-@pytest.fixture
-def conn(broker_url: str, schema: str) -> Iterator[Connection]:
-    with Connection(broker_url, transport_options={"schema": schema}) as c:
-        c.connect()
-        yield c
-
-
-@pytest.fixture
-def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
-    p = Peek(pg_url, schema)
-    yield p
-    p.conn.close()
 
 
 def setting(connector: Any, name: str) -> str:
