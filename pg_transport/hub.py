@@ -61,10 +61,6 @@ class EventLoopDrain:
         self._refill_timer: Any = None
         self._refill_due = False
 
-    @property
-    def registered(self) -> bool:
-        return self._loop is not None
-
     # -- registration -------------------------------------------------------------
     def register(self, loop: Any) -> None:
         self.unregister()

@@ -203,3 +203,46 @@ def test_a_publishing_connection_holds_no_wake_up_pipe(broker_url: str, schema: 
             c.release()
     assert open_fds() <= before + 2
 
+
+
+def test_a_batch_waiting_behind_a_blocked_delivery_keeps_its_lease(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    # A consumer whose callback blocks (the solo pool runs the task right there) has
+    # claimed a batch of two; the second message waits for the first for longer than
+    # its visibility timeout. Its lease must be renewed, or another consumer takes it.
+    options = {"schema": schema, "visibility_timeout": 1}
+    entered, release = threading.Event(), threading.Event()
+    got: list[Any] = []
+
+    def blocking(body: Any, message: Any) -> None:
+        got.append(body)
+        if body == {"n": 1}:
+            entered.set()
+            release.wait(20)
+        message.ack()
+
+    with Connection(broker_url, transport_options=options) as c:
+        consumer = Consumer(c.channel(), [Queue("blocked")], callbacks=[blocking])
+        consumer.qos(prefetch_count=2)
+        consumer.consume()
+        producer = Producer(c.channel(), routing_key="blocked")
+        producer.publish({"n": 1})
+        producer.publish({"n": 2})
+        thread = threading.Thread(target=c.drain_events, kwargs={"timeout": 20})
+        thread.start()
+        try:
+            assert entered.wait(10)
+            start = time.monotonic()
+            # Three visibility timeouts pass with the second message claimed, undelivered.
+            while time.monotonic() - start < 3.0:
+                with Connection(broker_url, transport_options=options) as rival:
+                    assert rival.transport.store.claim(["blocked"], [1.0], 10) == []
+                time.sleep(0.2)
+            assert rows("SELECT count(*) FROM {schema}.message WHERE read_ct = 1"
+                        " AND visible_at > now()") == [(2,)]
+        finally:
+            release.set()
+            thread.join(20)
+    # Both delivered by that one drain, once each.
+    assert got == [{"n": 1}, {"n": 2}]
