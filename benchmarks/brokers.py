@@ -2,11 +2,14 @@
 
     python -m benchmarks.brokers [--tasks N] [--pool prefork --concurrency 2] [--json]
 
-For each reachable broker, in turn: publish N no-op tasks from one producer (publish
-rate), start one worker subprocess and let it run them all (drain rate, first to last
-completion), then probe the idle worker one task at a time (publish→task-start latency
-p50/p99). A broker that does not answer is skipped with the reason. pgq's ratios to the
-others follow; the whole result is JSON (stdout with ``--json``; always saved under
+Every reachable broker publishes N no-op tasks from one producer, the brokers taking
+turns 500 tasks at a time (publish rate); then, one broker after another, one worker
+subprocess runs them all (drain rate, first to last completion) and is probed idle one
+task at a time (publish→task-start latency p50/p99). A broker that does not answer is
+skipped with the reason. With ``--rounds``
+the brokers take turns that many times (in reverse order every other round), so a
+machine whose speed drifts during the run weighs on every broker alike. pgq's ratios to
+the others follow; the whole result is JSON (stdout with ``--json``; always saved under
 ``benchmarks/results/`` unless ``--no-save``).
 """
 
@@ -25,16 +28,18 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import celery
 import kombu
+from celery import Celery, Task
 
-from benchmarks.app import TASK_NAME, Sink, make_app
+from benchmarks.app import DRAIN, TASK_NAME, Sink, make_app
 from benchmarks.pgbench import run_pgbench
-from benchmarks.phases import drain, latency, publish
-from benchmarks.report import RATIO_MEANING, format_report, pgbench_ratios, ratios
+from benchmarks.phases import PhaseError, drain, latency, publish_interleaved
+from benchmarks.report import RATIO_MEANING, combine, format_report, pgbench_ratios, ratios
 from benchmarks.targets import (
     AmqpBroker,
     Broker,
@@ -52,6 +57,8 @@ LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
 # After the drain, let the worker finish its last acks and block waiting for work,
 # so that the latency probes meet a really idle worker.
 SETTLE_SECONDS = 0.5
+# Tasks a broker publishes in one turn of the publish phase.
+PUBLISH_CHUNK = 500
 LOG_TAIL_LINES = 40
 
 
@@ -66,7 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--tasks", type=int, default=10_000, help="tasks published and drained (default 10000)")
-    add("--latency-samples", type=int, default=100, help="idle latency probes (default 100)")
+    add("--latency-samples", type=int, default=100,
+        help="idle latency probes per round (default 100)")
+    add("--rounds", type=int, default=1,
+        help="times every broker is measured, taking turns (default 1)")
     add("--pool", choices=("threads", "prefork"), default="threads", help="worker pool")
     add("--concurrency", type=int, default=4, help="worker concurrency (default 4)")
     add("--prefetch-multiplier", type=int, default=4, help="worker_prefetch_multiplier")
@@ -99,8 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tasks < 2:
         parser.error(f"--tasks must be at least 2 (a rate needs two timestamps), got {args.tasks}")
-    if args.latency_samples < 1 or args.concurrency < 1 or args.prefetch_multiplier < 1:
-        parser.error("--latency-samples, --concurrency and --prefetch-multiplier must be >= 1")
+    if min(args.latency_samples, args.concurrency, args.prefetch_multiplier, args.rounds) < 1:
+        parser.error(
+            "--latency-samples, --concurrency, --prefetch-multiplier and --rounds must be >= 1"
+        )
     if args.pgbench_seconds < 0:
         parser.error(f"--pgbench-seconds must be >= 0, got {args.pgbench_seconds}")
     if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
@@ -167,39 +179,106 @@ class Run:
         return Sink(self.spec.sink_url, f"bench:{self.id}:{broker.name}")
 
 
-def measure(run: Run, broker: Broker, target: Target, result: dict[str, Any]) -> None:
-    """Publish, drain, probe; fills ``result`` as it goes so a failure keeps what was done."""
-    args = run.args
-    app = make_app(
-        target.broker_url, target.queue, target.transport_options, args.prefetch_multiplier
+@dataclass
+class Entry:
+    """One broker in one round: where it publishes, its sink, its result so far."""
+
+    broker: Broker
+    target: Target
+    app: Celery
+    sink: Sink
+    result: dict[str, Any]
+
+    @property
+    def task(self) -> Task:
+        return self.app.tasks[TASK_NAME]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result["status"] == "ok")
+
+    def publish(self, count: int) -> None:
+        """``count`` drain tasks from this process, the broker's environment set."""
+        task = self.task
+        with patched_environ(self.target.env):
+            for seq in range(count):
+                task.apply_async(args=(DRAIN, seq, 0.0))
+
+
+def fail(run: Run, name: str, result: dict[str, Any], exc: BaseException) -> None:
+    """Record a failure in ``result``; the run goes on with the other brokers."""
+    result.update(
+        status="failed",
+        reason=f"{type(exc).__name__}: {exc}",
+        traceback=traceback.format_exception(exc)[-8:],
     )
-    task = app.tasks[TASK_NAME]
+    run.say(f"[{name}] FAILED: {result['reason']}")
+
+
+def prepare(run: Run, broker: Broker, round_number: int) -> tuple[dict[str, Any], Entry | None]:
+    """Check and set up one broker for a round: its result, and an entry to measure
+    (None when it is skipped or its setup failed)."""
+    reason = broker.check()
+    if reason:
+        run.say(f"[{broker.name}] skipped: {reason}")
+        return {"status": "skipped", "reason": reason}, None
+    result: dict[str, Any] = {"status": "ok", "loadavg_before": os.getloadavg()}
+    try:
+        # A queue (schema, database) of its own per round: a round never meets what
+        # the last one left or deleted.
+        target = broker.setup(run.id if round_number == 1 else f"{run.id}r{round_number}")
+    except Exception as exc:  # e.g. no right to create the scratch database
+        reason = f"setup failed: {type(exc).__name__}: {exc}"
+        run.say(f"[{broker.name}] FAILED: {reason}")
+        return {**result, "status": "failed", "reason": reason}, None
+    result.update(url=target.display_url, queue=target.queue)
+    app = make_app(
+        target.broker_url, target.queue, target.transport_options, run.args.prefetch_multiplier
+    )
     sink = run.sink(broker)
     sink.client().delete(*sink.keys())
+    return result, Entry(broker, target, app, sink, result)
+
+
+def publish_all(run: Run, entries: list[Entry]) -> None:
+    """The publish rates, every broker taking turns (see :func:`publish_interleaved`)."""
+    args = run.args
+    names = ", ".join(e.broker.name for e in entries)
+    run.say(f"[publish] {args.tasks} tasks each, {PUBLISH_CHUNK} at a time in turn: {names}")
+    timeout = args.phase_timeout * max(len(entries), 1)
+    outcome = publish_interleaved(
+        {e.broker.name: e.publish for e in entries}, args.tasks, PUBLISH_CHUNK, timeout
+    )
+    for entry in entries:
+        found = outcome[entry.broker.name]
+        if isinstance(found, PhaseError):
+            fail(run, entry.broker.name, entry.result, found)
+        else:
+            entry.result["publish"] = found
+
+
+def drain_and_probe(run: Run, entry: Entry) -> None:
+    """Drain the published tasks with one worker, then probe it idle."""
+    args, broker, target, sink, result = run.args, entry.broker, entry.target, entry.sink, \
+        entry.result
+    run.say(f"[{broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
+    spawned_at = time.time()
+    worker = start_worker(
+        target,
+        run.spec,
+        f"bench-{broker.name}-{target.queue}",
+        sink.prefix,
+        run.log_dir / f"{broker.name}-{target.queue}-worker.log",
+    )
     try:
-        run.say(f"[{broker.name}] publishing {args.tasks} tasks")
-        result["publish"] = publish(task, args.tasks, args.phase_timeout)
-        run.say(f"[{broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
-        spawned_at = time.time()
-        worker = start_worker(
-            target,
-            run.spec,
-            f"bench-{broker.name}-{run.id}",
-            sink.prefix,
-            run.log_dir / f"{broker.name}-worker.log",
+        result["drain"] = drain(worker, sink, args.tasks, args.phase_timeout, spawned_at)
+        time.sleep(SETTLE_SECONDS)
+        run.say(f"[{broker.name}] {args.latency_samples} idle latency probes")
+        result["latency"] = latency(
+            entry.task, worker, sink, args.latency_samples, args.probe_timeout, args.probe_gap
         )
-        try:
-            result["drain"] = drain(worker, sink, args.tasks, args.phase_timeout, spawned_at)
-            time.sleep(SETTLE_SECONDS)
-            run.say(f"[{broker.name}] {args.latency_samples} idle latency probes")
-            result["latency"] = latency(
-                task, worker, sink, args.latency_samples, args.probe_timeout, args.probe_gap
-            )
-        finally:
-            result["worker"] = describe_worker(worker, sink, spawned_at)
     finally:
-        app.close()
-        sink.client().delete(*sink.keys())
+        result["worker"] = describe_worker(worker, sink, spawned_at)
 
 
 def describe_worker(worker: Worker, sink: Sink, spawned_at: float) -> dict[str, Any]:
@@ -214,39 +293,45 @@ def describe_worker(worker: Worker, sink: Sink, spawned_at: float) -> dict[str, 
     }
 
 
-def run_broker(run: Run, broker: Broker) -> dict[str, Any]:
-    reason = broker.check()
-    if reason:
-        run.say(f"[{broker.name}] skipped: {reason}")
-        return {"status": "skipped", "reason": reason}
-    result: dict[str, Any] = {"status": "ok", "loadavg_before": os.getloadavg()}
+def finish(entry: Entry) -> None:
+    """Close the publisher, clear the sink, tear the broker's scratch state down."""
+    result = entry.result
     try:
-        target = broker.setup(run.id)
-    except Exception as exc:  # e.g. no right to create the scratch database
-        reason = f"setup failed: {type(exc).__name__}: {exc}"
-        run.say(f"[{broker.name}] FAILED: {reason}")
-        return {**result, "status": "failed", "reason": reason}
-    result.update(url=target.display_url, queue=target.queue)
-    try:
-        with patched_environ(target.env):
-            measure(run, broker, target, result)
-    except Exception as exc:  # any failure is reported, never fatal to others
-        result.update(
-            status="failed",
-            reason=f"{type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc().splitlines()[-8:],
-        )
-        run.say(f"[{broker.name}] FAILED: {result['reason']}")
+        entry.app.close()
+        entry.sink.client().delete(*entry.sink.keys())
     finally:
         result["loadavg_after"] = os.getloadavg()
         try:
-            broker.teardown(target)
+            entry.broker.teardown(entry.target)
         except Exception as exc:  # report and go on: the next broker still runs
             result["teardown_error"] = f"{type(exc).__name__}: {exc}"
-    if result["status"] == "ok":
+    if entry.ok and "worker" in result:
         # A success keeps the worker's trouble lines; only a failure needs its log tail.
         result["worker"].pop("log_tail", None)
-    return result
+
+
+def run_round(run: Run, brokers: list[Broker], round_number: int) -> dict[str, dict[str, Any]]:
+    """Every broker once: publish (in turn), then drain and probe one after another."""
+    results: dict[str, dict[str, Any]] = {}
+    entries: list[Entry] = []
+    try:
+        for broker in brokers:
+            results[broker.name], entry = prepare(run, broker, round_number)
+            if entry is not None:
+                entries.append(entry)
+        publish_all(run, entries)
+        for entry in entries:
+            if not entry.ok:
+                continue
+            try:
+                with patched_environ(entry.target.env):
+                    drain_and_probe(run, entry)
+            except Exception as exc:  # any failure is reported, never fatal to others
+                fail(run, entry.broker.name, entry.result, exc)
+    finally:
+        for entry in entries:
+            finish(entry)
+    return results
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
@@ -285,6 +370,7 @@ def host_info() -> dict[str, Any]:
 def build_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "tasks": args.tasks,
+        "rounds": args.rounds,
         "latency_samples": args.latency_samples,
         "pool": args.pool,
         "concurrency": args.concurrency,
@@ -315,7 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     # Before the run: the load other work puts on the machine, not the benchmark's own.
     config = {**build_config(args), **host_info(), **code_version()}
-    brokers = {broker.name: run_broker(run, broker) for broker in make_brokers(args)}
+    names = [broker.name for broker in make_brokers(args)]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for number in range(args.rounds):
+        order = make_brokers(args)
+        if number % 2:
+            order.reverse()
+        if args.rounds > 1:
+            run.say(f"round {number + 1} of {args.rounds}")
+        rounds.append(run_round(run, order, number + 1))
+    brokers = combine(rounds, names)
     pgbench: dict[str, Any] = {"status": "skipped", "reason": "--pgbench-seconds 0"}
     if args.pgbench_seconds > 0:
         run.say(f"[pgbench] single-row INSERT, 1 client, {args.pgbench_seconds:.0f} s")
@@ -330,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "pgbench": pgbench,
         "ratios": ratios(brokers),
         "ratios_async": ratios(brokers, reference="pgq-async"),
+        "round_ratios": [ratios(r) for r in rounds] if args.rounds > 1 else [],
         "ratios_to_pgbench": pgbench_ratios(brokers, pgbench),
         "ratio_meaning": RATIO_MEANING,
     }

@@ -1,4 +1,4 @@
-"""The three measurements of one broker: publish rate, drain rate, idle latency.
+"""The three measurements of a broker: publish rate, drain rate, idle latency.
 
 Every loop is bounded in count and in time, so a stuck broker or worker ends the
 phase with a :class:`PhaseError` instead of hanging the run.
@@ -9,14 +9,15 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
 
-from benchmarks.app import DRAIN, LATENCY, Sink
+from benchmarks.app import LATENCY, Sink
 from benchmarks.worker import Worker
 
-__all__ = ["PhaseError", "drain", "latency", "percentile", "publish"]
+__all__ = ["PhaseError", "drain", "latency", "percentile", "publish_interleaved"]
 
 # How often the harness looks at the sink while waiting for the drain to finish.
 DRAIN_POLL = 0.05
@@ -30,21 +31,56 @@ class PhaseError(RuntimeError):
     """A phase could not produce its measurement (timeout, dead worker)."""
 
 
-def publish(task: Task, count: int, timeout: float) -> dict[str, Any]:
-    """Publish ``count`` drain tasks from one producer, as fast as apply_async goes."""
-    # The first call connects and declares the queue (pgq also migrates its fresh
-    # schema): a one-time cost of every client, kept out of the steady-state rate.
-    task.apply_async(args=(DRAIN, 0, 0.0))
-    sent = 1
+def publish_interleaved(
+    publishers: dict[str, Callable[[int], None]], count: int, chunk: int, timeout: float
+) -> dict[str, dict[str, Any] | PhaseError]:
+    """Publish ``count`` drain tasks through each publisher, the brokers taking turns.
+
+    ``publishers[name](n)`` publishes ``n`` tasks from one producer. Each broker gets
+    a first task alone (it connects and declares the queue; pgq also migrates its fresh
+    schema: a one-time cost of every client, kept out of the rate), then ``chunk``
+    tasks at a time, in turn and in reverse order every other pass, so that a machine
+    whose speed drifts meets every broker alike. The rate of each counts only the time
+    spent publishing through it. A broker that fails or runs out of time is reported
+    with its error and the others go on.
+    """
+    outcome: dict[str, dict[str, Any] | PhaseError] = {}
+    sent: dict[str, int] = {}
+    spent: dict[str, float] = {}
+    for name, publish_n in publishers.items():
+        try:
+            publish_n(1)
+        except Exception as exc:  # any broker error ends that broker's phase only
+            outcome[name] = PhaseError(f"first publish failed: {type(exc).__name__}: {exc}")
+            continue
+        sent[name], spent[name] = 1, 0.0
     deadline = time.monotonic() + timeout
-    start = time.perf_counter()
-    while sent < count and time.monotonic() < deadline:
-        task.apply_async(args=(DRAIN, sent, 0.0))
-        sent += 1
-    elapsed = time.perf_counter() - start
-    if sent < count:
-        raise PhaseError(f"publish timed out after {timeout:.0f}s with {sent}/{count} sent")
-    return {"tasks": sent, "seconds": elapsed, "rate": (sent - 1) / elapsed}
+    turn = 0
+    while pending := [n for n in sent if n not in outcome and sent[n] < count]:
+        if time.monotonic() > deadline:
+            for name in pending:
+                outcome[name] = PhaseError(
+                    f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent")
+            break
+        for name in pending if turn % 2 == 0 else reversed(pending):
+            n = min(chunk, count - sent[name])
+            start = time.perf_counter()
+            try:
+                publishers[name](n)
+            except Exception as exc:  # any broker error ends that broker's phase only
+                outcome[name] = PhaseError(f"publish failed: {type(exc).__name__}: {exc}")
+                continue
+            spent[name] += time.perf_counter() - start
+            sent[name] += n
+        turn += 1
+    for name in sent:
+        if name not in outcome:
+            outcome[name] = {
+                "tasks": sent[name], "seconds": spent[name],
+                "rate": (sent[name] - 1) / spent[name] if spent[name] > 0 else 0.0,
+                "chunk": chunk,
+            }
+    return outcome
 
 
 def drain(

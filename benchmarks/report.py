@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
-__all__ = ["PGQ_VARIANTS", "RATIO_MEANING", "format_report", "pgbench_ratios", "ratios"]
+from benchmarks.phases import summarize
+
+__all__ = [
+    "PGQ_VARIANTS",
+    "RATIO_MEANING",
+    "combine",
+    "format_report",
+    "pgbench_ratios",
+    "ratios",
+]
 
 RATIO_MEANING = (
     "pgq's value divided by the other broker's: above 1 is better for publish and drain "
@@ -48,6 +58,37 @@ def ratios(brokers: dict[str, dict[str, Any]], reference: str = "pgq") -> dict[s
         for name, result in brokers.items()
         if name not in PGQ_VARIANTS and result.get("status") == "ok"
     }
+
+
+def combine(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[str, Any]:
+    """Each broker's result over every round (brokers take turns within a round).
+
+    One round: its results as they are. Several: the median publish and drain rate of
+    the rounds, and latency percentiles of every probe of every round together. Each
+    round's own results stay under ``rounds``. A broker that failed or was skipped in
+    any round reports that round's outcome instead of numbers.
+    """
+    if len(rounds) == 1:
+        return {name: rounds[0][name] for name in names}
+    combined: dict[str, Any] = {}
+    for name in names:
+        results = [r[name] for r in rounds]
+        bad = next((r for r in results if r.get("status") != "ok"), None)
+        if bad is not None:
+            combined[name] = {**bad, "rounds": results}
+            continue
+        samples = [ms for r in results for ms in r["latency"]["samples_ms"]]
+        combined[name] = {
+            "status": "ok",
+            "publish": {"rate": median(r["publish"]["rate"] for r in results),
+                        "tasks": sum(r["publish"]["tasks"] for r in results)},
+            "drain": {"rate": median(r["drain"]["rate"] for r in results),
+                      "tasks": sum(r["drain"]["tasks"] for r in results),
+                      "duplicates": sum(r["drain"]["duplicates"] for r in results)},
+            "latency": summarize(samples),
+            "rounds": results,
+        }
+    return combined
 
 
 def pgbench_ratios(brokers: dict[str, dict[str, Any]], pgbench: dict[str, Any]) -> dict[str, Any]:
@@ -94,11 +135,14 @@ def _ratio_rows(table: dict[str, Any], reference: str = "pgq") -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
     config = report["config"]
+    rounds = config.get("rounds", 1)
     head = (
         f"{config['tasks']} tasks, pool {config['pool']} x{config['concurrency']}, "
         f"prefetch x{config['prefetch_multiplier']}, acks_late, "
         f"{config['latency_samples']} latency probes, {config['cpus']} CPUs"
     )
+    if rounds > 1:
+        head += (f"; {rounds} rounds: median rates, latency over every probe of every round")
     lines = [head, "", *_broker_rows(report["brokers"])]
     pgbench = report.get("pgbench", {})
     if pgbench.get("status") == "ok":

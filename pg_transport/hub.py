@@ -10,6 +10,14 @@ arrive. While a claim is out, acks pile up for the next one, and a refill waits 
 moment (``REFILL_DELAY``) for more slots to free up while the worker still holds a good
 part of its prefetch window, so claims grow with the load instead of costing a
 statement per task. An idle consumer, or one running low, claims at once.
+
+A claim that comes back empty also leaves the consumer waiting on its queues (rows in
+the ``waiter`` table, written by the claim itself). A publish to one of them then hands
+its message over directly: leased to this consumer and sent on the session's own
+channel, it is delivered as soon as the NOTIFY is read, with no claim round trip. A
+hand-off ends the wait (the publisher deletes every row of it), and so does a claim
+that brings messages: one wait, one hand-off at most, so a consumer busy with a task
+run inline (the solo pool) is handed nothing it would not read.
 """
 
 from __future__ import annotations
@@ -18,10 +26,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+
 from pg_transport.acks import Token
 from pg_transport.drain import Wanted
-from pg_transport.session import Row, Session
-from pg_transport.store import Claimed, claim_params, decode_claimed
+from pg_transport.session import Reply, Row, Session
+from pg_transport.store import (
+    Claimed,
+    Waiting,
+    claim_params,
+    decode_claimed,
+    decode_handed,
+    unwaited,
+)
 
 if TYPE_CHECKING:
     from pg_transport.drain import Drain
@@ -33,6 +50,11 @@ logger = logging.getLogger("pg_transport.hub")
 
 # Longest a refill claim waits for more prefetch slots to free up (seconds).
 REFILL_DELAY = 0.002
+# Longest a leaving consumer waits for Postgres to confirm it waits no more (seconds).
+RETIRE_TIMEOUT = 5.0
+# Longest the loop waits for a hand-off known to be committed (its NOTIFY follows the
+# claim's answer at once; this only bounds a surprise).
+HANDOFF_WAIT = 1.0
 
 
 @dataclass
@@ -43,6 +65,7 @@ class _InFlight:
     channel: Channel | None = None
     queues: list[str] = field(default_factory=list)
     limit: int = 0
+    waiting: Waiting | None = None
 
 
 class EventLoopDrain:
@@ -60,6 +83,8 @@ class EventLoopDrain:
         self._in_flight: _InFlight | None = None
         self._refill_timer: Any = None
         self._refill_due = False
+        #: Queues this consumer waits on (a publish may hand it a message).
+        self.waiting: set[str] = set()
 
     # -- registration -------------------------------------------------------------
     def register(self, loop: Any) -> None:
@@ -86,16 +111,61 @@ class EventLoopDrain:
                 timer.cancel()
         self._timer = self._refill_timer = None
         self._refill_due = False
-        if self._in_flight is not None and self._in_flight.channel is not None:
-            # A claim is out: take its answer and hand its messages back now rather
-            # than when their lease lapses (a dead session gives no answer: they lapse).
-            reply = self.session.finish(timeout=5.0)
+        handed = Reply()
+        waited, taken = len(self.waiting), False
+        flight = self._in_flight
+        if flight is not None:
+            # A statement is out: take its answer; a claim's messages are handed back
+            # now rather than when their lease lapses (a dead session gives no answer:
+            # they lapse, and its acks are landed on another connection).
+            reply = self.session.finish(timeout=RETIRE_TIMEOUT, into=handed)
             if reply is not None and reply.rows is not None:
-                self._in_flight.acks = []  # landed with the claim
-                released = [decode_claimed(row) for row in reply.rows]
-                self.drain.release(released)
+                flight.acks = []  # landed with the statement
+                if flight.channel is not None:
+                    self.drain.release([decode_claimed(row) for row in reply.rows])
+                waited, taken = self._waited_after(flight, reply.rows, handed, waited)
         self._abandon_in_flight()
+        self._retire(handed, waited, taken)
         self.session.close()
+
+    @staticmethod
+    def _waited_after(
+        flight: _InFlight, rows: list[Row], handed: Reply, waited: int
+    ) -> tuple[int, bool]:
+        """How many waiting rows are left once the claim ``flight`` answered ``rows``,
+        and whether a publisher took this consumer while that claim stopped waiting."""
+        waiting = flight.waiting
+        if waiting is None:
+            return waited, False
+        if not rows:
+            return (waited if waiting.unwait else len(waiting.queues)), False
+        if waiting.unwait:
+            return 0, not handed.handed and unwaited(rows) < waited
+        return waited, False
+
+    def _retire(self, handed: Reply, waited: int, taken: bool) -> None:
+        """Stop waiting, and give back every message handed over meanwhile.
+
+        ``unwait`` returns only once no publisher is handing this consumer a message
+        any more. Fewer rows gone than the ``waited`` ones (or a claim that stopped
+        the waiting and found it ``taken``) means a publisher took this consumer: its
+        hand-off is committed and its NOTIFY is read before leaving. All of them are
+        released (fenced: one already taken back by a lapsed lease is left alone)."""
+        self.waiting.clear()
+        session = self.session
+        if session.token is not None and session.is_open and not session.busy:
+            try:
+                session.send("unwait", {"waiter": session.token})
+                reply = session.finish(RETIRE_TIMEOUT, into=handed)
+                if reply is not None and reply.rows:
+                    gone = int(reply.rows[0][0] or 0)
+                    if (taken or gone < waited) and not handed.handed:
+                        session.await_handed(HANDOFF_WAIT, into=handed)
+            except psycopg.Error as exc:
+                # Its lock goes with the session: publishers pass it over from now on.
+                logger.debug("leaving the waiters failed: %s", exc)
+        if handed.handed:
+            self.drain.release([decode_handed(text) for text in handed.handed])
 
     # -- events -------------------------------------------------------------------
     def on_wake(self) -> None:
@@ -112,10 +182,42 @@ class EventLoopDrain:
         except BaseException:
             self._abandon_in_flight()
             raise
+        flight = self._in_flight
+        if reply.rows and flight is not None and self._taken(flight, reply):
+            # A publisher took this consumer while the claim stopped its waiting: that
+            # hand-off is committed and its NOTIFY is right behind the answer. Read it
+            # before delivering anything, so that it is leased (renewed) from now on
+            # even if a delivery runs a task inline.
+            self.session.await_handed(HANDOFF_WAIT, into=reply)
+        handed = self._adopt([decode_handed(text) for text in reply.handed])
+        # The statement's answer first: what came with it on the socket came after it.
+        # A NOTIFY read with a claim's empty answer is for a publish that claim did not
+        # see; a hand-off read with it may have taken the wait that very claim began.
+        try:
+            if reply.rows is not None:
+                self._finished(reply.rows)
+        except BaseException:
+            # Leased and adopted, never to be delivered now: hand them back.
+            self.drain.release([claimed for claimed, _ in handed])
+            raise
+        if handed:
+            self._handed(handed)
         self.drain.notified(reply.notified)
-        if reply.rows is not None:
-            self._finished(reply.rows)
-        self.kick()
+        if reply.rows is not None or reply.notified or not handed:
+            self.kick()
+        # Hand-offs alone: no claim now. The task just handed over should have the
+        # process (and the GIL) to itself to start; the consumer waits nowhere now, so
+        # any publish meanwhile wakes it with a NOTIFY, and the task's ack (a wake-up)
+        # brings the claim that begins its next wait.
+
+    def _taken(self, flight: _InFlight, reply: Reply) -> bool:
+        """Whether a claim that stopped this consumer's waiting found its rows gone
+        with no hand-off read yet (a publisher took them: the hand-off follows)."""
+        waiting = flight.waiting
+        if waiting is None or not waiting.unwait or reply.handed:
+            return False
+        assert reply.rows
+        return unwaited(reply.rows) < len(self.waiting)
 
     def kick(self) -> None:
         """Send the next statement if none is out: a claim where slots are free and
@@ -132,8 +234,11 @@ class EventLoopDrain:
                 channel, queues, limit = wanted.channel, wanted.queues, wanted.limit
                 vts = [channel.visibility_timeout(q) for q in queues]
                 attempts = [channel.max_attempts(q) for q in queues]
-                self._in_flight = _InFlight(acks, channel, queues, limit)
-                self.session.send("claim", claim_params(queues, vts, limit, attempts, acks))
+                waiting = self._waiting(queues, vts)
+                self._in_flight = _InFlight(acks, channel, queues, limit, waiting)
+                self.session.send(
+                    "claim", claim_params(queues, vts, limit, attempts, acks, waiting)
+                )
                 self._refill_due = False
                 if self._refill_timer is not None:
                     self._refill_timer.cancel()
@@ -163,6 +268,16 @@ class EventLoopDrain:
             self._refill_timer = self._loop.call_later(REFILL_DELAY, self._refill)
         return False
 
+    def _waiting(self, queues: list[str], vts: list[float]) -> Waiting | None:
+        """What the claim says about waiting: wait on every queue of the claim if it
+        comes back empty (while waiting nowhere yet); stop waiting if it does not."""
+        token = self.session.token
+        if token is None:
+            return None
+        if self.waiting:
+            return Waiting(token, unwait=True)
+        return Waiting(token, queues, vts)
+
     def _refill(self) -> None:
         self._refill_timer = None
         self._refill_due = True
@@ -177,7 +292,47 @@ class EventLoopDrain:
         drain.track(flight.channel, batch)
         if len(batch) < flight.limit:
             drain.exhausted.update(flight.queues)
+        waiting = flight.waiting
+        if waiting is not None:
+            if not batch:
+                self.waiting.update(waiting.queues)
+            elif waiting.unwait:
+                self.waiting.clear()
         drain.deliver_all(batch, leased=True)
+
+    def _adopt(self, batch: list[Claimed]) -> list[tuple[Claimed, Channel | None]]:
+        """Messages a publish handed to this consumer, each with the channel consuming
+        its queue (None: none does any more), leased like claimed ones until delivered."""
+        if not batch:
+            return []
+        adopted: list[tuple[Claimed, Channel | None]] = []
+        for claimed in batch:
+            channel = self._consumer_of(claimed.queue)
+            if channel is not None:
+                self.drain.track(channel, [claimed])
+            adopted.append((claimed, channel))
+        return adopted
+
+    def _handed(self, adopted: list[tuple[Claimed, Channel | None]]) -> None:
+        """Deliver handed messages like claimed ones; release those of queues no longer
+        consumed. A hand-off ends the wait it was for: every waiting row is gone."""
+        self.waiting.clear()
+        drain = self.drain
+        for claimed, _ in adopted:
+            # The queue is worth a claim again: the consumer waits there no more.
+            drain.exhausted.discard(claimed.queue)
+        orphans = [claimed for claimed, channel in adopted if channel is None]
+        if orphans:
+            drain.release(orphans)
+        # In order; should a delivery fail, the rest is released (see deliver_all).
+        drain.deliver_all([claimed for claimed, channel in adopted if channel], leased=True)
+
+    def _consumer_of(self, queue: str) -> Channel | None:
+        for channel in self.transport.consuming_channels():
+            acked, _ = channel.consuming()
+            if queue in acked:
+                return channel
+        return None
 
     def _abandon_in_flight(self) -> None:
         flight, self._in_flight = self._in_flight, None

@@ -17,10 +17,28 @@ import psycopg
 from psycopg.types.json import Json
 
 from pg_transport.connection import Connector
-from pg_transport.sql import load_queries, notify_channel
+from pg_transport.locks import lock_space
+from pg_transport.sql import handoff_prefix, load_queries, notify_channel
 from pg_transport.wire import Statement
 
-__all__ = ["Claimed", "Store", "claim_params", "decode_claimed", "notify_channel"]
+__all__ = [
+    "HANDOFF_LIMIT",
+    "Claimed",
+    "Store",
+    "Waiting",
+    "claim_params",
+    "decode_claimed",
+    "decode_handed",
+    "notify_channel",
+    "unwaited",
+]
+
+# The longest NOTIFY payload, in bytes. A message handed to a consumer travels in one,
+# with its id, queue (JSON-escaped: up to 6 bytes a byte) and priority around it;
+# larger messages wait for a claim.
+HANDOFF_LIMIT = 7999
+# Room for the id, the priority and the JSON array's punctuation.
+_HANDOFF_FRAME = 64
 
 @dataclass(frozen=True)
 class Claimed:
@@ -53,6 +71,9 @@ class Store:
         self.publisher = publisher or connector
         self.schema = schema
         self.channel = notify_channel(schema)
+        self.lock_space = lock_space(schema)
+        self.take_space = lock_space(schema, "handoff")
+        self.handoff_prefix = handoff_prefix(schema)
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {name: Statement(name, self.q[name]) for name in ("publish", "claim")}
@@ -67,11 +88,15 @@ class Store:
         delay: float = 0.0,
         publish_key: str | None = None,
     ) -> None:
-        """Insert a message. With a ``publish_key`` a repeated call inserts nothing."""
+        """Insert a message. With a ``publish_key`` a repeated call inserts nothing.
+
+        The statement commits on its own, so a message due now may be handed straight
+        to a waiting consumer (see the ``publish`` query)."""
 
         def work(conn: psycopg.Connection[Any]) -> None:
             self.publish_on(
-                conn, queue, payload, priority=priority, delay=delay, publish_key=publish_key
+                conn, queue, payload, priority=priority, delay=delay,
+                publish_key=publish_key, handoff=True,
             )
 
         self.publisher.run(work, idempotent=publish_key is not None)
@@ -85,20 +110,31 @@ class Store:
         priority: int = 0,
         delay: float = 0.0,
         publish_key: str | None = None,
+        handoff: bool = False,
     ) -> None:
         """Insert a message on the caller's connection, inside the caller's transaction.
 
         For work that must commit together with its message (a barrier firing its
         callback): the message exists exactly when the transaction commits.
+
+        ``handoff`` only where the statement is the whole transaction: a message
+        handed to a consumer is leased from the moment of the insert, and a
+        transaction that went on for longer than the lease would commit it visible
+        to every other consumer as well.
         """
+        text = json.dumps(payload)
         params = {
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
-            "payload": json.dumps(payload),
+            "payload": text,
             "channel": self.channel,
             "notify": delay <= 0,
+            "handoff": handoff and delay <= 0 and _fits_notify(queue, text),
+            "lock_space": self.lock_space,
+            "take_space": self.take_space,
+            "handoff_prefix": self.handoff_prefix,
         }
         if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
             # The caller batches its statements (psycopg's pipeline): join the batch.
@@ -307,6 +343,7 @@ class Store:
         Returns the exchange's type (None: never declared) and how many queues
         matched. With a ``publish_tag`` a repeated call inserts nothing new.
         """
+        text = json.dumps(payload)
         params = {
             "exchange": exchange,
             "routing_key": routing_key,
@@ -314,9 +351,15 @@ class Store:
             "delay": max(delay, 0.0),
             "ttl": ttl,
             "publish_tag": publish_tag,
-            "payload": Json(payload),
+            "payload": text,
             "channel": self.channel,
             "notify": delay <= 0,
+            # Queue names are known only once routed: the statement checks each one.
+            "handoff": delay <= 0,
+            "handoff_room": _notify_room(text),
+            "lock_space": self.lock_space,
+            "take_space": self.take_space,
+            "handoff_prefix": self.handoff_prefix,
         }
 
         def work(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
@@ -338,7 +381,8 @@ class Store:
 
         def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
             with conn.transaction():
-                row = conn.execute(self.q["maintain"], {"queues": list(queues)}).fetchone()
+                params = {"queues": list(queues), "lock_space": self.lock_space}
+                row = conn.execute(self.q["maintain"], params).fetchone()
                 gone, expired = (list(row[0]), int(row[1])) if row else ([], 0)
                 if gone:
                     conn.execute(self.q["drop_messages"], {"queues": gone})
@@ -348,30 +392,73 @@ class Store:
         return self.connector.run(work, idempotent=True)
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """How a claim registers its consumer as waiting (see the ``claim`` query).
+
+    ``queues``/``vts``: where to wait if the claim comes back empty (sent only while
+    the consumer waits nowhere); ``unwait``: stop waiting if it brings messages."""
+
+    token: int
+    queues: Sequence[str] = ()
+    vts: Sequence[float] = ()
+    unwait: bool = False
+
+
 def claim_params(
     queues: Sequence[str],
     vts: Sequence[float],
     limit: int,
     max_attempts: Sequence[int] | None,
     acks: Sequence[tuple[int, int]],
+    waiting: Waiting | None = None,
 ) -> dict[str, Any]:
     """Parameters of the ``claim`` query."""
     attempts = list(max_attempts) if max_attempts is not None else [2**31 - 1] * len(queues)
     return {
         "queues": list(queues), "vts": list(vts), "max_attempts": attempts, "limit": limit,
         "ack_ids": [t[0] for t in acks], "ack_read_cts": [t[1] for t in acks],
+        "waiter": waiting.token if waiting else None,
+        "wait_queues": list(waiting.queues) if waiting else [],
+        "wait_vts": list(waiting.vts) if waiting else [],
+        "unwait": waiting.unwait if waiting else False,
     }
+
+
+def _notify_room(text: str) -> int:
+    """Bytes left in a NOTIFY for the queue name (JSON-escaped, up to 6 bytes a byte)
+    once a message with this JSON text is in it (ASCII: json.dumps escapes the rest)."""
+    return HANDOFF_LIMIT - _HANDOFF_FRAME - len(text)
+
+
+def _fits_notify(queue: str, text: str) -> bool:
+    """Whether a message with this JSON text can be handed over to ``queue``."""
+    return 6 * len(queue.encode("utf-8")) <= _notify_room(text)
 
 
 def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
     """A claim or pop row as libpq's text values (statements sent without psycopg)."""
-    ident, queue, priority, read_ct, payload, dead = row
+    ident, queue, priority, read_ct, payload, dead = row[:6]
     assert ident is not None and queue is not None and payload is not None
     assert priority is not None and read_ct is not None
     return Claimed(
         int(ident), queue.decode(), int(priority), int(read_ct), json.loads(payload),
         None if dead is None else int(dead),
     )
+
+
+def unwaited(rows: Sequence[Sequence[bytes | None]]) -> int:
+    """How many waiting rows a claim that brought ``rows`` deleted (its last column)."""
+    if not rows or len(rows[0]) < 7 or rows[0][6] is None:
+        return 0
+    return int(rows[0][6])
+
+
+def decode_handed(text: str) -> Claimed:
+    """A message handed over in a NOTIFY: ``[id, queue, priority, payload]`` as JSON,
+    leased on its first delivery."""
+    ident, queue, priority, payload = json.loads(text)
+    return Claimed(int(ident), str(queue), int(priority), 1, payload)
 
 
 def _ordered(rows: Sequence[Any]) -> list[Claimed]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pg_transport.sql.loader import (
     Migration,
+    compose_handoff,
+    handoff_channel,
+    handoff_prefix,
     load_migrations,
     load_named,
     load_queries,
@@ -14,6 +17,9 @@ from pg_transport.sql.loader import (
 
 __all__ = [
     "Migration",
+    "compose_handoff",
+    "handoff_channel",
+    "handoff_prefix",
     "load_migrations",
     "load_named",
     "load_queries",

@@ -9,6 +9,8 @@ from importlib import resources
 
 from psycopg import sql
 
+from pg_transport.locks import lock_space
+
 _NAME = re.compile(r"^-- name: (\w+)\s*$")
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
@@ -54,11 +56,34 @@ def notify_channel(schema: str) -> str:
     return f"pgq_{schema}"
 
 
+def handoff_prefix(schema: str) -> str:
+    """The start of a consumer's own channel (the consumer's token completes it).
+
+    Channel names have 63 bytes at most, and a schema name may take all of them: the
+    schema is in it as its lock space, in hex."""
+    return f"pgq_h{lock_space(schema) & 0xFFFFFFFF:08x}_"
+
+
+def handoff_channel(schema: str, token: int) -> str:
+    """The channel where publishes hand messages to the consumer holding ``token``."""
+    return f"{handoff_prefix(schema)}{token}"
+
+
 def compose(text: str, schema: str) -> sql.Composed:
-    """Compose ``{schema}`` and ``{channel}`` into ``text`` as identifiers."""
+    """Compose ``{schema}`` and ``{channel}`` into ``text`` as identifiers.
+
+    ``{handoff}`` (a consumer's own channel) is left in place, for :func:`compose_handoff`
+    once the session knows its token."""
     return sql.SQL(text).format(
-        schema=sql.Identifier(schema), channel=sql.Identifier(notify_channel(schema))
+        schema=sql.Identifier(schema),
+        channel=sql.Identifier(notify_channel(schema)),
+        handoff=sql.SQL("{handoff}"),
     )
+
+
+def compose_handoff(rendered: str, channel: str) -> sql.Composed:
+    """A rendered query with a consumer's own channel composed in as an identifier."""
+    return sql.SQL(rendered).format(handoff=sql.Identifier(channel))
 
 
 @cache

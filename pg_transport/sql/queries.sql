@@ -3,14 +3,46 @@
 
 -- name: publish
 -- Insert one message and wake listeners; a retried publish with the same key is a no-op.
-WITH inserted AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
-    VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
-            %(publish_key)s, %(payload)s)
+-- With handoff set (a publish committing on its own, due now, small enough for a NOTIFY)
+-- the longest-waiting live consumer of the queue, if there is one, gets the message
+-- directly: the row is inserted already leased to it (read_ct 1, its visibility timeout
+-- counted from now) and the message goes out on that consumer's own channel instead of
+-- a wake-up for all. A consumer lives while its session holds its lock in lock_space:
+-- where this statement can take that lock, the consumer is gone and is passed over. A
+-- publisher takes a consumer whole (the lock in take_space keeps others off it until
+-- this commits) and deletes every row it waits with: one hand-off per wait.
+WITH candidate AS (
+    SELECT c.consumer FROM {schema}.waiter AS c
+    WHERE %(handoff)s AND c.queue = %(queue)s
+      AND NOT pg_try_advisory_xact_lock_shared(%(lock_space)s, c.consumer)
+      AND pg_try_advisory_xact_lock(%(take_space)s, c.consumer)
+    ORDER BY c.id
+    LIMIT 1
+), taken AS (
+    DELETE FROM {schema}.waiter AS w
+    WHERE w.consumer = (SELECT consumer FROM candidate)
+    RETURNING w.consumer, w.queue, w.vt
+), taker AS (
+    SELECT consumer, vt FROM taken WHERE queue = %(queue)s
+), inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, publish_key, payload)
+    SELECT %(queue)s, %(priority)s,
+           CASE WHEN taker.consumer IS NULL
+                THEN now() + make_interval(secs => %(delay)s)
+                ELSE clock_timestamp() + make_interval(secs => taker.vt) END,
+           CASE WHEN taker.consumer IS NULL THEN 0 ELSE 1 END,
+           %(publish_key)s, %(payload)s
+    FROM (VALUES (1)) AS one (n) LEFT JOIN taker ON true
     ON CONFLICT (publish_key) DO NOTHING
-    RETURNING queue
+    RETURNING id, queue, priority, payload
 )
-SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
+SELECT CASE WHEN taker.consumer IS NULL
+            THEN pg_notify(%(channel)s, i.queue)
+            ELSE pg_notify(%(handoff_prefix)s || taker.consumer,
+                           json_build_array(i.id, i.queue, i.priority, i.payload)::text)
+       END
+FROM inserted AS i LEFT JOIN taker ON true
+WHERE taker.consumer IS NOT NULL OR %(notify)s
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement. A message
@@ -19,6 +51,8 @@ SELECT pg_notify(%(channel)s, inserted.queue) FROM inserted WHERE %(notify)s
 -- Rows come back in delivery order: priority, then the time they became visible.
 -- The same statement acks (deletes, fenced by read_ct) the messages in ack_ids, which
 -- are never picked: an ack whose lease lapsed must not race its own redelivery.
+-- A consumer that registers (waiter set) waits on its queues when the claim comes back
+-- empty and stops waiting when it brings messages (waiting, unwaited below).
 -- Shaped for one cached generic plan (no planning per claim): the picked rows are
 -- reached by primary key (id = ANY), never by a join the planner could turn into a
 -- scan of the whole table when it cannot see the limit.
@@ -84,9 +118,24 @@ WITH wanted AS (
     UNION ALL
     SELECT p.id, p.queue, p.priority, p.read_ct, p.payload, d.id
     FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
+), waiting AS (
+    -- Came back empty: the consumer (waiter, its session's token) is idle and waits on
+    -- wait_queues, and the next publish to one of them hands its message over (see
+    -- publish). A consumer sends wait_queues only while it waits nowhere.
+    INSERT INTO {schema}.waiter (consumer, queue, vt)
+    SELECT %(waiter)s, r.queue, r.vt
+    FROM unnest(%(wait_queues)s::text[], %(wait_vts)s::float8[]) AS r(queue, vt)
+    WHERE NOT EXISTS (SELECT 1 FROM delivered)
+), unwaited AS (
+    -- Came back with messages: the consumer is busy and waits no more. Waits for a
+    -- publisher taking this consumer right now; fewer rows deleted than the consumer
+    -- waited with (the last column) means a hand-off is on its way.
+    DELETE FROM {schema}.waiter AS w
+    WHERE %(unwait)s AND w.consumer = %(waiter)s AND EXISTS (SELECT 1 FROM delivered)
+    RETURNING 1
 )
 SELECT delivered.id, delivered.queue, delivered.priority, delivered.read_ct,
-       delivered.payload, delivered.dead_letter_id
+       delivered.payload, delivered.dead_letter_id, (SELECT count(*) FROM unwaited)
 FROM delivered JOIN picked ON picked.id = delivered.id
 ORDER BY picked.priority DESC, picked.visible_at, picked.id
 
@@ -244,7 +293,11 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- name: publish_routed
 -- Route by the exchange's bindings and insert one message per matched queue, in one
 -- statement: no process needs to know the bindings other processes made. Returns
--- the exchange's type (NULL: never declared) and how many queues matched.
+-- the exchange's type (NULL: never declared) and how many queues matched. With
+-- handoff set and a single matched queue, the message goes to a waiting live consumer
+-- of that queue where there is one, as in publish, if the NOTIFY has room for it
+-- (handoff_room: bytes left for the queue name, which JSON-escaping may make up to 6
+-- times longer).
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
 ), targets AS (
@@ -256,20 +309,53 @@ WITH ex AS (
               WHEN 'topic' THEN %(routing_key)s ~ b.pattern
               ELSE b.routing_key = %(routing_key)s
           END
+), candidate AS (
+    -- As in publish, where the message goes to exactly one queue: a hand-off of copies
+    -- to several queues could reach one consumer several times for one wait.
+    SELECT c.consumer
+    FROM targets AS t
+    CROSS JOIN LATERAL (
+        SELECT w.consumer FROM {schema}.waiter AS w
+        WHERE %(handoff)s AND (SELECT count(*) FROM targets) = 1 AND w.queue = t.queue
+          AND 6 * octet_length(t.queue) <= %(handoff_room)s
+          AND NOT pg_try_advisory_xact_lock_shared(%(lock_space)s, w.consumer)
+          AND pg_try_advisory_xact_lock(%(take_space)s, w.consumer)
+        ORDER BY w.id
+        LIMIT 1
+    ) AS c
+), taken AS (
+    DELETE FROM {schema}.waiter AS w
+    WHERE w.consumer = (SELECT consumer FROM candidate)
+    RETURNING w.queue, w.consumer, w.vt
+), taker AS (
+    SELECT k.queue, k.consumer, k.vt FROM taken AS k JOIN targets AS t ON t.queue = k.queue
 ), inserted AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
-    SELECT t.queue, %(priority)s, now() + make_interval(secs => %(delay)s),
+    INSERT INTO {schema}.message
+        (queue, priority, visible_at, read_ct, publish_key, payload, expires_at)
+    SELECT t.queue, %(priority)s,
+           CASE WHEN k.consumer IS NULL
+                THEN now() + make_interval(secs => %(delay)s)
+                ELSE clock_timestamp() + make_interval(secs => k.vt) END,
+           CASE WHEN k.consumer IS NULL THEN 0 ELSE 1 END,
            md5(%(publish_tag)s || t.queue), %(payload)s,
            now() + make_interval(secs => least(q.message_ttl_ms / 1000.0, %(ttl)s))
-    FROM targets AS t LEFT JOIN {schema}.queue AS q ON q.name = t.queue
+    FROM targets AS t
+    LEFT JOIN {schema}.queue AS q ON q.name = t.queue
+    LEFT JOIN taker AS k ON k.queue = t.queue
     ON CONFLICT (publish_key) DO NOTHING
-    RETURNING queue
+    RETURNING id, queue, priority, payload
 ), woken AS (
     SELECT pg_notify(%(channel)s, d.queue)
-    FROM (SELECT DISTINCT queue FROM inserted) AS d
+    FROM (SELECT DISTINCT i.queue FROM inserted AS i
+          WHERE NOT EXISTS (SELECT 1 FROM taker AS k WHERE k.queue = i.queue)) AS d
     WHERE %(notify)s
+), handed AS (
+    SELECT pg_notify(%(handoff_prefix)s || k.consumer,
+                     json_build_array(i.id, i.queue, i.priority, i.payload)::text)
+    FROM inserted AS i JOIN taker AS k ON k.queue = i.queue
 )
-SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets), (SELECT count(*) FROM woken)
+SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets),
+       (SELECT count(*) FROM woken) + (SELECT count(*) FROM handed)
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.
@@ -280,7 +366,8 @@ RETURNING id
 
 -- name: maintain
 -- Mark the queues this consumer uses as in use; delete queues unused past their
--- expiry (with their bindings) and queued messages past their TTL. Returns the names
+-- expiry (with their bindings), queued messages past their TTL and the waiters of
+-- consumers that are gone. Not on a consumer's own session. Returns the names
 -- of the deleted queues (drop_messages then deletes their messages) and how many
 -- messages expired. Safe to run from every consumer at once.
 WITH touched AS (
@@ -298,6 +385,13 @@ WITH touched AS (
     DELETE FROM {schema}.message AS m
     WHERE m.expires_at < now() AND (m.read_ct = 0 OR m.visible_at <= now())
     RETURNING 1
+), departed AS (
+    -- Waiters whose consumer is gone (its advisory lock is free to take).
+    DELETE FROM {schema}.waiter AS w
+    WHERE w.id = ANY(ARRAY(
+        SELECT x.id FROM {schema}.waiter AS x
+        WHERE pg_try_advisory_xact_lock_shared(%(lock_space)s, x.consumer)
+        FOR UPDATE SKIP LOCKED))
 )
 SELECT ARRAY(SELECT name FROM gone), (SELECT count(*) FROM expired)
 
@@ -308,16 +402,21 @@ SELECT ARRAY(SELECT name FROM gone), (SELECT count(*) FROM expired)
 DELETE FROM {schema}.message WHERE queue = ANY(%(queues)s::text[])
 
 -- name: dead_rows
--- Dead row versions in the message table (cumulative statistics, a second or so
--- behind) and whether this role may vacuum it (its owner or a member of the owner).
-SELECT s.n_dead_tup, pg_catalog.pg_has_role(current_user, c.relowner, 'USAGE')
+-- Dead row versions in the message and waiter tables (cumulative statistics, a second
+-- or so behind) and whether this role may vacuum them (its owner or a member of the
+-- owner): one row per table.
+SELECT s.relname, s.n_dead_tup, pg_catalog.pg_has_role(current_user, c.relowner, 'USAGE')
 FROM pg_catalog.pg_stat_user_tables AS s
 JOIN pg_catalog.pg_class AS c ON c.oid = s.relid
-WHERE s.schemaname = %(schema)s AND s.relname = 'message'
+WHERE s.schemaname = %(schema)s AND s.relname IN ('message', 'waiter')
 
 -- name: vacuum
 -- Remove the message table's dead rows; skipped when another VACUUM holds the table.
 VACUUM (SKIP_LOCKED) {schema}.message
+
+-- name: vacuum_waiter
+-- Remove the waiter table's dead rows (every hand-off leaves one).
+VACUUM (SKIP_LOCKED) {schema}.waiter
 
 -- name: has_version_table
 -- Whether the schema has been created (its version table exists). A plain query
@@ -348,6 +447,28 @@ SELECT pg_advisory_xact_lock(%(key)s)
 -- name: listen
 -- Subscribe this session to the schema's wake-up channel.
 LISTEN {channel}
+
+-- name: listen_handoff
+-- Subscribe a consumer's session to its own channel, where publishes hand it messages.
+LISTEN {handoff}
+
+-- name: hold_token
+-- Take a consumer token for this session: publishes hand messages only to consumers
+-- whose session holds this lock (false: the token is taken, try another).
+SELECT pg_try_advisory_lock(%(lock_space)s, %(token)s)
+
+-- name: ping
+-- A round trip: whatever the server queued for this session before it arrives first.
+SELECT 1
+
+-- name: unwait
+-- A consumer leaving: it waits on nothing any more. Waits for a publisher handing it a
+-- message right now; fewer rows gone than the consumer registered means one took it
+-- (its hand-off is committed, the NOTIFY on its way).
+WITH gone AS (
+    DELETE FROM {schema}.waiter WHERE consumer = %(waiter)s RETURNING 1
+)
+SELECT count(*) FROM gone
 
 -- name: create_schema_strict
 -- Create a schema that must not exist yet (the demo drops only what it created).

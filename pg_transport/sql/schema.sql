@@ -72,6 +72,27 @@ CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, visibl
 
 CREATE INDEX message_expiring_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
 
+-- Consumers waiting for messages: their last claim found less than they had room for
+-- (one row per queue). A publish hands its message to the longest-waiting live one:
+-- inserted already leased to it, sent in a NOTIFY on that consumer's own channel.
+-- consumer is the token of the consumer's session, which holds the advisory lock
+-- (lock space of the schema, token) while it lives.
+CREATE TABLE {schema}.waiter (
+    id       bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer integer     NOT NULL,
+    queue    text        NOT NULL,
+    vt       float8      NOT NULL,
+    since    timestamptz NOT NULL DEFAULT now()
+) WITH (
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 1000,
+    autovacuum_vacuum_cost_delay = 0
+);
+
+CREATE INDEX waiter_queue_idx ON {schema}.waiter (queue, id);
+
+CREATE INDEX waiter_consumer_idx ON {schema}.waiter (consumer);
+
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -115,3 +115,21 @@ def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
         wait_for(lambda: len(env.runs()) == 2, 60, "a task after the reconnect")
         assert worker.proc.poll() is None
     assert [r[1] for r in env.runs()] == ["before", "after"]
+
+
+def test_idle_workers_take_tasks_handed_over_and_a_killed_one_is_passed_over(env: Env) -> None:
+    # A task handed to a dead worker would wait for this visibility timeout.
+    environ = {"PGQ_VISIBILITY_TIMEOUT": "300"}
+    waiting = "SELECT count(DISTINCT consumer) FROM {schema}.waiter WHERE queue = 'celery'"
+    with workers(env, "doomed", "alive", concurrency=2, environ=environ) as (doomed, alive):
+        wait_for(lambda: env.scalar(waiting) == 2, 30, "both idle workers to wait")
+        doomed.kill()
+        doomed.proc.wait(10)
+        client = env.client()
+        for n in range(4):
+            client.send_task(MARK, args=[f"h{n}"])
+        wait_for(lambda: len(env.runs()) == 4, 30, "every task, on the live worker")
+        assert {r[2] for r in env.runs()} == {alive.proc.pid}
+        # The live worker waits again; the dead one's row is swept by maintenance.
+        wait_for(lambda: env.scalar(waiting) == 1, 30, "the dead worker's row to go")
+    assert env.scalar("SELECT count(*) FROM {schema}.waiter") == 0, "a clean stop unwaits"

@@ -6,6 +6,8 @@ so what happens between two iterations is what the test says, not what a timer d
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
+from pg_transport.store import HANDOFF_LIMIT
 from tests.integration.conftest import Peek
 
 
@@ -260,3 +263,75 @@ def test_a_refill_waits_a_moment_for_more_free_slots(
     claims_before = len(sent)
     hub.run_once()
     assert len(sent) == claims_before + 1 and len(sent[-1][1]) == 4
+
+
+def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg.Connection[Any]
+                          ) -> None:
+    """Put a claim on the wire that waits (in its ack) for a row ``admin`` holds locked:
+    its snapshot is taken, its answer comes only once ``admin`` lets go."""
+    transport = conn.transport
+    [(ident,)] = rows("INSERT INTO {schema}.message (queue, read_ct, payload)"
+                      " VALUES ('elsewhere', 1, '{{}}') RETURNING id")
+    admin.execute("BEGIN")
+    admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
+    transport.drain.acks.add((ident, 1))
+    transport.drain.exhausted.clear()
+    transport.hub.kick()
+    assert transport.hub.session.busy
+    backend = transport.hub.session._conn.info.backend_pid
+    deadline = time.monotonic() + 10
+    while rows("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", backend) \
+            != [("Lock",)]:
+        assert time.monotonic() < deadline, "the claim never waited for the lock"
+
+
+def _wait_on_socket(conn: Connection, needle: bytes) -> None:
+    """Until ``needle`` (a channel name) is in the consumer session's unread bytes."""
+    with socket.socket(fileno=os.dup(conn.transport.hub.session.fileno())) as sock:
+        sock.settimeout(10)
+        deadline = time.monotonic() + 10
+        while needle not in sock.recv(1 << 16, socket.MSG_PEEK):
+            assert time.monotonic() < deadline, "the notification never came"
+
+
+@pytest.mark.parametrize("handed", [False, True], ids=["notified", "handed over"])
+def test_a_publish_behind_a_claim_in_flight_is_not_missed(
+    broker_url: str, schema: str, hub: Hub, rows: Peek, pg_url: str, handed: bool
+) -> None:
+    # A claim's snapshot predates a publish and its short answer says "empty"; the
+    # publish's NOTIFY (or its hand-off, to the waiting row that very claim wrote) comes
+    # right behind that answer on the socket and is read with it.
+    options = {"schema": schema, "polling_interval": 60}
+    with Connection(broker_url, transport_options=options) as c:
+        c.connect()
+        c.transport._ensure_renewer = lambda: None
+        got = consume(c, "race", prefetch=2)
+        producer = Producer(c.channel(), routing_key="race")
+        for n in range(2):  # the first claim comes back full: the consumer waits nowhere
+            producer.publish({"n": n})
+        c.transport.register_with_event_loop(c.connection, hub)
+        session = c.transport.hub.session
+        turn_until(hub, lambda: len(got) == 2 and not session.busy)
+        assert c.transport.hub.waiting == set()
+        for message in got:
+            message.ack()
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            _claim_blocked_behind(c, hub, rows, admin)
+            if handed:
+                admin.execute("ROLLBACK")  # the claim comes back empty and waits on "race"
+                turn_until_row = time.monotonic() + 10
+                while rows("SELECT count(*) FROM {schema}.waiter") != [(1,)]:
+                    assert time.monotonic() < turn_until_row, "the claim never waited"
+            with Connection(broker_url, transport_options=options) as other:
+                body = "" if handed else "x" * HANDOFF_LIMIT  # too large: a NOTIFY for all
+                Producer(other.channel(), routing_key="race").publish({"n": 2, "b": body})
+            if not handed:
+                admin.execute("ROLLBACK")
+        channel = session._handoff_channel if handed else f"pgq_{schema}"
+        _wait_on_socket(c, channel.encode())
+        turn_until(hub, lambda: len(got) == 3, timeout=10)  # the poll would take 60 s
+        turn_until(hub, lambda: not session.busy)
+        # What the consumer believes it waits on is what Postgres says it waits on.
+        assert sorted(c.transport.hub.waiting) == [
+            q for (q,) in rows("SELECT queue FROM {schema}.waiter WHERE consumer = %s",
+                               session.token)]

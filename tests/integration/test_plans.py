@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pg_transport.sql import to_positional
-from pg_transport.store import Store, claim_params
+from pg_transport.store import Store, Waiting, claim_params
 from tests.integration.conftest import Peek
 
 
@@ -83,7 +83,8 @@ TOKENS = {"ids": [1, 2, 3], "read_cts": [1, 1, 1]}
 # What a consumer's sessions run, planned once (generic): name -> (parameters, indexes).
 CONSUMER = {
     # The acks riding on a claim find their rows by primary key, the picked rows too.
-    "claim": (claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5], [(1, 1), (2, 1)]),
+    "claim": (claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5], [(1, 1), (2, 1)],
+                           Waiting(7, ["q1"], [30.0], unwait=True)),
               ("message_claim_idx", "message_pkey")),
     "pop": ({"queues": ["q1"], "limit": 16}, ("message_claim_idx", "message_pkey")),
     "ack": (TOKENS, ("message_pkey",)),
@@ -98,7 +99,7 @@ OTHERS = {
     "purge": ({"queue": "q7"}, ("message_claim_idx",)),
     "delete_queue": ({"queue": "q7"}, ("message_claim_idx",)),
     "dead_letter": ({"id": 7, "read_ct": 1, "reason": "r"}, ("message_pkey",)),
-    "maintain": ({"queues": ["q1"]}, ("message_expiring_idx",)),
+    "maintain": ({"queues": ["q1"], "lock_space": 1}, ("message_expiring_idx",)),
     "drop_messages": ({"queues": ["gone.pidbox"]}, ("message_claim_idx",)),
 }
 

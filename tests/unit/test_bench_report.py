@@ -1,0 +1,70 @@
+"""The broker benchmark's scheduling: brokers taking turns to publish, and how one
+broker's results over several rounds combine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.phases import PhaseError, publish_interleaved
+from benchmarks.report import combine, ratios
+
+
+def result(publish: float, drain: float, samples: list[float]) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "publish": {"rate": publish, "tasks": 10},
+        "drain": {"rate": drain, "tasks": 10, "duplicates": 0},
+        "latency": {"p50_ms": 0.0, "p99_ms": 0.0, "samples_ms": samples},
+    }
+
+
+def test_one_round_is_reported_as_it_is() -> None:
+    only = {"pgq": result(1.0, 2.0, [1.0])}
+    assert combine([only], ["pgq"]) == only
+
+
+def test_rates_are_the_median_round_and_latency_pools_every_probe() -> None:
+    rounds = [
+        {"pgq": result(100, 900, [1.0, 2.0]), "redis": result(50, 300, [3.0, 4.0])},
+        {"pgq": result(300, 700, [5.0, 6.0]), "redis": result(70, 100, [7.0, 8.0])},
+        {"pgq": result(200, 800, [9.0, 10.0]), "redis": result(60, 200, [11.0, 12.0])},
+    ]
+    combined = combine(rounds, ["pgq", "redis"])
+    assert combined["pgq"]["publish"] == {"rate": 200, "tasks": 30}
+    assert combined["pgq"]["drain"]["rate"] == 800
+    latency = combined["pgq"]["latency"]
+    assert (latency["samples"], latency["min_ms"], latency["max_ms"]) == (6, 1.0, 10.0)
+    assert latency["p50_ms"] == 5.0  # nearest rank over all six probes
+    assert combined["pgq"]["rounds"] == [r["pgq"] for r in rounds]
+    assert ratios(combined)["redis"]["publish"] == 200 / 60
+
+
+def test_a_round_that_failed_is_what_the_broker_reports() -> None:
+    failed = {"status": "failed", "reason": "worker exited"}
+    rounds = [{"pgq": result(1.0, 1.0, [1.0])}, {"pgq": failed}]
+    combined = combine(rounds, ["pgq"])
+    assert combined["pgq"]["status"] == "failed"
+    assert combined["pgq"]["reason"] == "worker exited"
+    assert "publish" not in combined["pgq"]
+
+
+def test_publishers_take_turns_and_a_failing_one_stops_alone() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def publisher(name: str, fail_after: int | None = None) -> Any:
+        def publish(n: int) -> None:
+            if fail_after is not None and len([c for c in calls if c[0] == name]) >= fail_after:
+                raise ConnectionError("broker went away")
+            calls.append((name, n))
+        return publish
+
+    outcome = publish_interleaved(
+        {"a": publisher("a"), "b": publisher("b"), "c": publisher("c", fail_after=2)},
+        count=7, chunk=3, timeout=60,
+    )
+    # A first task alone each, then turns of 3 (reversed every other pass).
+    assert calls == [("a", 1), ("b", 1), ("c", 1),
+                     ("a", 3), ("b", 3), ("c", 3),
+                     ("b", 3), ("a", 3)]
+    assert outcome["a"]["tasks"] == outcome["b"]["tasks"] == 7  # type: ignore[index]
+    assert isinstance(outcome["c"], PhaseError) and "broker went away" in str(outcome["c"])
