@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from pg_transport.locks import lock_space
 from tests.acceptance.harness import (
     Env,
     start_worker,
@@ -121,8 +122,16 @@ def test_idle_workers_take_tasks_handed_over_and_a_killed_one_is_passed_over(env
     # A task handed to a dead worker would wait for this visibility timeout.
     environ = {"PGQ_VISIBILITY_TIMEOUT": "300"}
     waiting = "SELECT count(DISTINCT consumer) FROM {schema}.waiter WHERE queue = 'celery'"
+    # Rows of consumers whose session no longer holds their advisory lock (two int4 keys:
+    # the schema's lock space, the consumer's token; pg_locks shows them as oids).
+    dead = """SELECT count(*) FROM {schema}.waiter AS w WHERE NOT EXISTS (
+                  SELECT 1 FROM pg_locks AS l
+                  WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+                    AND l.classid::bigint = (%s::bigint & 4294967295)
+                    AND l.objid::bigint = (w.consumer::bigint & 4294967295))"""
     with workers(env, "doomed", "alive", concurrency=2, environ=environ) as (doomed, alive):
         wait_for(lambda: env.scalar(waiting) == 2, 30, "both idle workers to wait")
+        assert env.scalar(dead, lock_space(env.schema)) == 0, "live workers hold their locks"
         doomed.kill()
         doomed.proc.wait(10)
         client = env.client()
@@ -131,5 +140,7 @@ def test_idle_workers_take_tasks_handed_over_and_a_killed_one_is_passed_over(env
         wait_for(lambda: len(env.runs()) == 4, 30, "every task, on the live worker")
         assert {r[2] for r in env.runs()} == {alive.proc.pid}
         # The live worker waits again; the dead one's row is swept by maintenance.
-        wait_for(lambda: env.scalar(waiting) == 1, 30, "the dead worker's row to go")
+        wait_for(lambda: env.scalar(dead, lock_space(env.schema)) == 0, 30,
+                 "the dead worker's row to go")
+        wait_for(lambda: env.scalar(waiting) == 1, 30, "the live worker to wait again")
     assert env.scalar("SELECT count(*) FROM {schema}.waiter") == 0, "a clean stop unwaits"
