@@ -14,6 +14,7 @@ import select
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kombu
@@ -375,16 +376,24 @@ def test_an_idle_consumer_starts_the_task_without_a_claim(
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
 
 
-def test_a_consumer_leaving_gives_back_what_was_just_handed_to_it(
-    broker_url: str, schema: str, hub: Hub, rows: Peek
-) -> None:
+@contextmanager
+def idle_consumer(broker_url: str, schema: str, hub: Hub, queue: str) -> Iterator[Connection]:
+    """A kombu consumer of ``queue`` on ``hub``, waiting (idle) with no statement out;
+    the connection closes (the consumer leaves) at the end of the block."""
     with Connection(broker_url, transport_options={"schema": schema}) as c:
         c.connect()
         c.transport._ensure_renewer = lambda: None
-        consume(c, "leaving", prefetch=4)
+        consume(c, queue, prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
-        turn_until(hub, lambda: "leaving" in c.transport.hub.waiting
-                   and not c.transport.hub.session.busy)
+        consuming = c.transport.hub
+        turn_until(hub, lambda: queue in consuming.waiting and not consuming.session.busy)
+        yield c
+
+
+def test_a_consumer_leaving_gives_back_what_was_just_handed_to_it(
+    broker_url: str, schema: str, hub: Hub, rows: Peek
+) -> None:
+    with idle_consumer(broker_url, schema, hub, "leaving"):
         with Connection(broker_url, transport_options={"schema": schema}) as other:
             Producer(other.channel(), routing_key="leaving").publish({"n": 1})
         assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
@@ -396,13 +405,8 @@ def test_a_consumer_leaving_gives_back_what_was_just_handed_to_it(
 def test_a_consumer_leaving_while_a_publisher_hands_over_gives_that_back_too(
     broker_url: str, schema: str, hub: Hub, rows: Peek, pg_url: str
 ) -> None:
-    with Connection(broker_url, transport_options={"schema": schema}) as c:
-        c.connect()
-        c.transport._ensure_renewer = lambda: None
-        consume(c, "racing", prefetch=4)
-        c.transport.register_with_event_loop(c.connection, hub)
+    with idle_consumer(broker_url, schema, hub, "racing") as c:
         session = c.transport.hub.session
-        turn_until(hub, lambda: "racing" in c.transport.hub.waiting and not session.busy)
         backend = session._conn.info.backend_pid
         store = c.transport.store
         with psycopg.connect(pg_url, autocommit=True) as publisher:
@@ -428,13 +432,8 @@ def test_a_consumer_leaving_waits_for_a_handoff_notify_that_lags_its_commit(
     """A publisher's NOTIFY goes out after its locks are released: the consumer's
     unwait can answer before it. Rows gone that the consumer did not delete say a
     hand-off is committed; leaving waits for it and gives the message back."""
-    with Connection(broker_url, transport_options={"schema": schema}) as c:
-        c.connect()
-        c.transport._ensure_renewer = lambda: None
-        consume(c, "lagging", prefetch=4)
-        c.transport.register_with_event_loop(c.connection, hub)
+    with idle_consumer(broker_url, schema, hub, "lagging") as c:
         session = c.transport.hub.session
-        turn_until(hub, lambda: "lagging" in c.transport.hub.waiting and not session.busy)
         backend = session._conn.info.backend_pid
         with psycopg.connect(pg_url, autocommit=True) as publisher:
             # The hand-off's commit, its NOTIFY held back by the test.
