@@ -112,7 +112,7 @@ class EventLoopDrain:
         self._timer = self._refill_timer = None
         self._refill_due = False
         handed = Reply()
-        waited, taken = len(self.waiting), False
+        taken = False
         flight = self._in_flight
         if flight is not None:
             # A statement is out: take its answer; a claim's messages are handed back
@@ -123,34 +123,21 @@ class EventLoopDrain:
                 flight.acks = []  # landed with the statement
                 if flight.channel is not None:
                     self.drain.release([decode_claimed(row) for row in reply.rows])
-                waited, taken = self._waited_after(flight, reply.rows, handed, waited)
+                taken = self._taken(flight, reply.rows, handed)
+                self._track_waiting(flight, reply.rows)
         self._abandon_in_flight()
-        self._retire(handed, waited, taken)
+        self._retire(handed, taken)
         self.session.close()
 
-    @staticmethod
-    def _waited_after(
-        flight: _InFlight, rows: list[Row], handed: Reply, waited: int
-    ) -> tuple[int, bool]:
-        """How many waiting rows are left once the claim ``flight`` answered ``rows``,
-        and whether a publisher took this consumer while that claim stopped waiting."""
-        waiting = flight.waiting
-        if waiting is None:
-            return waited, False
-        if not rows:
-            return (waited if waiting.unwait else len(waiting.queues)), False
-        if waiting.unwait:
-            return 0, not handed.handed and unwaited(rows) < waited
-        return waited, False
-
-    def _retire(self, handed: Reply, waited: int, taken: bool) -> None:
+    def _retire(self, handed: Reply, taken: bool) -> None:
         """Stop waiting, and give back every message handed over meanwhile.
 
         ``unwait`` returns only once no publisher is handing this consumer a message
-        any more. Fewer rows gone than the ``waited`` ones (or a claim that stopped
+        any more. Fewer rows gone than the consumer waits with (or a claim that stopped
         the waiting and found it ``taken``) means a publisher took this consumer: its
         hand-off is committed and its NOTIFY is read before leaving. All of them are
         released (fenced: one already taken back by a lapsed lease is left alone)."""
+        waited = len(self.waiting)
         self.waiting.clear()
         session = self.session
         if session.token is not None and session.is_open and not session.busy:
@@ -183,7 +170,7 @@ class EventLoopDrain:
             self._abandon_in_flight()
             raise
         flight = self._in_flight
-        if reply.rows and flight is not None and self._taken(flight, reply):
+        if reply.rows and flight is not None and self._taken(flight, reply.rows, reply):
             # A publisher took this consumer while the claim stopped its waiting: that
             # hand-off is committed and its NOTIFY is right behind the answer. Read it
             # before delivering anything, so that it is leased (renewed) from now on
@@ -210,14 +197,14 @@ class EventLoopDrain:
         # any publish meanwhile wakes it with a NOTIFY, and the task's ack (a wake-up)
         # brings the claim that begins its next wait.
 
-    def _taken(self, flight: _InFlight, reply: Reply) -> bool:
-        """Whether a claim that stopped this consumer's waiting found its rows gone
-        with no hand-off read yet (a publisher took them: the hand-off follows)."""
+    def _taken(self, flight: _InFlight, rows: list[Row], read: Reply) -> bool:
+        """Whether the claim ``flight``, answering ``rows``, stopped this consumer's
+        waiting and found its rows gone with no hand-off ``read`` yet (a publisher took
+        them: the hand-off follows)."""
         waiting = flight.waiting
-        if waiting is None or not waiting.unwait or reply.handed:
+        if waiting is None or not waiting.unwait or not rows or read.handed:
             return False
-        assert reply.rows
-        return unwaited(reply.rows) < len(self.waiting)
+        return unwaited(rows) < len(self.waiting)
 
     def kick(self) -> None:
         """Send the next statement if none is out: a claim where slots are free and
@@ -292,13 +279,19 @@ class EventLoopDrain:
         drain.track(flight.channel, batch)
         if len(batch) < flight.limit:
             drain.exhausted.update(flight.queues)
-        waiting = flight.waiting
-        if waiting is not None:
-            if not batch:
-                self.waiting.update(waiting.queues)
-            elif waiting.unwait:
-                self.waiting.clear()
+        self._track_waiting(flight, rows)
         drain.deliver_all(batch, leased=True)
+
+    def _track_waiting(self, flight: _InFlight, rows: list[Row]) -> None:
+        """What the claim ``flight`` did to this consumer's waiting, answering ``rows``:
+        an empty claim waits on its queues, one that brings messages stops waiting."""
+        waiting = flight.waiting
+        if waiting is None:
+            return
+        if not rows:
+            self.waiting.update(waiting.queues)
+        elif waiting.unwait:
+            self.waiting.clear()
 
     def _adopt(self, batch: list[Claimed]) -> list[tuple[Claimed, Channel | None]]:
         """Messages a publish handed to this consumer, each with the channel consuming
