@@ -72,8 +72,13 @@ class Store:
         self.schema = schema
         self.channel = notify_channel(schema)
         self.lock_space = lock_space(schema)
-        self.take_space = lock_space(schema, "handoff")
-        self.handoff_prefix = handoff_prefix(schema)
+        # What every publish tells the statement about where to wake or hand over.
+        self._publish_to = {
+            "channel": self.channel,
+            "lock_space": self.lock_space,
+            "take_space": lock_space(schema, "handoff"),
+            "handoff_prefix": handoff_prefix(schema),
+        }
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {name: Statement(name, self.q[name]) for name in ("publish", "claim")}
@@ -129,12 +134,9 @@ class Store:
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
             "payload": text,
-            "channel": self.channel,
             "notify": delay <= 0,
             "handoff": handoff and delay <= 0 and _fits_notify(queue, text),
-            "lock_space": self.lock_space,
-            "take_space": self.take_space,
-            "handoff_prefix": self.handoff_prefix,
+            **self._publish_to,
         }
         if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
             # The caller batches its statements (psycopg's pipeline): join the batch.
@@ -352,14 +354,11 @@ class Store:
             "ttl": ttl,
             "publish_tag": publish_tag,
             "payload": text,
-            "channel": self.channel,
             "notify": delay <= 0,
             # Queue names are known only once routed: the statement checks each one.
             "handoff": delay <= 0,
             "handoff_room": _notify_room(text),
-            "lock_space": self.lock_space,
-            "take_space": self.take_space,
-            "handoff_prefix": self.handoff_prefix,
+            **self._publish_to,
         }
 
         def work(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:

@@ -458,7 +458,9 @@ LISTEN {handoff}
 SELECT pg_try_advisory_lock(%(lock_space)s, %(token)s)
 
 -- name: ping
--- A round trip: whatever the server queued for this session before it arrives first.
+-- A round trip: notifications of transactions that finished committing before it
+-- arrive first. Not those of a commit under way (its NOTIFY goes out after its locks
+-- are released): that is what unwait's count is for. The tests read sessions with it.
 SELECT 1
 
 -- name: unwait
