@@ -259,8 +259,8 @@ def publish_all(run: Run, entries: list[Entry]) -> None:
 
 def drain_and_probe(run: Run, entry: Entry) -> None:
     """Drain the published tasks with one worker, then probe it idle."""
-    args, broker, target, sink, result = run.args, entry.broker, entry.target, entry.sink, \
-        entry.result
+    args, broker, target, sink = run.args, entry.broker, entry.target, entry.sink
+    result = entry.result
     run.say(f"[{broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
     spawned_at = time.time()
     worker = start_worker(
@@ -401,16 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     # Before the run: the load other work puts on the machine, not the benchmark's own.
     config = {**build_config(args), **host_info(), **code_version()}
-    names = [broker.name for broker in make_brokers(args)]
+    brokers_in_order = make_brokers(args)
     rounds: list[dict[str, dict[str, Any]]] = []
     for number in range(args.rounds):
-        order = make_brokers(args)
-        if number % 2:
-            order.reverse()
+        order = brokers_in_order[::-1] if number % 2 else brokers_in_order
         if args.rounds > 1:
             run.say(f"round {number + 1} of {args.rounds}")
         rounds.append(run_round(run, order, number + 1))
-    brokers = combine(rounds, names)
+    brokers = combine(rounds, [broker.name for broker in brokers_in_order])
     pgbench: dict[str, Any] = {"status": "skipped", "reason": "--pgbench-seconds 0"}
     if args.pgbench_seconds > 0:
         run.say(f"[pgbench] single-row INSERT, 1 client, {args.pgbench_seconds:.0f} s")

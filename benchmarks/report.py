@@ -142,7 +142,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{config['latency_samples']} latency probes, {config['cpus']} CPUs"
     )
     if rounds > 1:
-        head += (f"; {rounds} rounds: median rates, latency over every probe of every round")
+        head += f"; {rounds} rounds: median rates, latency over every probe of every round"
     lines = [head, "", *_broker_rows(report["brokers"])]
     pgbench = report.get("pgbench", {})
     if pgbench.get("status") == "ok":
