@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,13 @@ class Peek:
         text = sql.SQL(query).format(schema=sql.Identifier(self.schema))
         cur = self.conn.execute(text, params)
         return cur.fetchall() if cur.description else []
+
+    def wait_for_lock(self, pid: int, failure: str) -> None:
+        """Until backend ``pid`` waits for a lock; ``failure`` if it has not in 10 s."""
+        deadline = time.monotonic() + 10
+        while self("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                   pid) != [("Lock",)]:
+            assert time.monotonic() < deadline, failure
 
     def expire_leases(self) -> None:
         """What the passing of a visibility timeout does, without waiting for it."""

@@ -278,11 +278,8 @@ def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg
     transport.drain.exhausted.clear()
     transport.hub.kick()
     assert transport.hub.session.busy
-    backend = transport.hub.session._conn.info.backend_pid
-    deadline = time.monotonic() + 10
-    while rows("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", backend) \
-            != [("Lock",)]:
-        assert time.monotonic() < deadline, "the claim never waited for the lock"
+    rows.wait_for_lock(transport.hub.session._conn.info.backend_pid,
+                       "the claim never waited for the lock")
 
 
 def _wait_on_socket(conn: Connection, needle: bytes) -> None:

@@ -244,10 +244,7 @@ def test_a_claim_stopping_the_wait_learns_of_a_handoff_under_way(
             target=lambda: claimed.extend(consumer.claim(["other"], limit=1, unwait=True)))
         claiming.start()
         # The claim waits for the publisher's rows rather than pass them by.
-        deadline = time.monotonic() + 10
-        while peek("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                   consumer.pid) != [("Lock",)]:
-            assert time.monotonic() < deadline, "the claim never waited for the publisher"
+        peek.wait_for_lock(consumer.pid, "the claim never waited for the publisher")
         publisher.execute("COMMIT")
         claiming.join(10)
     assert len(claimed) == 1
@@ -357,7 +354,7 @@ def test_an_idle_consumer_starts_the_task_without_a_claim(
     got = consume(conn, "idle", prefetch=4)
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
-    turn_until(hub, lambda: "idle" in transport.hub.waiting and not transport.hub.session.busy)
+    turn_until_waiting(hub, transport, "idle")
     claims = len(sent)
     with Connection(broker_url, transport_options={"schema": schema}) as other:
         Producer(other.channel(), routing_key="idle").publish({"n": 1})
@@ -376,6 +373,13 @@ def test_an_idle_consumer_starts_the_task_without_a_claim(
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
 
 
+def turn_until_waiting(hub: Hub, transport: Any, queue: str) -> None:
+    """Until the consumer ``transport`` runs on ``hub`` waits on ``queue``, idle, with no
+    statement out."""
+    consuming = transport.hub
+    turn_until(hub, lambda: queue in consuming.waiting and not consuming.session.busy)
+
+
 @contextmanager
 def idle_consumer(broker_url: str, schema: str, hub: Hub, queue: str) -> Iterator[Connection]:
     """A kombu consumer of ``queue`` on ``hub``, waiting (idle) with no statement out;
@@ -385,8 +389,7 @@ def idle_consumer(broker_url: str, schema: str, hub: Hub, queue: str) -> Iterato
         c.transport._ensure_renewer = lambda: None
         consume(c, queue, prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
-        consuming = c.transport.hub
-        turn_until(hub, lambda: queue in consuming.waiting and not consuming.session.busy)
+        turn_until_waiting(hub, c.transport, queue)
         yield c
 
 
@@ -415,11 +418,8 @@ def test_a_consumer_leaving_while_a_publisher_hands_over_gives_that_back_too(
             leaving = threading.Thread(target=c.transport.hub.unregister)
             leaving.start()
             # Step on only once the consumer's unwait waits for the publisher's row.
-            deadline = time.monotonic() + 10
-            while rows("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                       backend) != [("Lock",)]:
-                assert time.monotonic() < deadline, "unwait never waited for the publisher"
-                assert leaving.is_alive()
+            rows.wait_for_lock(backend, "unwait never waited for the publisher")
+            assert leaving.is_alive()
             publisher.execute("COMMIT")
             leaving.join(10)
             assert not leaving.is_alive()
@@ -470,7 +470,7 @@ def test_a_message_handed_for_a_queue_no_longer_consumed_is_given_back(
     consumer.consume()
     transport = conn.transport
     transport.register_with_event_loop(conn.connection, hub)
-    turn_until(hub, lambda: "gone" in transport.hub.waiting and not transport.hub.session.busy)
+    turn_until_waiting(hub, transport, "gone")
     consumer.cancel()
     with Connection(broker_url, transport_options={"schema": schema}) as other:
         Producer(other.channel(), exchange=queue.exchange, routing_key="gone").publish({"n": 1})
@@ -489,7 +489,7 @@ def _handoff_behind_a_claim(
     got = consume(conn, queue, prefetch=4)
     transport.register_with_event_loop(conn.connection, hub)
     session = transport.hub.session
-    turn_until(hub, lambda: queue in transport.hub.waiting and not session.busy)
+    turn_until_waiting(hub, transport, queue)
     store = transport.store
     store.publish(queue, {**PAYLOAD, "body": json.dumps({"n": "due"})}, delay=60)
     rows("UPDATE {schema}.message SET visible_at = now()")  # fell due: for a claim
@@ -499,10 +499,8 @@ def _handoff_behind_a_claim(
                          handoff=True)
         transport.drain.exhausted.clear()
         transport.hub.kick()  # the claim that stops the wait, behind the publisher
-        deadline = time.monotonic() + 10
-        while rows("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                   session._conn.info.backend_pid) != [("Lock",)]:
-            assert time.monotonic() < deadline, "the claim never waited for the publisher"
+        rows.wait_for_lock(session._conn.info.backend_pid,
+                           "the claim never waited for the publisher")
         publisher.execute("COMMIT")
     return got
 
@@ -567,8 +565,7 @@ def test_after_a_handoff_the_next_claim_waits_for_the_ack(
         got = consume(c, "acked", prefetch=4)
         transport = c.transport
         transport.register_with_event_loop(c.connection, hub)
-        turn_until(hub, lambda: "acked" in transport.hub.waiting
-                   and not transport.hub.session.busy)
+        turn_until_waiting(hub, transport, "acked")
         with Connection(broker_url, transport_options=options) as other:
             Producer(other.channel(), routing_key="acked").publish({"n": 1})
         before = len(sent)
