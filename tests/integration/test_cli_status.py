@@ -59,10 +59,10 @@ def test_counts_each_state_per_queue(
     assert 120 <= age < 180
     assert queues == {
         "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0,
-                 "oldest_ready_age_s": None},
-        "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
+                 "oldest_ready_age_s": None, "waiting": 0},
+        "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1, "waiting": 0},
         "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1,
-                  "oldest_ready_age_s": None},
+                  "oldest_ready_age_s": None, "waiting": 0},
     }
     assert report["barriers"] == []
 
@@ -76,12 +76,13 @@ def test_counts_each_state_per_queue(
     lines = table.stdout.splitlines()
     assert lines[0] == f"pgq schema {schema!r} at {mask_url(broker_url)}"
     assert lines[1].split() == [
-        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY"
+        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY", "WAITING"
     ]
-    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
+    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-", "0"]
     assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
     assert lines[3].split()[5] == "2m"  # "2m 0s": oldest ready for two minutes
-    assert lines[4].split() == ["other", "0", "0", "0", "1", "-"]
+    assert lines[3].split()[-1] == "0"
+    assert lines[4].split() == ["other", "0", "0", "0", "1", "-", "0"]
     assert lines[5].startswith("clients: ")
 
 

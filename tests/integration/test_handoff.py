@@ -23,6 +23,8 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 
+from pg_transport import metrics
+from pg_transport import status as status_report
 from pg_transport.connection import Connector
 from pg_transport.session import Reply, Session
 from pg_transport.store import (
@@ -163,6 +165,32 @@ def test_maintenance_keeps_the_waiters_of_live_consumers(
     consumer.claim(["q"])
     store.maintain([])
     assert waiters(peek) == [(consumer.token, "q")]
+
+
+def test_status_counts_the_live_consumers_waiting_on_each_queue(
+    consumers: Consumers, store: Store, pg_url: str
+) -> None:
+    first, dead, both = consumers(), consumers(), consumers()
+    first.claim(["q"])
+    dead.claim(["q"])
+    both.claim(["q", "r"])
+
+    def waiting() -> dict[str, int]:
+        return {q.queue: q.waiting for q in status_report.collect(store).queues}
+
+    # "r" is declared nowhere: a consumer waiting on it lists it all the same.
+    assert waiting() == {"q": 3, "r": 1}
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", [dead.pid])
+    # Its row is still there until maintenance sweeps it, but it waits no more.
+    assert waiting() == {"q": 2, "r": 1}
+    # A hand-off ends the wait of the longest-waiting live consumer.
+    store.publish("q", PAYLOAD)
+    assert len(first.handed(1)) == 1
+    report = status_report.collect(store)
+    assert {q.queue: q.waiting for q in report.queues} == {"q": 1, "r": 1}
+    [family] = [f for f in metrics.families(report) if f.name == "pgq_queue_waiting_consumers"]
+    assert dict((labels["queue"], value) for labels, value in family.samples) == {"q": 1, "r": 1}
 
 
 def test_longest_waiting_consumer_first(consumers: Consumers, store: Store) -> None:
