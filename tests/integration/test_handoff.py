@@ -217,7 +217,7 @@ def test_a_claim_that_brings_messages_stops_the_waiting(
     consumer: Consumer, store: Store, peek: Peek
 ) -> None:
     consumer.claim(["a", "b"])
-    store.publish("c", PAYLOAD, delay=0.001)  # not handed over: nobody waits on "c"
+    store.publish("c", PAYLOAD)  # not handed over: nobody waits on "c"
     assert len(consumer.claim(["c"], unwait=True)) == 1
     assert consumer.unwaited == 2
     assert waiters(peek) == []
@@ -263,7 +263,7 @@ def test_a_claim_stopping_the_wait_learns_of_a_handoff_under_way(
     consumer: Consumer, store: Store, peek: Peek, pg_url: str
 ) -> None:
     consumer.claim(["q"])
-    store.publish("other", PAYLOAD, delay=0.001)
+    store.publish("other", PAYLOAD)  # not handed over: nobody waits on "other"
     with psycopg.connect(pg_url, autocommit=True) as publisher:
         publisher.execute("BEGIN")
         store.publish_on(publisher, "q", PAYLOAD, handoff=True)  # takes the consumer
