@@ -34,12 +34,17 @@ class Peek:
         cur = self.conn.execute(text, params)
         return cur.fetchall() if cur.description else []
 
+    def wait_for_backend(self, pid: int, condition: str, failure: str) -> None:
+        """Until backend ``pid`` meets ``condition`` (SQL on its ``pg_stat_activity``
+        row); ``failure`` if it has not in 10 s."""
+        query = f"SELECT {condition} FROM pg_stat_activity WHERE pid = %s"
+        deadline = time.monotonic() + 10
+        while self(query, pid) != [(True,)]:
+            assert time.monotonic() < deadline, failure
+
     def wait_for_lock(self, pid: int, failure: str) -> None:
         """Until backend ``pid`` waits for a lock; ``failure`` if it has not in 10 s."""
-        deadline = time.monotonic() + 10
-        while self("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                   pid) != [("Lock",)]:
-            assert time.monotonic() < deadline, failure
+        self.wait_for_backend(pid, "wait_event_type = 'Lock'", failure)
 
     def expire_leases(self) -> None:
         """What the passing of a visibility timeout does, without waiting for it."""

@@ -476,10 +476,8 @@ def test_a_consumer_leaving_waits_for_a_handoff_notify_that_lags_its_commit(
             assert handoff is not None
             leaving = threading.Thread(target=c.transport.hub.unregister)
             leaving.start()
-            deadline = time.monotonic() + 10
-            while rows("SELECT state = 'idle' AND query LIKE '%%gone%%'"
-                       " FROM pg_stat_activity WHERE pid = %s", backend) != [(True,)]:
-                assert time.monotonic() < deadline, "the consumer never left its waiting"
+            rows.wait_for_backend(backend, "state = 'idle' AND query LIKE '%%gone%%'",
+                                  "the consumer never left its waiting")
             assert leaving.is_alive(), "left without the hand-off it was taken for"
             publisher.execute("SELECT pg_notify(%s, %s)",
                               (session._handoff_channel, handoff[0]))
