@@ -52,7 +52,7 @@ from benchmarks.targets import (
 from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
 
 RESULTS = ROOT / "benchmarks" / "results"
-BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "sqla")
+BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "rabbitmq-confirm", "sqla")
 LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
 # After the drain, let the worker finish its last acks and block waiting for work,
 # so that the latency probes meet a really idle worker.
@@ -128,6 +128,7 @@ def make_brokers(args: argparse.Namespace) -> list[Broker]:
         "pgq-async": PgqBroker(args.pg_url, "pgq-async", {"durable_publish": False}),
         "redis": RedisBroker(args.redis_url, args.redis_db),
         "rabbitmq": AmqpBroker(args.amqp_url),
+        "rabbitmq-confirm": AmqpBroker(args.amqp_url, confirm=True),
         "sqla": SqlaBroker(args.pg_url),
     }
     return [every[name] for name in BROKERS if name in args.brokers.split(",")]

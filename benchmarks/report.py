@@ -102,18 +102,23 @@ def pgbench_ratios(brokers: dict[str, dict[str, Any]], pgbench: dict[str, Any]) 
     }
 
 
+# Width of the name column: the longest broker name, "rabbitmq-confirm", and a space.
+_NAME = 17
+
+
 def _cell(value: float | None, fmt: str) -> str:
     return format(value, fmt) if value is not None else "-"
 
 
 def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
-    rows = [f"{'broker':<10}{'publish/s':>12}{'drain/s':>12}{'p50 ms':>10}{'p99 ms':>10}  status"]
+    head = f"{'broker':<{_NAME}}{'publish/s':>12}{'drain/s':>12}{'p50 ms':>10}{'p99 ms':>10}"
+    rows = [f"{head}  status"]
     for name, result in brokers.items():
         status = result.get("status", "?")
         if status != "ok":
             status = f"{status}: {result.get('reason', '')}"
         rows.append(
-            f"{name:<10}"
+            f"{name:<{_NAME}}"
             f"{_cell(_value(result, 'publish', 'rate'), '.0f'):>12}"
             f"{_cell(_value(result, 'drain', 'rate'), '.0f'):>12}"
             f"{_cell(_value(result, 'latency', 'p50_ms'), '.2f'):>10}"
@@ -126,10 +131,10 @@ def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
 def _ratio_rows(table: dict[str, Any], reference: str = "pgq") -> list[str]:
     if not table:
         return [f"(no ratios: {reference} or every other broker has no numbers)"]
-    rows = [f"{reference + ' vs':<12}{'publish':>10}{'drain':>10}{'p50':>10}{'p99':>10}"]
+    rows = [f"{reference + ' vs':<{_NAME}}{'publish':>10}{'drain':>10}{'p50':>10}{'p99':>10}"]
     for name, metrics in table.items():
         cells = "".join(f"{_cell(metrics[m], '.2f') + 'x':>10}" for m, _, _ in _METRICS)
-        rows.append(f"{name:<12}{cells}")
+        rows.append(f"{name:<{_NAME}}{cells}")
     return rows
 
 
@@ -146,7 +151,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [head, "", *_broker_rows(report["brokers"])]
     pgbench = report.get("pgbench", {})
     if pgbench.get("status") == "ok":
-        lines.append(f"{'pgbench':<10}{pgbench['tps']:>12.0f}  single-row INSERT, 1 client "
+        lines.append(f"{'pgbench':<{_NAME}}{pgbench['tps']:>12.0f}  single-row INSERT, 1 client "
                      "(the connection's limit)")
     lines.append("")
     lines += _ratio_rows(report["ratios"])

@@ -145,12 +145,18 @@ class RedisBroker(Broker):
 
 
 class AmqpBroker(Broker):
-    """RabbitMQ with a queue (and exchange) named for this run, deleted afterwards."""
+    """RabbitMQ with a queue (and exchange) named for this run, deleted afterwards.
 
-    name = "rabbitmq"
+    ``confirm``: publish with publisher confirms (``confirm_publish``), so that
+    ``apply_async`` returns once RabbitMQ has taken the persistent message into its
+    durable queue, the guarantee durable pgq gives. Without it, the publish returns
+    once the frame is written to the socket.
+    """
 
-    def __init__(self, amqp_url: str) -> None:
+    def __init__(self, amqp_url: str, *, confirm: bool = False) -> None:
         self.url = amqp_url
+        self.confirm = confirm
+        self.name = "rabbitmq-confirm" if confirm else "rabbitmq"
 
     def check(self) -> str | None:
         try:
@@ -161,7 +167,14 @@ class AmqpBroker(Broker):
         return None
 
     def setup(self, run_id: str) -> Target:
-        return Target(broker_url=self.url, queue=f"bench_{run_id}")
+        if not self.confirm:
+            return Target(broker_url=self.url, queue=f"bench_{run_id}")
+        # Its own queue: both variants may run in the same round on the same server.
+        return Target(
+            broker_url=self.url,
+            queue=f"bench_confirm_{run_id}",
+            transport_options={"confirm_publish": True},
+        )
 
     def teardown(self, target: Target) -> None:
         # Celery names the default exchange after the default queue.

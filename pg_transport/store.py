@@ -9,6 +9,7 @@ by its publish key.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from pg_transport.connection import Connector
 from pg_transport.locks import lock_space
 from pg_transport.sql import handoff_prefix, load_queries, notify_channel
 from pg_transport.wire import Statement
+
+logger = logging.getLogger("pg_transport.store")
 
 __all__ = [
     "HANDOFF_LIMIT",
@@ -61,14 +64,23 @@ class Store:
         *,
         relaxed: Connector | None = None,
         publisher: Connector | None = None,
+        deliver_before_flush: bool = False,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
         message (see the ``relax_commit`` query). ``publisher`` (default: ``connector``)
-        runs publishes."""
+        runs publishes.
+
+        ``deliver_before_flush``: a message handed to a waiting consumer is committed
+        without waiting for its WAL flush, so that the consumer has it at once, and
+        :meth:`publish` runs the ``flush_wal`` query before it returns: the message is
+        on disk by then, as with any durable publish (see the ``publish`` query)."""
         self.connector = connector
         self.relaxed = relaxed or connector
         self.publisher = publisher or connector
+        self.deliver_before_flush = deliver_before_flush
+        # Whether this role may run flush_wal: asked once, on the first publish.
+        self._can_flush: bool | None = None
         self.schema = schema
         self.channel = notify_channel(schema)
         self.lock_space = lock_space(schema)
@@ -81,7 +93,10 @@ class Store:
         }
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
-        self.wire = {name: Statement(name, self.q[name]) for name in ("publish", "claim")}
+        self.wire = {
+            name: Statement(name, self.q[name])
+            for name in ("publish", "claim", "flush_wal")
+        }
 
     # -- publishing ----------------------------------------------------------
     def publish(
@@ -97,14 +112,36 @@ class Store:
 
         The statement commits on its own, so a message due now may be handed straight
         to a waiting consumer (see the ``publish`` query)."""
+        # Set once an attempt may have committed unflushed: a retry after a lost
+        # connection then flushes even when its own insert finds the message there.
+        may_be_unflushed = False
 
         def work(conn: psycopg.Connection[Any]) -> None:
-            self.publish_on(
+            nonlocal may_be_unflushed
+            unflushed = self.deliver_before_flush and self._may_flush(conn)
+            earlier, may_be_unflushed = may_be_unflushed, may_be_unflushed or unflushed
+            handed_unflushed = self.publish_on(
                 conn, queue, payload, priority=priority, delay=delay,
-                publish_key=publish_key, handoff=True,
+                publish_key=publish_key, handoff=True, deliver_unflushed=unflushed,
             )
+            if earlier or handed_unflushed:
+                # On disk once a later commit's flush is done: WAL is flushed in order.
+                prepare = conn.prepare_threshold is not None
+                self.wire["flush_wal"].execute(conn, {}, prepare=prepare)
 
         self.publisher.run(work, idempotent=publish_key is not None)
+
+    def _may_flush(self, conn: psycopg.Connection[Any]) -> bool:
+        if self._can_flush is None:
+            row = conn.execute(self.q["can_flush_wal"]).fetchone()
+            self._can_flush = bool(row and row[0])
+            if not self._can_flush:
+                logger.warning(
+                    "pgq: this role may not run pg_logical_emit_message, so a durable "
+                    "publish reaches consumers only once its WAL flush is done (about a "
+                    "millisecond later); GRANT EXECUTE on it lets them have it at once"
+                )
+        return self._can_flush
 
     def publish_on(
         self,
@@ -116,7 +153,8 @@ class Store:
         delay: float = 0.0,
         publish_key: str | None = None,
         handoff: bool = False,
-    ) -> None:
+        deliver_unflushed: bool = False,
+    ) -> bool:
         """Insert a message on the caller's connection, inside the caller's transaction.
 
         For work that must commit together with its message (a barrier firing its
@@ -126,6 +164,10 @@ class Store:
         handed to a consumer is leased from the moment of the insert, and a
         transaction that went on for longer than the lease would commit it visible
         to every other consumer as well.
+
+        ``deliver_unflushed`` (with ``handoff``): a hand-off commits without waiting for
+        its WAL flush, and this returns True when one did; the caller must then flush
+        (the ``flush_wal`` query) before it calls the message published.
         """
         text = json.dumps(payload)
         params = {
@@ -136,14 +178,19 @@ class Store:
             "payload": text,
             "notify": delay <= 0,
             "handoff": handoff and delay <= 0 and _fits_notify(queue, text),
+            "deliver_unflushed": handoff and deliver_unflushed,
             **self._publish_to,
         }
         if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
-            # The caller batches its statements (psycopg's pipeline): join the batch.
-            conn.execute(self.q["publish"], params)
-            return
+            # The caller batches its statements (psycopg's pipeline): join the batch,
+            # whose results come later (so it commits flushed).
+            conn.execute(self.q["publish"], {**params, "deliver_unflushed": False})
+            return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
-        self.wire["publish"].execute(conn, params, prepare=conn.prepare_threshold is not None)
+        rows = self.wire["publish"].execute(
+            conn, params, prepare=conn.prepare_threshold is not None
+        )
+        return any(row[1] == b"t" for row in rows)
 
     # -- consuming -----------------------------------------------------------
     def claim(

@@ -528,10 +528,13 @@ class Transport(virtual.Transport):
             else self.connector
         )
         # durable_publish off: a publish commits without waiting for its WAL flush, as
-        # the consumer's statements do.
-        publisher = self.connector if self.options.durable_publish else self.relaxed
+        # the consumer's statements do. On: it returns after the flush, but a consumer
+        # waiting for it has it before.
+        durable = self.options.durable_publish
         self.store = Store(
-            self.connector, self.options.schema, relaxed=self.relaxed, publisher=publisher
+            self.connector, self.options.schema, relaxed=self.relaxed,
+            publisher=self.connector if durable else self.relaxed,
+            deliver_before_flush=durable,
         )
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify

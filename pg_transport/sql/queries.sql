@@ -11,6 +11,9 @@
 -- where this statement can take that lock, the consumer is gone and is passed over. A
 -- publisher takes a consumer whole (the lock in take_space keeps others off it until
 -- this commits) and deletes every row it waits with: one hand-off per wait.
+-- With deliver_unflushed set, a hand-off commits without waiting for its WAL flush, so
+-- the consumer has the message at once; the statement then says unflushed and the
+-- publisher runs flush_wal before it returns. Other publishes commit as the session says.
 WITH candidate AS (
     SELECT c.consumer FROM {schema}.waiter AS c
     WHERE %(handoff)s AND c.queue = %(queue)s
@@ -40,7 +43,11 @@ SELECT CASE WHEN taker.consumer IS NULL
             THEN pg_notify(%(channel)s, i.queue)
             ELSE pg_notify(%(handoff_prefix)s || taker.consumer,
                            json_build_array(i.id, i.queue, i.priority, i.payload)::text)
-       END
+       END,
+       CASE WHEN taker.consumer IS NOT NULL AND %(deliver_unflushed)s
+            THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
+            ELSE false
+       END AS unflushed
 FROM inserted AS i LEFT JOIN taker ON true
 WHERE taker.consumer IS NOT NULL OR %(notify)s
 
@@ -496,6 +503,23 @@ SET jit TO off
 -- For sessions that only claim, ack, release and renew: a commit lost in a server
 -- crash makes a message visible again (delivered twice), it never loses one.
 SET synchronous_commit TO off
+
+-- name: flush_wal
+-- Run after a publish that committed unflushed (see publish), as a transaction of its
+-- own committed as the session's synchronous_commit says (durable by default): WAL is
+-- flushed in order, so this flush covers the earlier commit, whichever server session
+-- made it. Its commit waits for the flush only if it wrote WAL: a logical decoding
+-- message (prefix 'pgq', empty) is the smallest record that does, touching no table.
+SELECT pg_logical_emit_message(true, 'pgq', '')
+
+-- name: can_flush_wal
+-- Whether this role may run flush_wal (whatever the function's signature on this
+-- server version).
+SELECT coalesce(bool_or(has_function_privilege(p.oid, 'EXECUTE')), false)
+FROM pg_catalog.pg_proc AS p
+WHERE p.proname = 'pg_logical_emit_message'
+  AND p.pronamespace = 'pg_catalog'::regnamespace
+  AND p.proargtypes[2] = 'text'::regtype
 
 -- name: schema_owner
 -- The role owning the schema, or no row when the schema does not exist.
