@@ -112,19 +112,19 @@ class Store:
 
         The statement commits on its own, so a message due now may be handed straight
         to a waiting consumer (see the ``publish`` query)."""
-        # Set once an attempt may have committed unflushed: a retry after a lost
-        # connection then flushes even when its own insert finds the message there.
-        may_be_unflushed = False
+        # Set once an attempt has sent the statement: if it may commit unflushed, a
+        # retry after a lost connection flushes even when its insert finds the message.
+        sent = False
 
         def work(conn: psycopg.Connection[Any]) -> None:
-            nonlocal may_be_unflushed
+            nonlocal sent
             unflushed = self.deliver_before_flush and self._may_flush(conn)
-            earlier, may_be_unflushed = may_be_unflushed, may_be_unflushed or unflushed
+            retried, sent = sent, True
             handed_unflushed = self.publish_on(
                 conn, queue, payload, priority=priority, delay=delay,
                 publish_key=publish_key, handoff=True, deliver_unflushed=unflushed,
             )
-            if earlier or handed_unflushed:
+            if handed_unflushed or (retried and unflushed):
                 # On disk once a later commit's flush is done: WAL is flushed in order.
                 prepare = conn.prepare_threshold is not None
                 self.wire["flush_wal"].execute(conn, {}, prepare=prepare)
@@ -169,6 +169,9 @@ class Store:
         its WAL flush, and this returns True when one did; the caller must then flush
         (the ``flush_wal`` query) before it calls the message published.
         """
+        # In psycopg's pipeline (a caller batching its statements) results come later:
+        # nothing could learn that a hand-off committed unflushed.
+        batched = conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
         text = json.dumps(payload)
         params = {
             "queue": queue,
@@ -178,13 +181,11 @@ class Store:
             "payload": text,
             "notify": delay <= 0,
             "handoff": handoff and delay <= 0 and _fits_notify(queue, text),
-            "deliver_unflushed": handoff and deliver_unflushed,
+            "deliver_unflushed": handoff and deliver_unflushed and not batched,
             **self._publish_to,
         }
-        if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
-            # The caller batches its statements (psycopg's pipeline): join the batch,
-            # whose results come later (so it commits flushed).
-            conn.execute(self.q["publish"], {**params, "deliver_unflushed": False})
+        if batched:
+            conn.execute(self.q["publish"], params)  # join the caller's batch
             return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
         rows = self.wire["publish"].execute(
