@@ -9,15 +9,24 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Task
+from kombu.messaging import Producer
 
 from benchmarks.app import LATENCY, Sink
 from benchmarks.worker import Worker
 
-__all__ = ["PhaseError", "drain", "latency", "percentile", "publish_interleaved"]
+__all__ = [
+    "PhaseError",
+    "broker_call_clock",
+    "drain",
+    "latency",
+    "percentile",
+    "publish_interleaved",
+]
 
 # How often the harness looks at the sink while waiting for the drain to finish.
 DRAIN_POLL = 0.05
@@ -31,6 +40,35 @@ class PhaseError(RuntimeError):
     """A phase could not produce its measurement (timeout, dead worker)."""
 
 
+@contextmanager
+def broker_call_clock() -> Iterator[Callable[[], float]]:
+    """Seconds spent inside kombu's ``Producer._publish`` while this is open.
+
+    That call is a publish's broker-specific part, the same method for every broker:
+    the transport's ``basic_publish`` (for pgq the statement's round trip and commit,
+    for Redis its LPUSH, for RabbitMQ the frames and, with confirms, the wait for the
+    confirm) behind kombu's declare cache. What ``apply_async`` spends outside it
+    (Celery building the task message, kombu serializing it) is the same code for
+    every broker. Yields a function returning the seconds counted so far.
+    """
+    spent = 0.0
+    original = Producer._publish
+
+    def timed(self: Producer, *args: Any, **kwargs: Any) -> Any:
+        nonlocal spent
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spent += time.perf_counter() - start
+
+    Producer._publish = timed  # type: ignore[method-assign]
+    try:
+        yield lambda: spent
+    finally:
+        Producer._publish = original  # type: ignore[method-assign]
+
+
 def publish_interleaved(
     publishers: dict[str, Callable[[int], None]], count: int, chunk: int, timeout: float
 ) -> dict[str, dict[str, Any] | PhaseError]:
@@ -41,8 +79,9 @@ def publish_interleaved(
     schema: a one-time cost of every client, kept out of the rate), then ``chunk``
     tasks at a time, in turn and in reverse order every other pass, so that a machine
     whose speed drifts meets every broker alike. The rate of each counts only the time
-    spent publishing through it. A broker that fails or runs out of time is reported
-    with its error and the others go on.
+    spent publishing through it, and that time is split into what was spent inside the
+    broker's publish call and the rest (see :func:`broker_call_clock`). A broker that
+    fails or runs out of time is reported with its error and the others go on.
     """
     outcome: dict[str, dict[str, Any] | PhaseError] = {}
     sent: dict[str, int] = {}
@@ -54,31 +93,38 @@ def publish_interleaved(
             outcome[name] = PhaseError(f"first publish failed: {type(exc).__name__}: {exc}")
             continue
         sent[name], spent[name] = 1, 0.0
+    broker: dict[str, float] = dict.fromkeys(sent, 0.0)
     deadline = time.monotonic() + timeout
     turn = 0
-    while pending := [n for n in sent if n not in outcome and sent[n] < count]:
-        if time.monotonic() > deadline:
-            for name in pending:
-                outcome[name] = PhaseError(
-                    f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent")
-            break
-        for name in pending if turn % 2 == 0 else reversed(pending):
-            n = min(chunk, count - sent[name])
-            start = time.perf_counter()
-            try:
-                publishers[name](n)
-            except Exception as exc:  # any broker error ends that broker's phase only
-                outcome[name] = PhaseError(f"publish failed: {type(exc).__name__}: {exc}")
-                continue
-            spent[name] += time.perf_counter() - start
-            sent[name] += n
-        turn += 1
+    with broker_call_clock() as in_broker:
+        while pending := [n for n in sent if n not in outcome and sent[n] < count]:
+            if time.monotonic() > deadline:
+                for name in pending:
+                    outcome[name] = PhaseError(
+                        f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent")
+                break
+            for name in pending if turn % 2 == 0 else reversed(pending):
+                n = min(chunk, count - sent[name])
+                start, start_in_broker = time.perf_counter(), in_broker()
+                try:
+                    publishers[name](n)
+                except Exception as exc:  # any broker error ends that broker's phase only
+                    outcome[name] = PhaseError(f"publish failed: {type(exc).__name__}: {exc}")
+                    continue
+                spent[name] += time.perf_counter() - start
+                broker[name] += in_broker() - start_in_broker
+                sent[name] += n
+            turn += 1
     for name in sent:
         if name not in outcome:
+            timed = sent[name] - 1
             outcome[name] = {
                 "tasks": sent[name], "seconds": spent[name],
-                "rate": (sent[name] - 1) / spent[name] if spent[name] > 0 else 0.0,
+                "rate": timed / spent[name] if spent[name] > 0 else 0.0,
                 "chunk": chunk,
+                # Per publish: inside the broker's publish call, and the rest of it.
+                "broker_call_us": broker[name] / timed * 1e6 if timed else 0.0,
+                "client_us": (spent[name] - broker[name]) / timed * 1e6 if timed else 0.0,
             }
     return outcome
 

@@ -64,9 +64,10 @@ def combine(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[s
     """Each broker's result over every round (brokers take turns within a round).
 
     One round: its results as they are. Several: the median publish and drain rate of
-    the rounds, and latency percentiles of every probe of every round together. Each
-    round's own results stay under ``rounds``. A broker that failed or was skipped in
-    any round reports that round's outcome instead of numbers.
+    the rounds (and the median split of a publish into broker call and client), and
+    latency percentiles of every probe of every round together. Each round's own
+    results stay under ``rounds``. A broker that failed or was skipped in any round
+    reports that round's outcome instead of numbers.
     """
     if len(rounds) == 1:
         return {name: rounds[0][name] for name in names}
@@ -80,8 +81,12 @@ def combine(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[s
         samples = [ms for r in results for ms in r["latency"]["samples_ms"]]
         combined[name] = {
             "status": "ok",
-            "publish": {"rate": median(r["publish"]["rate"] for r in results),
-                        "tasks": sum(r["publish"]["tasks"] for r in results)},
+            "publish": {
+                "rate": median(r["publish"]["rate"] for r in results),
+                "tasks": sum(r["publish"]["tasks"] for r in results),
+                "broker_call_us": median(r["publish"]["broker_call_us"] for r in results),
+                "client_us": median(r["publish"]["client_us"] for r in results),
+            },
             "drain": {"rate": median(r["drain"]["rate"] for r in results),
                       "tasks": sum(r["drain"]["tasks"] for r in results),
                       "duplicates": sum(r["drain"]["duplicates"] for r in results)},
@@ -111,7 +116,8 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
-    head = f"{'broker':<{_NAME}}{'publish/s':>12}{'drain/s':>12}{'p50 ms':>10}{'p99 ms':>10}"
+    head = (f"{'broker':<{_NAME}}{'publish/s':>12}{'call us':>9}{'drain/s':>12}"
+            f"{'p50 ms':>10}{'p99 ms':>10}")
     rows = [f"{head}  status"]
     for name, result in brokers.items():
         status = result.get("status", "?")
@@ -120,6 +126,7 @@ def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
         rows.append(
             f"{name:<{_NAME}}"
             f"{_cell(_value(result, 'publish', 'rate'), '.0f'):>12}"
+            f"{_cell(_value(result, 'publish', 'broker_call_us'), '.0f'):>9}"
             f"{_cell(_value(result, 'drain', 'rate'), '.0f'):>12}"
             f"{_cell(_value(result, 'latency', 'p50_ms'), '.2f'):>10}"
             f"{_cell(_value(result, 'latency', 'p99_ms'), '.2f'):>10}"
@@ -158,6 +165,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("ratios_async"):
         lines += _ratio_rows(report["ratios_async"], "pgq-async")
     lines.append("ratio = pgq / other: > 1 better for publish, drain; < 1 better for p50, p99")
+    lines.append("call us: of each publish, microseconds inside the broker's publish call "
+                 "(kombu's Producer._publish); the rest is Celery and kombu, alike for all")
     to_pgbench = report.get("ratios_to_pgbench") or {}
     if to_pgbench:
         lines.append("publish / pgbench: " + ", ".join(

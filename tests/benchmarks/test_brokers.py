@@ -51,6 +51,12 @@ def _run_benchmark(pg_url: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
 def _assert_sane(name: str, result: dict[str, Any]) -> None:
     publish, drain, latency = result["publish"], result["drain"], result["latency"]
     assert publish["tasks"] == TASKS and publish["rate"] > 0, (name, publish)
+    # Both parts of a publish took time, and together they are its whole time.
+    assert publish["broker_call_us"] > 0 and publish["client_us"] > 0, (name, publish)
+    per_publish_us = 1e6 / publish["rate"]
+    assert abs(publish["broker_call_us"] + publish["client_us"] - per_publish_us) < (
+        0.01 * per_publish_us
+    ), (name, publish)
     assert drain["tasks"] >= TASKS and drain["rate"] > 0, (name, drain)
     assert latency["samples"] == PROBES, (name, latency)
     assert 0 < latency["p50_ms"] <= latency["p99_ms"], (name, latency)

@@ -3,16 +3,22 @@ broker's results over several rounds combine."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from benchmarks.phases import PhaseError, publish_interleaved
+from kombu import Connection
+
+from benchmarks.phases import PhaseError, broker_call_clock, publish_interleaved
 from benchmarks.report import combine, ratios
 
 
-def result(publish: float, drain: float, samples: list[float]) -> dict[str, Any]:
+def result(
+    publish: float, drain: float, samples: list[float], call_us: float = 0.0
+) -> dict[str, Any]:
     return {
         "status": "ok",
-        "publish": {"rate": publish, "tasks": 10},
+        "publish": {"rate": publish, "tasks": 10, "broker_call_us": call_us,
+                    "client_us": 1e6 / publish - call_us},
         "drain": {"rate": drain, "tasks": 10, "duplicates": 0},
         "latency": {"p50_ms": 0.0, "p99_ms": 0.0, "samples_ms": samples},
     }
@@ -25,12 +31,14 @@ def test_one_round_is_reported_as_it_is() -> None:
 
 def test_rates_are_the_median_round_and_latency_pools_every_probe() -> None:
     rounds = [
-        {"pgq": result(100, 900, [1.0, 2.0]), "redis": result(50, 300, [3.0, 4.0])},
-        {"pgq": result(300, 700, [5.0, 6.0]), "redis": result(70, 100, [7.0, 8.0])},
-        {"pgq": result(200, 800, [9.0, 10.0]), "redis": result(60, 200, [11.0, 12.0])},
+        {"pgq": result(100, 900, [1.0, 2.0], 700), "redis": result(50, 300, [3.0, 4.0])},
+        {"pgq": result(300, 700, [5.0, 6.0], 900), "redis": result(70, 100, [7.0, 8.0])},
+        {"pgq": result(200, 800, [9.0, 10.0], 800), "redis": result(60, 200, [11.0, 12.0])},
     ]
     combined = combine(rounds, ["pgq", "redis"])
-    assert combined["pgq"]["publish"] == {"rate": 200, "tasks": 30}
+    assert combined["pgq"]["publish"] == {
+        "rate": 200, "tasks": 30, "broker_call_us": 800, "client_us": 4200,  # 9300, 2433, 4200
+    }
     assert combined["pgq"]["drain"]["rate"] == 800
     latency = combined["pgq"]["latency"]
     assert (latency["samples"], latency["min_ms"], latency["max_ms"]) == (6, 1.0, 10.0)
@@ -68,3 +76,42 @@ def test_publishers_take_turns_and_a_failing_one_stops_alone() -> None:
                      ("b", 3), ("a", 3)]
     assert outcome["a"]["tasks"] == outcome["b"]["tasks"] == 7  # type: ignore[index]
     assert isinstance(outcome["c"], PhaseError) and "broker went away" in str(outcome["c"])
+
+
+def _sleep_until(deadline: float) -> None:
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+def test_a_publish_is_split_into_the_broker_call_and_the_rest() -> None:
+    """Time inside kombu's Producer._publish counts as the broker's, time around it
+    as the client's; outside the phase the clock is gone."""
+    inside, outside = 0.004, 0.002
+    with Connection("memory://") as conn:
+        channel = conn.default_channel
+        original = channel.basic_publish
+
+        def slow_basic_publish(*args: Any, **kwargs: Any) -> Any:
+            _sleep_until(time.perf_counter() + inside)
+            return original(*args, **kwargs)
+
+        channel.basic_publish = slow_basic_publish  # type: ignore[method-assign]
+        producer = conn.Producer(channel, routing_key="split")
+
+        def publish(n: int) -> None:
+            for _ in range(n):
+                _sleep_until(time.perf_counter() + outside)  # the client's own work
+                producer.publish({"n": 1})
+
+        outcome = publish_interleaved({"memory": publish}, count=6, chunk=5, timeout=60)
+        found = outcome["memory"]
+        assert not isinstance(found, PhaseError)
+        assert found["broker_call_us"] >= inside * 1e6
+        assert outside * 1e6 <= found["client_us"] < inside * 1e6
+        # The clock counts only while a phase is open.
+        with broker_call_clock() as clock:
+            assert clock() == 0.0
+            producer.publish({"n": 2})
+            during = clock()
+        producer.publish({"n": 3})
+        assert during >= inside and clock() == during
