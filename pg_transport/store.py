@@ -125,11 +125,14 @@ class Store:
                 publish_key=publish_key, handoff=True, deliver_unflushed=unflushed,
             )
             if handed_unflushed or (retried and unflushed):
-                # On disk once a later commit's flush is done: WAL is flushed in order.
-                prepare = conn.prepare_threshold is not None
-                self.wire["flush_wal"].execute(conn, {}, prepare=prepare)
+                self._flush_wal(conn)
 
         self.publisher.run(work, idempotent=publish_key is not None)
+
+    def _flush_wal(self, conn: psycopg.Connection[Any]) -> None:
+        """Wait until an earlier commit that did not wait for its WAL flush is on disk:
+        WAL is flushed in order, so a later durable commit's flush covers it."""
+        self.wire["flush_wal"].execute(conn, {}, prepare=conn.prepare_threshold is not None)
 
     def _may_flush(self, conn: psycopg.Connection[Any]) -> bool:
         if self._can_flush is None:
@@ -391,7 +394,9 @@ class Store:
         """Insert one copy per queue the exchange routes ``routing_key`` to.
 
         Returns the exchange's type (None: never declared) and how many queues
-        matched. With a ``publish_tag`` a repeated call inserts nothing new.
+        matched. With a ``publish_tag`` a repeated call inserts nothing new. A copy
+        handed to a waiting consumer reaches it before its WAL flush, as in
+        :meth:`publish`.
         """
         text = json.dumps(payload)
         params = {
@@ -409,9 +414,19 @@ class Store:
             **self._publish_to,
         }
 
+        # As in publish: a retry of a statement that may have committed unflushed flushes.
+        sent = False
+
         def work(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
-            row = conn.execute(self.q["publish_routed"], params).fetchone()
+            nonlocal sent
+            unflushed = self.deliver_before_flush and self._may_flush(conn)
+            retried, sent = sent, True
+            row = conn.execute(
+                self.q["publish_routed"], {**params, "deliver_unflushed": unflushed}
+            ).fetchone()
             assert row is not None
+            if row[3] or (retried and unflushed):
+                self._flush_wal(conn)
             return (None if row[0] is None else str(row[0])), int(row[1])
 
         return self.publisher.run(work, idempotent=publish_tag is not None)

@@ -304,7 +304,8 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- handoff set and a single matched queue, the message goes to a waiting live consumer
 -- of that queue where there is one, as in publish, if the NOTIFY has room for it
 -- (handoff_room: bytes left for the queue name, which JSON-escaping may make up to 6
--- times longer).
+-- times longer). With deliver_unflushed set, a hand-off commits without waiting for its
+-- WAL flush and the last column says so, as in publish: the publisher runs flush_wal.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
 ), targets AS (
@@ -362,7 +363,11 @@ WITH ex AS (
     FROM inserted AS i JOIN taker AS k ON k.queue = i.queue
 )
 SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets),
-       (SELECT count(*) FROM woken) + (SELECT count(*) FROM handed)
+       (SELECT count(*) FROM woken) + (SELECT count(*) FROM handed),
+       CASE WHEN %(deliver_unflushed)s AND (SELECT count(*) FROM handed) > 0
+            THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
+            ELSE false
+       END AS unflushed
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.

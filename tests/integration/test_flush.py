@@ -75,8 +75,22 @@ def flushed_past(peek: Peek, lsn: str) -> bool:
     return bool(done)
 
 
+def publish_direct(store: Store, n: int) -> None:
+    store.publish("q", {**PAYLOAD, "n": n}, publish_key=f"k{n}")
+
+
+def publish_routed(store: Store, n: int) -> None:
+    """Through an exchange, to the one queue bound with the routing key."""
+    store.declare_exchange("tasks", "direct")
+    store.bind("tasks", "q", "k", "")
+    assert store.publish_routed("tasks", "k", {**PAYLOAD, "n": n}, publish_tag=f"t{n}") == (
+        "direct", 1,
+    )
+
+
+@pytest.mark.parametrize("send", [publish_direct, publish_routed])
 def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
-    consumer: Consumer, durable: Store, peek: Peek
+    consumer: Consumer, durable: Store, peek: Peek, send: Callable[[Store, int], None]
 ) -> None:
     reached, release, returned = threading.Event(), threading.Event(), threading.Event()
     committed: list[str] = []
@@ -91,7 +105,7 @@ def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
     consumer.claim(["q"])
 
     def publish() -> None:
-        durable.publish("q", {**PAYLOAD, "n": 1}, publish_key="k1")
+        send(durable, 1)
         returned.set()
 
     publisher = threading.Thread(target=publish)
@@ -123,17 +137,27 @@ def test_only_a_handoff_commits_unflushed(
     consumers().claim(["q"])
     durable.publish("q", {**PAYLOAD, "n": 2}, delay=60)
     assert flush.backends == []
+    # Copies routed to two queues are handed to nobody, though "q" has a waiter.
+    durable.declare_exchange("fan", "fanout")
+    for queue in ("q", "s"):
+        durable.bind("fan", queue, "", "")
+    assert durable.publish_routed("fan", "", {**PAYLOAD, "n": 3}) == ("fanout", 2)
+    assert flush.backends == []
+    assert peek("SELECT read_ct FROM {schema}.message WHERE queue IN ('q', 's')"
+                " AND payload->>'n' = '3'") == [(0,), (0,)]
     # Without the option, a hand-off commits flushed, as every publish does.
     observe(store)
     waiting = consumers()
     waiting.claim(["r"])
-    store.publish("r", {**PAYLOAD, "n": 3})
-    assert [m.payload["n"] for m in waiting.handed(1)] == [3]
+    store.publish("r", {**PAYLOAD, "n": 4})
+    assert [m.payload["n"] for m in waiting.handed(1)] == [4]
     assert store.wire["flush_wal"].backends == []  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("send", [publish_direct, publish_routed])
 def test_a_publisher_cut_off_before_its_flush_flushes_on_its_retry(
-    consumer: Consumer, durable: Store, peek: Peek, pg_url: str
+    consumer: Consumer, durable: Store, peek: Peek, pg_url: str,
+    send: Callable[[Store, int], None],
 ) -> None:
     committed: list[str] = []
 
@@ -147,8 +171,8 @@ def test_a_publisher_cut_off_before_its_flush_flushes_on_its_retry(
     flush = observe(durable, cut_off_once)
     consumer.claim(["q"])
     # The hand-off committed, then its session died: the retry inserts nothing (the
-    # publish key is there) and still flushes, on a new session, before returning.
-    durable.publish("q", {**PAYLOAD, "n": 1}, publish_key="k1")
+    # publish key, or tag, is there) and still flushes, on a new session, before returning.
+    send(durable, 1)
     assert len(flush.backends) == 2 and flush.backends[0] != flush.backends[1]
     assert flushed_past(peek, committed[0])
     assert [m.payload["n"] for m in consumer.handed(1)] == [1]
