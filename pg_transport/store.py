@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.types.json import Json
@@ -23,6 +23,8 @@ from pg_transport.sql import handoff_prefix, load_queries, notify_channel
 from pg_transport.wire import Statement
 
 logger = logging.getLogger("pg_transport.store")
+
+T = TypeVar("T")
 
 __all__ = [
     "HANDOFF_LIMIT",
@@ -112,27 +114,43 @@ class Store:
 
         The statement commits on its own, so a message due now may be handed straight
         to a waiting consumer (see the ``publish`` query)."""
-        # Set once an attempt has sent the statement: if it may commit unflushed, a
-        # retry after a lost connection flushes even when its insert finds the message.
-        sent = False
 
-        def work(conn: psycopg.Connection[Any]) -> None:
-            nonlocal sent
-            unflushed = self.deliver_before_flush and self._may_flush(conn)
-            retried, sent = sent, True
+        def statement(conn: psycopg.Connection[Any], unflushed: bool) -> tuple[None, bool]:
             handed_unflushed = self.publish_on(
                 conn, queue, payload, priority=priority, delay=delay,
                 publish_key=publish_key, handoff=True, deliver_unflushed=unflushed,
             )
+            return None, handed_unflushed
+
+        self._run_publish(statement, idempotent=publish_key is not None)
+
+    def _run_publish(
+        self,
+        statement: Callable[[psycopg.Connection[Any], bool], tuple[T, bool]],
+        *,
+        idempotent: bool,
+    ) -> T:
+        """Run a publishing statement that commits on its own, flushing where needed.
+
+        ``statement(conn, unflushed)`` runs it, allowed to hand over unflushed when
+        ``unflushed``, and returns its result and whether a hand-off committed
+        unflushed; the WAL is then flushed before this returns. A retry after a lost
+        connection flushes even when its insert finds the message there: the attempt
+        that sent the statement may have committed it unflushed."""
+        sent = False
+
+        def work(conn: psycopg.Connection[Any]) -> T:
+            nonlocal sent
+            unflushed = self.deliver_before_flush and self._may_flush(conn)
+            retried, sent = sent, True
+            result, handed_unflushed = statement(conn, unflushed)
             if handed_unflushed or (retried and unflushed):
-                self._flush_wal(conn)
+                # On disk once a later commit's flush is done: WAL is flushed in order.
+                prepare = conn.prepare_threshold is not None
+                self.wire["flush_wal"].execute(conn, {}, prepare=prepare)
+            return result
 
-        self.publisher.run(work, idempotent=publish_key is not None)
-
-    def _flush_wal(self, conn: psycopg.Connection[Any]) -> None:
-        """Wait until an earlier commit that did not wait for its WAL flush is on disk:
-        WAL is flushed in order, so a later durable commit's flush covers it."""
-        self.wire["flush_wal"].execute(conn, {}, prepare=conn.prepare_threshold is not None)
+        return self.publisher.run(work, idempotent=idempotent)
 
     def _may_flush(self, conn: psycopg.Connection[Any]) -> bool:
         if self._can_flush is None:
@@ -414,22 +432,16 @@ class Store:
             **self._publish_to,
         }
 
-        # As in publish: a retry of a statement that may have committed unflushed flushes.
-        sent = False
-
-        def work(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
-            nonlocal sent
-            unflushed = self.deliver_before_flush and self._may_flush(conn)
-            retried, sent = sent, True
+        def statement(
+            conn: psycopg.Connection[Any], unflushed: bool
+        ) -> tuple[tuple[str | None, int], bool]:
             row = conn.execute(
                 self.q["publish_routed"], {**params, "deliver_unflushed": unflushed}
             ).fetchone()
             assert row is not None
-            if row[3] or (retried and unflushed):
-                self._flush_wal(conn)
-            return (None if row[0] is None else str(row[0])), int(row[1])
+            return ((None if row[0] is None else str(row[0])), int(row[1])), bool(row[3])
 
-        return self.publisher.run(work, idempotent=publish_tag is not None)
+        return self._run_publish(statement, idempotent=publish_tag is not None)
 
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str
