@@ -4,13 +4,14 @@
 
 Every reachable broker publishes N no-op tasks from one producer, the brokers taking
 turns 500 tasks at a time (publish rate); then, one broker after another, one worker
-subprocess runs them all (drain rate, first to last completion) and is probed idle one
-task at a time (publish→task-start latency p50/p99). A broker that does not answer is
-skipped with the reason. With ``--rounds``
-the brokers take turns that many times (in reverse order every other round), so a
-machine whose speed drifts during the run weighs on every broker alike. pgq's ratios to
-the others follow; the whole result is JSON (stdout with ``--json``; always saved under
-``benchmarks/results/`` unless ``--no-save``).
+subprocess runs them all (drain rate, first to last completion); then a fresh worker
+per broker, all idle at once, is probed one task at a time, the brokers taking turns
+probe by probe (publish→task-start latency p50/p99). A broker that does not answer is
+skipped with the reason. With ``--rounds`` the brokers take turns that many times (in
+reverse order every other round), so a machine whose speed drifts during the run weighs
+on every broker alike. pgq's ratios to the others follow; the whole result is JSON
+(stdout with ``--json``; always saved under ``benchmarks/results/`` unless
+``--no-save``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -38,7 +39,14 @@ from celery import Celery, Task
 
 from benchmarks.app import DRAIN, TASK_NAME, Sink, make_app
 from benchmarks.pgbench import run_pgbench
-from benchmarks.phases import PhaseError, drain, latency, publish_interleaved
+from benchmarks.phases import (
+    PhaseError,
+    drain,
+    latency_interleaved,
+    probe,
+    publish_interleaved,
+    wait_ready,
+)
 from benchmarks.report import RATIO_MEANING, combine, format_report, pgbench_ratios, ratios
 from benchmarks.targets import (
     AmqpBroker,
@@ -54,9 +62,11 @@ from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
 RESULTS = ROOT / "benchmarks" / "results"
 BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "rabbitmq-confirm", "sqla")
 LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
-# After the drain, let the worker finish its last acks and block waiting for work,
-# so that the latency probes meet a really idle worker.
+# Once the probe workers are up, let them block waiting for work, so that the latency
+# probes meet really idle workers.
 SETTLE_SECONDS = 0.5
+# Probes per broker sent to a freshly started worker before the counted ones.
+WARMUP_PROBES = 2
 # Tasks a broker publishes in one turn of the publish phase.
 PUBLISH_CHUNK = 500
 LOG_TAIL_LINES = 40
@@ -258,37 +268,86 @@ def publish_all(run: Run, entries: list[Entry]) -> None:
             entry.result["publish"] = found
 
 
-def drain_and_probe(run: Run, entry: Entry) -> None:
-    """Drain the published tasks with one worker, then probe it idle."""
-    args, broker, target, sink = run.args, entry.broker, entry.target, entry.sink
-    result = entry.result
-    run.say(f"[{broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
+def launch(run: Run, entry: Entry, purpose: str) -> tuple[Worker, float]:
+    """Start one worker on the entry's queue; it and when it was spawned."""
+    target = entry.target
     spawned_at = time.time()
     worker = start_worker(
         target,
         run.spec,
-        f"bench-{broker.name}-{target.queue}",
-        sink.prefix,
-        run.log_dir / f"{broker.name}-{target.queue}-worker.log",
+        f"bench-{entry.broker.name}-{purpose}-{target.queue}",
+        entry.sink.prefix,
+        run.log_dir / f"{entry.broker.name}-{target.queue}-{purpose}.log",
     )
+    return worker, spawned_at
+
+
+def drain_one(run: Run, entry: Entry) -> None:
+    """Drain the published tasks with one worker, started for it and stopped after."""
+    args, result = run.args, entry.result
+    run.say(f"[{entry.broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
+    worker, spawned_at = launch(run, entry, "drain")
     try:
-        result["drain"] = drain(worker, sink, args.tasks, args.phase_timeout, spawned_at)
-        time.sleep(SETTLE_SECONDS)
-        run.say(f"[{broker.name}] {args.latency_samples} idle latency probes")
-        result["latency"] = latency(
-            entry.task, worker, sink, args.latency_samples, args.probe_timeout, args.probe_gap
-        )
+        result["drain"] = drain(worker, entry.sink, args.tasks, args.phase_timeout, spawned_at)
     finally:
-        result["worker"] = describe_worker(worker, sink, spawned_at)
+        result["worker"] = describe_worker(worker, entry.sink, spawned_at, ready=0)
 
 
-def describe_worker(worker: Worker, sink: Sink, spawned_at: float) -> dict[str, Any]:
-    ready = sink.client().lindex(sink.ready_key, 0)
+def probe_all(run: Run, entries: list[Entry]) -> None:
+    """Idle latency: a fresh worker per broker, all of them idle at once, probed in
+    turn (see :func:`latency_interleaved`)."""
+    args = run.args
+    names = ", ".join(e.broker.name for e in entries)
+    run.say(f"[latency] {args.latency_samples} idle probes each, in turn: {names}")
+    workers: dict[str, tuple[Worker, float]] = {}
+    probes: dict[str, Callable[[int], tuple[float, float]]] = {}
+    try:
+        for entry in entries:
+            seen = int(entry.sink.client().llen(entry.sink.ready_key))
+            workers[entry.broker.name] = launch(run, entry, "probe")
+            try:
+                wait_ready(workers[entry.broker.name][0], entry.sink, seen, args.phase_timeout)
+            except PhaseError as exc:
+                fail(run, entry.broker.name, entry.result, exc)
+                continue
+            probes[entry.broker.name] = _prober(run, entry, workers[entry.broker.name][0])
+        # Let every worker settle into waiting for work before the first probe.
+        time.sleep(SETTLE_SECONDS)
+        outcome = latency_interleaved(
+            probes, args.latency_samples, args.probe_gap, warmup=WARMUP_PROBES
+        )
+        for entry in entries:
+            found = outcome.get(entry.broker.name)
+            if isinstance(found, PhaseError):
+                fail(run, entry.broker.name, entry.result, found)
+            elif found is not None:
+                entry.result["latency"] = found
+    finally:
+        for entry in entries:
+            if entry.broker.name in workers:
+                worker, spawned_at = workers[entry.broker.name]
+                entry.result["probe_worker"] = describe_worker(
+                    worker, entry.sink, spawned_at, ready=-1
+                )
+
+
+def _prober(run: Run, entry: Entry, worker: Worker) -> Callable[[int], tuple[float, float]]:
+    def one(seq: int) -> tuple[float, float]:
+        with patched_environ(entry.target.env):
+            return probe(entry.task, worker, entry.sink, seq, run.args.probe_timeout)
+
+    return one
+
+
+def describe_worker(worker: Worker, sink: Sink, spawned_at: float, *, ready: int) -> dict[str, Any]:
+    """Stop the worker; its exit, start-up time (its entry ``ready`` of the sink's ready
+    list) and the trouble in its log."""
+    stamp = sink.client().lindex(sink.ready_key, ready)
     code = worker.stop()
     return {
         "log": str(worker.log),
         "exit_code": code,
-        "ready_seconds": float(ready) - spawned_at if ready is not None else None,
+        "ready_seconds": float(stamp) - spawned_at if stamp is not None else None,
         "trouble": worker.trouble(),
         "log_tail": worker.output().splitlines()[-LOG_TAIL_LINES:],
     }
@@ -306,13 +365,15 @@ def finish(entry: Entry) -> None:
             entry.broker.teardown(entry.target)
         except Exception as exc:  # report and go on: the next broker still runs
             result["teardown_error"] = f"{type(exc).__name__}: {exc}"
-    if entry.ok and "worker" in result:
-        # A success keeps the worker's trouble lines; only a failure needs its log tail.
-        result["worker"].pop("log_tail", None)
+    if entry.ok:
+        # A success keeps the workers' trouble lines; only a failure needs a log tail.
+        for key in ("worker", "probe_worker"):
+            if key in result:
+                result[key].pop("log_tail", None)
 
 
 def run_round(run: Run, brokers: list[Broker], round_number: int) -> dict[str, dict[str, Any]]:
-    """Every broker once: publish (in turn), then drain and probe one after another."""
+    """Every broker once: publish (in turn), drain one after another, probe (in turn)."""
     results: dict[str, dict[str, Any]] = {}
     entries: list[Entry] = []
     try:
@@ -326,9 +387,10 @@ def run_round(run: Run, brokers: list[Broker], round_number: int) -> dict[str, d
                 continue
             try:
                 with patched_environ(entry.target.env):
-                    drain_and_probe(run, entry)
+                    drain_one(run, entry)
             except Exception as exc:  # any failure is reported, never fatal to others
                 fail(run, entry.broker.name, entry.result, exc)
+        probe_all(run, [entry for entry in entries if entry.ok])
     finally:
         for entry in entries:
             finish(entry)

@@ -23,9 +23,11 @@ __all__ = [
     "PhaseError",
     "broker_call_clock",
     "drain",
-    "latency",
+    "latency_interleaved",
     "percentile",
+    "probe",
     "publish_interleaved",
+    "wait_ready",
 ]
 
 # How often the harness looks at the sink while waiting for the drain to finish.
@@ -178,33 +180,81 @@ def _wait_probe(worker: Worker, sink: Sink, seq: int, timeout: float) -> float:
     raise PhaseError(f"latency probe {seq} did not start within {timeout:.0f}s")
 
 
-def latency(
-    task: Task, worker: Worker, sink: Sink, samples: int, probe_timeout: float, max_gap: float
-) -> dict[str, Any]:
-    """Publish one probe at a time to an idle worker; publish→task-start times in ms.
+def wait_ready(worker: Worker, sink: Sink, seen: int, timeout: float) -> None:
+    """Until the worker reports ready: the sink's ready list grows past ``seen``."""
+    client = sink.client()
+    deadline = time.monotonic() + timeout
+    while int(client.llen(sink.ready_key)) <= seen:
+        if not worker.alive():
+            raise PhaseError(f"worker exited (code {worker.proc.returncode}) before ready")
+        if time.monotonic() > deadline:
+            raise PhaseError(f"worker not ready within {timeout:.0f}s")
+        time.sleep(DRAIN_POLL)
+
+
+def probe(
+    task: Task, worker: Worker, sink: Sink, seq: int, probe_timeout: float
+) -> tuple[float, float]:
+    """Publish probe ``seq`` to an idle worker and wait for it to start: the time from
+    just before ``apply_async`` to the task's first line, and the ``apply_async`` call
+    alone (commit, confirm, round trip), both in ms."""
+    published_at = time.time()
+    task.apply_async(args=(LATENCY, seq, published_at))
+    called = (time.time() - published_at) * 1000.0
+    started = _wait_probe(worker, sink, seq, probe_timeout)
+    return (started - published_at) * 1000.0, called
+
+
+def latency_interleaved(
+    probes: dict[str, Callable[[int], tuple[float, float]]],
+    samples: int,
+    max_gap: float,
+    warmup: int = 0,
+) -> dict[str, dict[str, Any] | PhaseError]:
+    """Idle latency of every broker, the brokers taking turns one probe at a time.
+
+    ``probes[name](seq)`` runs probe ``seq`` on that broker's idle worker (see
+    :func:`probe`). Each pass gives every broker one probe, in reverse order every
+    other pass, so that a slow spell of the machine (on a small VM a few seconds of
+    it can triple a probe's time) lands on every broker alike instead of on whichever
+    was being probed then. The first ``warmup`` passes are not counted: a worker
+    just started has not run a task yet.
 
     The idle gap before each probe is drawn at random up to ``max_gap``. A polling
     consumer (kombu's SQLAlchemy transport sleeps a second between empty polls) restarts
     its rhythm after each task; a fixed short gap would land every probe at the same
     point of that rhythm. A gap spread over a whole polling interval measures what a
-    task meets on a worker that has been idle a while.
+    task meets on a worker that has been idle a while. A broker whose probe fails is
+    reported with its error and the others go on.
     """
-    millis: list[float] = []
+    outcome: dict[str, dict[str, Any] | PhaseError] = {}
+    millis: dict[str, list[float]] = {name: [] for name in probes}
     # How much of it the apply_async call itself took (commit, confirm, round trip).
-    publish_millis: list[float] = []
-    for seq in range(samples):
-        time.sleep(random.uniform(MIN_PROBE_GAP, max(max_gap, MIN_PROBE_GAP)))
-        published_at = time.time()
-        task.apply_async(args=(LATENCY, seq, published_at))
-        publish_millis.append((time.time() - published_at) * 1000.0)
-        started = _wait_probe(worker, sink, seq, probe_timeout)
-        millis.append((started - published_at) * 1000.0)
-    return {
-        **summarize(millis),
-        "publish_call_p50_ms": percentile(publish_millis, 0.50),
-        "publish_call_p99_ms": percentile(publish_millis, 0.99),
-        "samples_ms": [round(m, 3) for m in millis],
-    }
+    called: dict[str, list[float]] = {name: [] for name in probes}
+    for seq in range(warmup + samples):
+        pending = [name for name in probes if name not in outcome]
+        for name in pending if seq % 2 == 0 else reversed(pending):
+            time.sleep(random.uniform(MIN_PROBE_GAP, max(max_gap, MIN_PROBE_GAP)))
+            try:
+                took, call = probes[name](seq)
+            except Exception as exc:  # any broker error ends that broker's phase only
+                outcome[name] = (
+                    exc if isinstance(exc, PhaseError)
+                    else PhaseError(f"probe {seq} failed: {type(exc).__name__}: {exc}")
+                )
+                continue
+            if seq >= warmup:
+                millis[name].append(took)
+                called[name].append(call)
+    for name in probes:
+        if name not in outcome:
+            outcome[name] = {
+                **summarize(millis[name]),
+                "publish_call_p50_ms": percentile(called[name], 0.50),
+                "publish_call_p99_ms": percentile(called[name], 0.99),
+                "samples_ms": [round(m, 3) for m in millis[name]],
+            }
+    return outcome
 
 
 def percentile(values: list[float], fraction: float) -> float:

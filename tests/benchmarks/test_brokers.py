@@ -61,7 +61,10 @@ def _assert_sane(name: str, result: dict[str, Any]) -> None:
     assert latency["samples"] == PROBES, (name, latency)
     assert 0 < latency["p50_ms"] <= latency["p99_ms"], (name, latency)
     assert latency["min_ms"] <= latency["p50_ms"] and latency["p99_ms"] <= latency["max_ms"]
-    assert result["worker"]["ready_seconds"] is not None, (name, result["worker"])
+    # The drain's worker and the idle one probed for latency both started and stopped.
+    for key in ("worker", "probe_worker"):
+        assert result[key]["ready_seconds"] is not None, (name, key, result[key])
+        assert result[key]["exit_code"] == 0, (name, key, result[key])
 
 
 @pytest.mark.timeout(900)

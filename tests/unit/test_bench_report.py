@@ -1,5 +1,5 @@
-"""The broker benchmark's scheduling: brokers taking turns to publish, and how one
-broker's results over several rounds combine."""
+"""The broker benchmark's scheduling: brokers taking turns to publish and to be
+probed, and how one broker's results over several rounds combine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from typing import Any
 
 from kombu import Connection
 
-from benchmarks.phases import PhaseError, broker_call_clock, publish_interleaved
+from benchmarks.phases import (
+    PhaseError,
+    broker_call_clock,
+    latency_interleaved,
+    publish_interleaved,
+)
 from benchmarks.report import combine, ratios
 
 
@@ -115,3 +120,33 @@ def test_a_publish_is_split_into_the_broker_call_and_the_rest() -> None:
             during = clock()
         producer.publish({"n": 3})
         assert during >= inside and clock() == during
+
+
+def test_probes_take_turns_warm_up_uncounted_and_a_failing_one_stops_alone() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def prober(name: str, took: float, fail_at: int | None = None) -> Any:
+        def one(seq: int) -> tuple[float, float]:
+            calls.append((name, seq))
+            if seq == fail_at:
+                raise TimeoutError("worker stopped answering")
+            return took + seq, took / 10
+        return one
+
+    outcome = latency_interleaved(
+        {"a": prober("a", 1.0), "b": prober("b", 2.0), "c": prober("c", 3.0, fail_at=2)},
+        samples=3, max_gap=0.0, warmup=1,
+    )
+    # One probe each per pass, in reverse order every other pass; c stops at its failure.
+    assert calls == [("a", 0), ("b", 0), ("c", 0),
+                     ("c", 1), ("b", 1), ("a", 1),
+                     ("a", 2), ("b", 2), ("c", 2),
+                     ("b", 3), ("a", 3)]
+    a, b, c = outcome["a"], outcome["b"], outcome["c"]
+    assert not isinstance(a, PhaseError) and not isinstance(b, PhaseError)
+    # The warm-up pass (seq 0) is not counted.
+    assert a["samples_ms"] == [2.0, 3.0, 4.0] and a["samples"] == 3
+    assert b["samples_ms"] == [3.0, 4.0, 5.0] and b["p50_ms"] == 4.0 and b["p99_ms"] == 5.0
+    assert b["publish_call_p50_ms"] == 0.2
+    assert isinstance(c, PhaseError) and "probe 2 failed" in str(c)
+    assert "worker stopped answering" in str(c)
