@@ -86,6 +86,10 @@ def test_event_receiver_sees_task_events(env: Env) -> None:
                  30, "the event receiver to bind")
         client.send_task(MARK, args=["evented"])
         assert done.wait(30), f"events seen: {seen}"
+        # Stopped and joined while its connection and schema still exist: a capture
+        # thread left running would meet the next test's dropped schema.
         receiver.should_stop = True
+        consumer.join(10)
+        assert not consumer.is_alive(), "the event receiver did not stop"
     for kind in ("task-received", "task-started", "task-succeeded"):
         assert kind in seen
