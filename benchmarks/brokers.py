@@ -296,6 +296,8 @@ def drain_one(run: Run, entry: Entry) -> None:
 def probe_all(run: Run, entries: list[Entry]) -> None:
     """Idle latency: a fresh worker per broker, all of them idle at once, probed in
     turn (see :func:`latency_interleaved`)."""
+    if not entries:
+        return
     args = run.args
     names = ", ".join(e.broker.name for e in entries)
     run.say(f"[latency] {args.latency_samples} idle probes each, in turn: {names}")
