@@ -305,14 +305,15 @@ def probe_all(run: Run, entries: list[Entry]) -> None:
     probes: dict[str, Callable[[int], tuple[float, float]]] = {}
     try:
         for entry in entries:
-            seen = int(entry.sink.client().llen(entry.sink.ready_key))
-            workers[entry.broker.name] = launch(run, entry, "probe")
+            name = entry.broker.name
             try:
-                wait_ready(workers[entry.broker.name][0], entry.sink, seen, args.phase_timeout)
-            except PhaseError as exc:
-                fail(run, entry.broker.name, entry.result, exc)
+                seen = int(entry.sink.client().llen(entry.sink.ready_key))
+                workers[name] = launch(run, entry, "probe")
+                wait_ready(workers[name][0], entry.sink, seen, args.phase_timeout)
+            except Exception as exc:  # any failure is reported, never fatal to others
+                fail(run, name, entry.result, exc)
                 continue
-            probes[entry.broker.name] = _prober(run, entry, workers[entry.broker.name][0])
+            probes[name] = _prober(run, entry, workers[name][0])
         # Let every worker settle into waiting for work before the first probe.
         time.sleep(SETTLE_SECONDS)
         outcome = latency_interleaved(
