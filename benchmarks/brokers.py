@@ -308,12 +308,12 @@ def probe_all(run: Run, entries: list[Entry]) -> None:
             name = entry.broker.name
             try:
                 seen = int(entry.sink.client().llen(entry.sink.ready_key))
-                workers[name] = launch(run, entry, "probe")
-                wait_ready(workers[name][0], entry.sink, seen, args.phase_timeout)
+                worker, _ = workers[name] = launch(run, entry, "probe")
+                wait_ready(worker, entry.sink, seen, args.phase_timeout)
             except Exception as exc:  # any failure is reported, never fatal to others
                 fail(run, name, entry.result, exc)
                 continue
-            probes[name] = _prober(run, entry, workers[name][0])
+            probes[name] = _prober(run, entry, worker)
         # Let every worker settle into waiting for work before the first probe.
         time.sleep(SETTLE_SECONDS)
         outcome = latency_interleaved(
@@ -389,8 +389,7 @@ def run_round(run: Run, brokers: list[Broker], round_number: int) -> dict[str, d
             if not entry.ok:
                 continue
             try:
-                with patched_environ(entry.target.env):
-                    drain_one(run, entry)
+                drain_one(run, entry)  # publishes nothing: the worker gets target.env
             except Exception as exc:  # any failure is reported, never fatal to others
                 fail(run, entry.broker.name, entry.result, exc)
         probe_all(run, [entry for entry in entries if entry.ok])

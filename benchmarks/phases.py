@@ -71,6 +71,12 @@ def broker_call_clock() -> Iterator[Callable[[], float]]:
         Producer._publish = original  # type: ignore[method-assign]
 
 
+def in_turn(names: list[str], turn: int) -> Iterator[str]:
+    """The order the brokers go in on pass ``turn``: as listed, reversed every other
+    pass, so that no broker always goes first (right after the others' work)."""
+    return iter(names) if turn % 2 == 0 else reversed(names)
+
+
 def publish_interleaved(
     publishers: dict[str, Callable[[int], None]], count: int, chunk: int, timeout: float
 ) -> dict[str, dict[str, Any] | PhaseError]:
@@ -105,7 +111,7 @@ def publish_interleaved(
                     outcome[name] = PhaseError(
                         f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent")
                 break
-            for name in pending if turn % 2 == 0 else reversed(pending):
+            for name in in_turn(pending, turn):
                 n = min(chunk, count - sent[name])
                 start, start_in_broker = time.perf_counter(), in_broker()
                 try:
@@ -233,7 +239,7 @@ def latency_interleaved(
     called: dict[str, list[float]] = {name: [] for name in probes}
     for seq in range(warmup + samples):
         pending = [name for name in probes if name not in outcome]
-        for name in pending if seq % 2 == 0 else reversed(pending):
+        for name in in_turn(pending, seq):
             time.sleep(random.uniform(MIN_PROBE_GAP, max(max_gap, MIN_PROBE_GAP)))
             try:
                 took, call = probes[name](seq)
