@@ -53,6 +53,7 @@ from benchmarks.targets import (
     Broker,
     PgqBroker,
     RedisBroker,
+    RedisFsyncBroker,
     SqlaBroker,
     Target,
     mask_url,
@@ -60,7 +61,7 @@ from benchmarks.targets import (
 from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
 
 RESULTS = ROOT / "benchmarks" / "results"
-BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "rabbitmq-confirm", "sqla")
+BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync", "rabbitmq", "rabbitmq-confirm", "sqla")
 LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
 # Once the probe workers are up, let them block waiting for work, so that the latency
 # probes meet really idle workers.
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--redis-url", default="redis://127.0.0.1:6379", help="Redis server (broker and sink)")
     add("--redis-db", type=int, default=14, help="Redis db of the Redis broker (flushed)")
     add("--sink-db", type=int, default=15, help="Redis db of the timing sink")
+    add("--redis-fsync-dir", type=Path,
+        help="where redis-fsync keeps its data (default: the temporary directory; "
+        "best on the disk of Postgres's WAL)")
     add("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//", help="RabbitMQ")
     add("--phase-timeout", type=float, default=600.0, help="limit of publish and of drain, s")
     add("--probe-timeout", type=float, default=10.0, help="limit of one latency probe, s")
@@ -137,6 +141,7 @@ def make_brokers(args: argparse.Namespace) -> list[Broker]:
         "pgq": PgqBroker(args.pg_url),
         "pgq-async": PgqBroker(args.pg_url, "pgq-async", {"durable_publish": False}),
         "redis": RedisBroker(args.redis_url, args.redis_db),
+        "redis-fsync": RedisFsyncBroker(args.redis_fsync_dir),
         "rabbitmq": AmqpBroker(args.amqp_url),
         "rabbitmq-confirm": AmqpBroker(args.amqp_url, confirm=True),
         "sqla": SqlaBroker(args.pg_url),

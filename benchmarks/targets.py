@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
+import socket
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -17,12 +22,14 @@ import psycopg
 import redis
 from kombu.connection import Connection
 from psycopg import sql
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 __all__ = [
     "AmqpBroker",
     "Broker",
     "PgqBroker",
     "RedisBroker",
+    "RedisFsyncBroker",
     "SqlaBroker",
     "Target",
     "mask_url",
@@ -142,6 +149,93 @@ class RedisBroker(Broker):
 
     def teardown(self, target: Target) -> None:
         self._client().flushdb()
+
+
+class RedisFsyncBroker(Broker):
+    """A Redis server of its own per round that fsyncs every write before it answers
+    (``appendonly yes``, ``appendfsync always``): a publish that returns is on disk, the
+    guarantee durable pgq gives. The shared Redis keeps no append-only file (a server
+    crash loses what came after its last snapshot), so this is Redis made as durable as
+    durable pgq, for a like-for-like publish rate.
+
+    It listens on a free local TCP port (as the other brokers are reached) and keeps its
+    data in a new directory under ``data_dir`` (default: the system's temporary
+    directory), removed at teardown. Put ``data_dir`` on the disk that holds
+    Postgres's WAL: an fsync costs what that disk takes, nothing on a tmpfs.
+    """
+
+    name = "redis-fsync"
+
+    def __init__(self, data_dir: Path | None = None, server: str = "redis-server") -> None:
+        self.data_dir = data_dir
+        self.server = server
+        self._running: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+
+    def check(self) -> str | None:
+        if shutil.which(self.server) is None:
+            return f"{self.server} not found on PATH (this broker starts a Redis of its own)"
+        if self.data_dir is not None and not self.data_dir.is_dir():
+            return f"data directory {self.data_dir} does not exist"
+        return None
+
+    def setup(self, run_id: str) -> Target:
+        directory = Path(tempfile.mkdtemp(prefix=f"pgq-bench-redis-{run_id}-", dir=self.data_dir))
+        port = _free_port()
+        command = [
+            self.server, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
+            "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+            "--logfile", "redis.log", "--daemonize", "no",
+        ]  # fmt: skip
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory
+        )
+        url = f"redis://127.0.0.1:{port}/0"
+        self._running[url] = (process, directory)
+        try:
+            _await_redis(url, process, directory / "redis.log")
+        except BaseException:
+            self.teardown(Target(broker_url=url, queue=""))
+            raise
+        return Target(broker_url=url, queue=f"bench_{run_id}")
+
+    def teardown(self, target: Target) -> None:
+        process, directory = self._running.pop(target.broker_url)
+        try:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _await_redis(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until the started server answers, and check it fsyncs every write."""
+
+    def answer() -> dict[str, str]:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"redis-server exited with {process.returncode}: {tail}")
+        with redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT) as client:
+            return dict(client.config_get("appendfsync"))
+
+    retrying = Retrying(
+        retry=retry_if_exception_type(redis.ConnectionError),
+        stop=stop_after_delay(10),
+        wait=wait_fixed(0.05),
+        reraise=True,
+    )
+    settings = retrying(answer)
+    if settings.get("appendfsync") != "always":
+        raise RuntimeError(f"redis-server at {url} does not fsync every write: {settings}")
 
 
 class AmqpBroker(Broker):

@@ -21,7 +21,7 @@ from benchmarks.report import pgbench_ratios, ratios
 pytestmark = pytest.mark.benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-BROKERS = ("pgq", "pgq-async", "redis", "rabbitmq", "rabbitmq-confirm", "sqla")
+BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync", "rabbitmq", "rabbitmq-confirm", "sqla")
 TASKS = 200
 PROBES = 5
 
