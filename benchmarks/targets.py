@@ -154,14 +154,17 @@ class RedisBroker(Broker):
 class RedisFsyncBroker(Broker):
     """A Redis server of its own per round that fsyncs every write before it answers
     (``appendonly yes``, ``appendfsync always``): a publish that returns is on disk, the
-    guarantee durable pgq gives. The shared Redis keeps no append-only file (a server
-    crash loses what came after its last snapshot), so this is Redis made as durable as
-    durable pgq, for a like-for-like publish rate.
+    guarantee durable pgq gives. The ``redis`` broker is the Redis server as it is
+    configured (by default without an append-only file: a crash loses what came after
+    its last snapshot); this one is Redis made as durable as durable pgq, for a
+    like-for-like publish rate.
 
     It listens on a free local TCP port (as the other brokers are reached) and keeps its
     data in a new directory under ``data_dir`` (default: the system's temporary
     directory), removed at teardown. Put ``data_dir`` on the disk that holds
-    Postgres's WAL: an fsync costs what that disk takes, nothing on a tmpfs.
+    Postgres's WAL: an fsync costs what that disk takes, nothing on a tmpfs. Teardown
+    stops the server (a harness stopped by Ctrl-C too; one killed by a signal leaves it
+    running).
     """
 
     name = "redis-fsync"
