@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ import redis
 from kombu.connection import Connection
 from psycopg import sql
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
+from tests.acceptance.cluster import free_port
 
 __all__ = [
     "AmqpBroker",
@@ -183,7 +184,7 @@ class RedisFsyncBroker(Broker):
 
     def setup(self, run_id: str) -> Target:
         directory = Path(tempfile.mkdtemp(prefix=f"pgq-bench-redis-{run_id}-", dir=self.data_dir))
-        port = _free_port()
+        port = free_port()
         command = [
             self.server, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(directory),
             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
@@ -212,12 +213,6 @@ class RedisFsyncBroker(Broker):
                 process.wait(timeout=10)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _await_redis(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
