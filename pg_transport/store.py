@@ -18,6 +18,7 @@ import psycopg
 from psycopg.types.json import Json
 
 from pg_transport.connection import Connector
+from pg_transport.gate import HandoffGate
 from pg_transport.locks import lock_space
 from pg_transport.sql import handoff_prefix, load_queries, notify_channel
 from pg_transport.wire import Statement
@@ -67,6 +68,7 @@ class Store:
         relaxed: Connector | None = None,
         publisher: Connector | None = None,
         deliver_before_flush: bool = False,
+        gate: HandoffGate | None = None,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
@@ -76,11 +78,15 @@ class Store:
         ``deliver_before_flush``: a message handed to a waiting consumer is committed
         without waiting for its WAL flush, so that the consumer has it at once, and
         :meth:`publish` runs the ``flush_wal`` query before it returns: the message is
-        on disk by then, as with any durable publish (see the ``publish`` query)."""
+        on disk by then, as with any durable publish (see the ``publish`` query).
+
+        ``gate`` (default: a new :class:`~pg_transport.gate.HandoffGate`) decides when
+        :meth:`publish` tries a hand-off."""
         self.connector = connector
         self.relaxed = relaxed or connector
         self.publisher = publisher or connector
         self.deliver_before_flush = deliver_before_flush
+        self.gate = gate or HandoffGate()
         # Whether this role may run flush_wal: asked once, on the first publish.
         self._can_flush: bool | None = None
         self.schema = schema
@@ -97,7 +103,7 @@ class Store:
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {
             name: Statement(name, self.q[name])
-            for name in ("publish", "claim", "flush_wal")
+            for name in ("publish", "publish_plain", "claim", "flush_wal")
         }
 
     # -- publishing ----------------------------------------------------------
@@ -194,6 +200,12 @@ class Store:
         # nothing could learn that a hand-off committed unflushed.
         batched = conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
         text = json.dumps(payload)
+        # A hand-off is tried for a message due now and small enough for a NOTIFY, on a
+        # queue where tries have not lately been finding nobody waiting (gate.py).
+        attempt = (
+            handoff and delay <= 0 and _fits_notify(queue, text)
+            and self.gate.worth_trying(queue)
+        )
         params = {
             "queue": queue,
             "priority": priority,
@@ -201,17 +213,20 @@ class Store:
             "publish_key": publish_key,
             "payload": text,
             "notify": delay <= 0,
-            "handoff": handoff and delay <= 0 and _fits_notify(queue, text),
-            "deliver_unflushed": handoff and deliver_unflushed and not batched,
+            "handoff": attempt,
+            "deliver_unflushed": attempt and deliver_unflushed and not batched,
             **self._publish_to,
         }
+        name = "publish" if attempt else "publish_plain"
         if batched:
-            conn.execute(self.q["publish"], params)  # join the caller's batch
+            conn.execute(self.q[name], params)  # join the caller's batch
             return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
-        rows = self.wire["publish"].execute(
-            conn, params, prepare=conn.prepare_threshold is not None
-        )
+        rows = self.wire[name].execute(conn, params, prepare=conn.prepare_threshold is not None)
+        if not attempt:
+            return False
+        if rows:  # none: the key was there already, and the try found out nothing
+            self.gate.tried(queue, handed=rows[0][2] == b"t")
         return any(row[1] == b"t" for row in rows)
 
     # -- consuming -----------------------------------------------------------

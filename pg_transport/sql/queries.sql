@@ -14,6 +14,9 @@
 -- With deliver_unflushed set, a hand-off commits without waiting for its WAL flush, so
 -- the consumer has the message at once; the statement then says unflushed and the
 -- publisher runs flush_wal before it returns. Other publishes commit as the session says.
+-- The last column says whether the message was handed over (the publisher's gate.py
+-- learns from it when trying is worth it); a publish that tries no hand-off runs
+-- publish_plain, which does the rest of this for less.
 WITH candidate AS (
     SELECT c.consumer FROM {schema}.waiter AS c
     WHERE %(handoff)s AND c.queue = %(queue)s
@@ -47,9 +50,22 @@ SELECT CASE WHEN taker.consumer IS NULL
        CASE WHEN taker.consumer IS NOT NULL AND %(deliver_unflushed)s
             THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
             ELSE false
-       END AS unflushed
+       END AS unflushed,
+       taker.consumer IS NOT NULL AS handed
 FROM inserted AS i LEFT JOIN taker ON true
 WHERE taker.consumer IS NOT NULL OR %(notify)s
+
+-- name: publish_plain
+-- publish without the hand-off: insert one message (a retried publish with the same key
+-- is a no-op) and, if it is due now, wake the listeners of the schema's channel.
+WITH inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
+    VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
+            %(publish_key)s, %(payload)s)
+    ON CONFLICT (publish_key) DO NOTHING
+    RETURNING queue
+)
+SELECT pg_notify(%(channel)s, i.queue) FROM inserted AS i WHERE %(notify)s
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement. A message

@@ -26,6 +26,7 @@ from kombu.asynchronous import Hub
 from pg_transport import metrics
 from pg_transport import status as status_report
 from pg_transport.connection import Connector
+from pg_transport.gate import HandoffGate
 from pg_transport.session import Reply, Session
 from pg_transport.store import (
     HANDOFF_LIMIT,
@@ -235,6 +236,65 @@ def test_one_wait_one_handoff(consumer: Consumer, store: Store, peek: Peek) -> N
         ("a", 1), ("b", 0)
     ]
     assert waiters(peek) == []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_publishes_that_keep_finding_nobody_waiting_pause_their_tries(
+    consumer: Consumer, store: Store, peek: Peek
+) -> None:
+    clock = Clock()
+    store.gate = HandoffGate(misses=3, pause=0.01, clock=clock)
+    for n in range(3):  # a backlog builds: three tries in a row find nobody waiting
+        store.publish("q", {**PAYLOAD, "n": n})
+    taken = consumer.claim(["q"])
+    assert store.ack([(m.id, m.read_ct) for m in taken]) == 3
+    assert consumer.claim(["q"]) == []
+    assert waiters(peek) == [(consumer.token, "q")]
+    # Within the pause the publish does not try: the waiting consumer is woken instead,
+    # and a claim takes the message. The publish key still makes a repeat a no-op.
+    store.publish("q", {**PAYLOAD, "n": 3}, publish_key="k")
+    store.publish("q", {**PAYLOAD, "n": 3}, publish_key="k")
+    consumer.round_trip()
+    assert consumer.seen.handed == [] and consumer.seen.notified == {"q"}
+    assert peek("SELECT read_ct, publish_key FROM {schema}.message") == [(0, "k")]
+    assert waiters(peek) == [(consumer.token, "q")]
+    [claimed] = consumer.claim(["q"], unwait=True)
+    assert claimed.payload["n"] == 3 and waiters(peek) == []
+    # Once the pause is over the next publish tries, and hands over.
+    assert consumer.claim(["q"]) == []
+    clock.now += 0.01
+    store.publish("q", {**PAYLOAD, "n": 4})
+    [handed] = consumer.handed(1)
+    assert handed.payload["n"] == 4 and waiters(peek) == []
+
+
+def test_a_handoff_ends_the_streak_of_tries_that_found_nobody(
+    consumer: Consumer, store: Store
+) -> None:
+    clock = Clock()
+    store.gate = HandoffGate(misses=3, pause=0.01, clock=clock)
+    for n in range(2):
+        store.publish("q", {**PAYLOAD, "n": n})
+    for _ in range(2):
+        assert len(consumer.claim(["q"], limit=1)) == 1
+    assert consumer.claim(["q"]) == []
+    store.publish("q", {**PAYLOAD, "n": 2})  # the third try finds the consumer
+    assert len(consumer.handed(1)) == 1
+    # Two misses after it are not three in a row: the next publish tries again.
+    for n in range(3, 5):
+        store.publish("q", {**PAYLOAD, "n": n})
+    for _ in range(2):
+        assert len(consumer.claim(["q"], limit=1)) == 1
+    assert consumer.claim(["q"]) == []
+    store.publish("q", {**PAYLOAD, "n": 5})
+    assert [m.payload["n"] for m in consumer.handed(2)] == [2, 5]
 
 
 @pytest.mark.parametrize("second_queue", ["a", "b"])
