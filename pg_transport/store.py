@@ -119,7 +119,8 @@ class Store:
         """Insert a message. With a ``publish_key`` a repeated call inserts nothing.
 
         The statement commits on its own, so a message due now may be handed straight
-        to a waiting consumer (see the ``publish`` query)."""
+        to a waiting consumer (see the ``publish`` query), unless tries on its queue
+        have lately found nobody waiting (:attr:`gate`)."""
 
         def statement(conn: psycopg.Connection[Any], unflushed: bool) -> tuple[None, bool]:
             handed_unflushed = self.publish_on(
@@ -187,10 +188,10 @@ class Store:
         For work that must commit together with its message (a barrier firing its
         callback): the message exists exactly when the transaction commits.
 
-        ``handoff`` only where the statement is the whole transaction: a message
-        handed to a consumer is leased from the moment of the insert, and a
-        transaction that went on for longer than the lease would commit it visible
-        to every other consumer as well.
+        ``handoff`` (a try, where :attr:`gate` finds one worth it) only where the
+        statement is the whole transaction: a message handed to a consumer is leased
+        from the moment of the insert, and a transaction that went on for longer than
+        the lease would commit it visible to every other consumer as well.
 
         ``deliver_unflushed`` (with ``handoff``): a hand-off commits without waiting for
         its WAL flush, and this returns True when one did; the caller must then flush
