@@ -1,11 +1,12 @@
 """Whether a publish should try to hand its message to a waiting consumer.
 
-Trying costs the publish statement a look at the queue's waiters and a DELETE, about a
-tenth of its time on the server even when nobody waits (docs/performance.md). Nobody
+Trying costs the publish statement a look at the queue's waiters and a DELETE even when
+nobody waits: about a tenth of the statement's round trip (docs/performance.md). Nobody
 waits while a queue has a backlog: every consumer is busy, and the next claim of each
 takes what is queued. So once ``misses`` tries in a row on a queue found no consumer
-waiting, publishes to that queue stop trying for ``pause`` seconds; then one tries
-again, and a single miss stops them again, a hand-off resumes them at once.
+waiting, publishes to that queue stop trying for ``pause`` seconds. Then one tries
+again: if it finds nobody, the pause starts over; if it hands its message over, every
+publish tries again.
 
 A consumer that starts waiting during a pause loses nothing but time: every publish
 wakes the queue's listeners, and its claim takes the message one round trip later than
