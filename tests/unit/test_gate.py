@@ -35,20 +35,24 @@ def test_tries_stop_after_misses_in_a_row_and_resume_after_the_pause(clock: Cloc
     assert gate.worth_trying("q")
 
 
-def test_after_a_pause_one_miss_stops_the_tries_again(clock: Clock) -> None:
+def paused_and_over(clock: Clock) -> HandoffGate:
+    """A gate whose tries on "q" paused after three misses, the pause just over."""
     gate = HandoffGate(misses=3, pause=0.01, clock=clock)
     for _ in range(3):
         gate.tried("q", handed=False)
     clock.now += 0.01
+    assert gate.worth_trying("q")
+    return gate
+
+
+def test_after_a_pause_one_miss_stops_the_tries_again(clock: Clock) -> None:
+    gate = paused_and_over(clock)
     gate.tried("q", handed=False)
     assert not gate.worth_trying("q")
 
 
 def test_a_handoff_ends_the_streak(clock: Clock) -> None:
-    gate = HandoffGate(misses=3, pause=0.01, clock=clock)
-    for _ in range(3):
-        gate.tried("q", handed=False)
-    clock.now += 0.01
+    gate = paused_and_over(clock)
     gate.tried("q", handed=True)
     # Two misses again are not three in a row.
     gate.tried("q", handed=False)
