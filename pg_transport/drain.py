@@ -119,6 +119,16 @@ class Drain:
                 return Wanted(channel, acked, limit)
         return None
 
+    def next_wait(self) -> Wanted | None:
+        """A claim that may begin a wait: the first consuming channel with free slots,
+        over all its queues (exhausted or not), as many messages as it has room for."""
+        for channel in self.transport.consuming_channels():
+            acked, _ = channel.consuming()
+            if acked and channel.qos.can_consume():
+                limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
+                return Wanted(channel, list(acked), limit)
+        return None
+
     def claim_and_deliver(self) -> int:
         """Claim for every consuming channel with free slots and queues that may hold
         messages, and hand the messages to kombu; how many (dead letters included)."""

@@ -216,6 +216,12 @@ class EventLoopDrain:
         if wanted is not None and not self._worth_claiming(wanted):
             return  # the acks wait too: they ride on that claim, a moment later
         acks = drain.acks.take()
+        if wanted is None and acks and not self.waiting and self.session.token is not None:
+            # Every queue came back short, and this consumer waits on none of them (its
+            # last claim brought messages). Rather than land the acks alone, let them
+            # ride on a claim that begins the wait if it finds nothing: the next publish
+            # is then handed over, instead of waking this consumer for a claim of its own.
+            wanted = drain.next_wait()
         try:
             if wanted is not None:
                 channel, queues, limit = wanted.channel, wanted.queues, wanted.limit

@@ -92,15 +92,32 @@ def test_an_ack_rides_on_the_next_claim(
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
-def test_acks_land_alone_when_there_is_nothing_to_claim(
+def test_after_a_short_claim_an_ack_rides_on_a_claim_that_begins_the_wait(
     conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sent, got = started(conn, hub, monkeypatch, "alone", prefetch=4, messages=1)
-    turn_until(hub, lambda: len(got) == 1)
+    sent, got = started(conn, hub, monkeypatch, "short", prefetch=4, messages=2)
+    turn_until(hub, lambda: len(got) == 2)
+    # The claim came back short (2 of 4): the queue is known to be empty, and the
+    # consumer waits nowhere, since that claim brought messages.
+    assert "short" in conn.transport.drain.exhausted
+    assert rows("SELECT count(*) FROM {schema}.waiter") == [(0,)]
+    first, second = (m.delivery_info["pgq_token"][0] for m in got)
     got[0].ack()
+    turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.waiter") == [(1,)])
+    # The ack rode on a claim, which found nothing and so began the wait.
+    assert sent[-1] == ("claim", [first])
+    assert rows("SELECT id FROM {schema}.message") == [(second,)]
+    # Waiting now: the next ack lands alone, no claim with it.
+    got[1].ack()
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
-    # The queue was known to be empty: the ack went alone, no claim came with it.
-    assert sent[-1] == ("ack", [got[0].delivery_info["pgq_token"][0]])
+    assert sent[-1] == ("ack", [second])
+    # And the next publish is handed over: delivered with no claim of the consumer's.
+    claims = [name for name, _ in sent].count("claim")
+    Producer(conn.channel(), routing_key="short").publish({"n": 2})
+    turn_until(hub, lambda: len(got) == 3)
+    assert got[2].payload == {"n": 2}
+    assert [name for name, _ in sent].count("claim") == claims
+    assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
 def test_a_stalled_loop_does_not_keep_acks_from_landing(
