@@ -18,6 +18,11 @@ channel, it is delivered as soon as the NOTIFY is read, with no claim round trip
 hand-off ends the wait (the publisher deletes every row of it), and so does a claim
 that brings messages: one wait, one hand-off at most, so a consumer busy with a task
 run inline (the solo pool) is handed nothing it would not read.
+
+A claim that comes back short brought messages, so it begins no wait. The acks of those
+messages then ride on a claim too, though its queues are known to be empty: it finds
+nothing and the wait begins, rather than leaving a consumer fed a steady stream waiting
+nowhere, to be woken by every publish and claim each message itself.
 """
 
 from __future__ import annotations
