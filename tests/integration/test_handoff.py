@@ -38,6 +38,7 @@ from pg_transport.store import (
     decode_handed,
     unwaited,
 )
+from tests.clock import Clock
 from tests.integration.conftest import Peek
 from tests.integration.test_event_loop import consume, sent_statements, turn_until
 
@@ -237,13 +238,6 @@ def test_one_wait_one_handoff(consumer: Consumer, store: Store, peek: Peek) -> N
     ]
     assert waiters(peek) == []
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_publishes_that_keep_finding_nobody_waiting_pause_their_tries(

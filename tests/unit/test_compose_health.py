@@ -20,14 +20,7 @@ from click.testing import CliRunner
 
 from pg_transport import health
 from pg_transport.cli import main
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def age_file(path: Path, seconds: float) -> None:

@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pg_transport.gate import HandoffGate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 @pytest.fixture
