@@ -115,8 +115,7 @@ class Drain:
                 self.popped += self.deliver_all(popped, leased=False)
             acked = [q for q in acked if q not in self.exhausted]
             if acked and channel.qos.can_consume():
-                limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
-                return Wanted(channel, acked, limit)
+                return Wanted(channel, acked, _room(channel))
         return None
 
     def next_wait(self) -> Wanted | None:
@@ -125,8 +124,7 @@ class Drain:
         for channel in self.transport.consuming_channels():
             acked, _ = channel.consuming()
             if acked and channel.qos.can_consume():
-                limit = channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH
-                return Wanted(channel, list(acked), limit)
+                return Wanted(channel, list(acked), _room(channel))
         return None
 
     def claim_and_deliver(self) -> int:
@@ -225,3 +223,7 @@ class Drain:
         self.exhausted.discard(queue)
         self.transport.wake()
 
+
+def _room(channel: Channel) -> int:
+    """How many messages a claim for ``channel`` may take: its free prefetch slots."""
+    return int(channel.qos.can_consume_max_estimate() or UNLIMITED_BATCH)
