@@ -21,7 +21,7 @@ from pg_transport.connection import Connector
 from pg_transport.gate import HandoffGate
 from pg_transport.locks import lock_space
 from pg_transport.sql import handoff_prefix, load_queries, notify_channel
-from pg_transport.wire import Statement
+from pg_transport.wire import Statement, run_apart
 
 logger = logging.getLogger("pg_transport.store")
 
@@ -103,7 +103,7 @@ class Store:
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {
             name: Statement(name, self.q[name])
-            for name in ("publish", "publish_plain", "claim", "flush_wal")
+            for name in ("publish", "publish_plain", "enqueue", "wake", "claim", "flush_wal")
         }
 
     # -- publishing ----------------------------------------------------------
@@ -223,12 +223,45 @@ class Store:
             conn.execute(self.q[name], params)  # join the caller's batch
             return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
-        rows = self.wire[name].execute(conn, params, prepare=conn.prepare_threshold is not None)
+        prepare = conn.prepare_threshold is not None
+        if not attempt and params["notify"] and prepare and _between_transactions(conn):
+            self._enqueue_then_wake(conn, params)
+            return False
+        rows = self.wire[name].execute(conn, params, prepare=prepare)
         if not attempt:
             return False
         if rows:  # none: the key was there already, and the try found out nothing
             self.gate.tried(queue, handed=rows[0][2] == b"t")
         return any(row[1] == b"t" for row in rows)
+
+    def _enqueue_then_wake(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        """``publish_plain`` as two transactions sent at once: the insert, committed as
+        the session says (durable by default), then the wake-up alone (the ``wake``
+        query says why). A publisher's flush then holds up no other publisher.
+
+        The insert's outcome is the publish's. A wake-up lost with the connection after
+        the insert committed is sent again on another one; one that fails otherwise (the
+        notification queue full) leaves a committed message that consumers find at their
+        next poll instead of at once."""
+        inserted, woke = run_apart(
+            conn, [(self.wire["enqueue"], params), (self.wire["wake"], params)], prepare=True
+        )
+        if isinstance(inserted, psycopg.Error):
+            raise inserted
+        if isinstance(woke, psycopg.OperationalError) and conn.closed:
+            try:
+                self.publisher.run(
+                    lambda other: self.wire["wake"].execute(other, params, prepare=True),
+                    idempotent=True,
+                )
+                woke = None
+            except psycopg.Error as exc:
+                woke = exc
+        if woke is not None:
+            logger.warning(
+                "pgq: a message of queue %r is published, but waking its consumers "
+                "failed (%s): they take it at their next poll", params["queue"], woke,
+            )
 
     # -- consuming -----------------------------------------------------------
     def claim(
@@ -519,6 +552,11 @@ def _notify_room(text: str) -> int:
     """Bytes left in a NOTIFY for the queue name (JSON-escaped, up to 6 bytes a byte)
     once a message with this JSON text is in it (ASCII: json.dumps escapes the rest)."""
     return HANDOFF_LIMIT - _HANDOFF_FRAME - len(text)
+
+
+def _between_transactions(conn: psycopg.Connection[Any]) -> bool:
+    """Whether a statement on ``conn`` commits on its own (no transaction is open)."""
+    return conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
 def _fits_notify(queue: str, text: str) -> bool:

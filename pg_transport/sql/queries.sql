@@ -57,7 +57,9 @@ WHERE taker.consumer IS NOT NULL OR %(notify)s
 
 -- name: publish_plain
 -- publish without the hand-off: insert one message (a retried publish with the same key
--- is a no-op) and, if it is due now, wake the listeners of the schema's channel.
+-- is a no-op) and, if it is due now, wake the listeners of the schema's channel. Where
+-- the publisher's session is its own (not behind a transaction pooler), a publish due
+-- now runs enqueue and wake instead, as two transactions sent at once.
 WITH inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
     VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
@@ -66,6 +68,23 @@ WITH inserted AS (
     RETURNING queue
 )
 SELECT pg_notify(%(channel)s, i.queue) FROM inserted AS i WHERE %(notify)s
+
+-- name: enqueue
+-- publish_plain without its wake-up, which the wake query sends right after it in a
+-- transaction of its own (see Store.publish_on).
+INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
+VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
+        %(publish_key)s, %(payload)s)
+ON CONFLICT (publish_key) DO NOTHING
+
+-- name: wake
+-- Wake the listeners of the schema's channel for a message of queue that an enqueue
+-- committed just before. Postgres commits the transactions that NOTIFY one at a time:
+-- each holds a lock until its commit is done, WAL flush included. Alone, a wake-up
+-- writes no WAL and commits without a flush, so it holds that lock only briefly, and
+-- the durable commit of the enqueue before it joins other sessions' flushes (group
+-- commit) instead of waiting for each of them in turn.
+SELECT pg_notify(%(channel)s, %(queue)s)
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement. A message

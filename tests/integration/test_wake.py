@@ -1,0 +1,154 @@
+"""A publish that hands nothing over: its insert and its wake-up, two transactions.
+
+Postgres commits the transactions that NOTIFY one at a time, each holding a lock until
+its commit is done, WAL flush included; a publish's durable insert commits without it.
+A slow flush is made real here with the server's ``commit_delay`` (100 ms, on the
+publisher's sessions only); the publisher's sessions and the listeners are real, and so
+is the ``pg_terminate_backend`` that cuts a publish off in the middle of its commit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from pg_transport.connection import Connector
+from pg_transport.gate import HandoffGate
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+from tests.integration.test_handoff import PAYLOAD
+
+# The server's longest commit_delay (µs): every commit of the slow publisher that
+# writes WAL sleeps this long before its flush.
+COMMIT_DELAY_US = 100_000
+SLOW = "pgq-slow-flush"
+
+
+def never_trying() -> HandoffGate:
+    """A gate that has just seen a try miss and pauses for an hour: every publish
+    through it runs the plain path, with no hand-off part."""
+    gate = HandoffGate(misses=1, pause=3600.0)
+    gate.tried("q", handed=False)
+    return gate
+
+
+@pytest.fixture
+def slow(pg_url: str, store: Store, peek: Peek) -> Iterator[Store]:
+    """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
+    [(superuser,)] = peek("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+    if not superuser:
+        pytest.skip("commit_delay may be set by a superuser only")
+    connector = Connector(
+        pg_url, application_name=SLOW,
+        setup=(f"SET commit_delay = {COMMIT_DELAY_US}", "SET commit_siblings = 0"),
+    )
+    publisher = Store(connector, store.schema, gate=never_trying())
+    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
+    yield publisher
+    connector.close()
+
+
+@pytest.fixture
+def listener(pg_url: str, store: Store) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    conn = psycopg.connect(pg_url, autocommit=True)
+    conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(store.channel)))
+    yield conn
+    conn.close()
+
+
+def slow_backends(peek: Peek) -> list[int]:
+    rows = peek("SELECT pid FROM pg_stat_activity WHERE application_name = %s ORDER BY pid",
+                f"{SLOW}:{os.getpid()}")
+    return [int(pid) for (pid,) in rows]
+
+
+def wait_for_insert(peek: Peek, pid: int) -> None:
+    """Until backend ``pid`` is inside a transaction that inserted into the message table
+    (its lock on the table is held until its commit, flush included, is done)."""
+    deadline = time.monotonic() + 10
+    while not peek(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND mode = 'RowExclusiveLock'"
+        " AND relation = '{schema}.message'::regclass)", pid,
+    )[0][0]:
+        assert time.monotonic() < deadline, "the publish never inserted"
+
+
+def publishing(store: Store, took: dict[str, float], **kwargs: object) -> threading.Thread:
+    def publish() -> None:
+        started = time.perf_counter()
+        store.publish("q", PAYLOAD, **kwargs)  # type: ignore[arg-type]
+        took["publish"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    return thread
+
+
+def received(listener: psycopg.Connection[tuple[object, ...]]) -> str:
+    for notify in listener.notifies(timeout=10.0, stop_after=1):
+        return notify.payload
+    raise AssertionError("no wake-up in 10 s")
+
+
+def test_a_publish_flushing_holds_up_no_other_notifying_commit(
+    slow: Store, peek: Peek
+) -> None:
+    [pid] = slow_backends(peek)
+    took: dict[str, float] = {}
+    thread = publishing(slow, took)
+    wait_for_insert(peek, pid)
+    # Another session's NOTIFY commits while the publish's insert waits for its flush.
+    started = time.perf_counter()
+    peek("NOTIFY pgq_test_other")
+    other = time.perf_counter() - started
+    thread.join()
+    assert took["publish"] >= COMMIT_DELAY_US / 1e6  # the flush was slow indeed
+    # With the wake-up in the insert's transaction, the NOTIFY waited out the delay.
+    assert other < COMMIT_DELAY_US / 1e6 / 2, f"the other NOTIFY took {other * 1000:.1f} ms"
+
+
+def test_the_wake_up_follows_the_committed_message(
+    store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    store.gate = never_trying()
+    store.publish("q", PAYLOAD)
+    assert received(listener) == "q"
+    [(count,)] = peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'")
+    assert count == 1
+
+
+def test_a_failed_insert_wakes_nobody_and_its_session_serves_the_next_publish(
+    slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    before = slow_backends(peek)
+    slow.gate.tried("bad", handed=False)
+    slow.gate.tried("good", handed=False)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        slow.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
+    slow.publish("good", PAYLOAD)
+    # The failed insert's wake-up did not run: the first one is the next publish's.
+    assert received(listener) == "good"
+    assert slow_backends(peek) == before  # rolled back, not closed
+    assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
+
+
+def test_a_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consumers(
+    slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    [pid] = slow_backends(peek)
+    took: dict[str, float] = {}
+    thread = publishing(slow, took, publish_key="once")
+    wait_for_insert(peek, pid)
+    peek("SELECT pg_terminate_backend(%s)", pid)
+    thread.join()
+    assert "publish" in took  # it returned
+    assert pid not in slow_backends(peek)
+    # Whether the insert's answer or only the wake-up's was lost with the session,
+    # the message is there once, and the wake-up was sent again.
+    assert peek("SELECT count(*) FROM {schema}.message WHERE publish_key = 'once'") == [(1,)]
+    assert received(listener) == "q"
