@@ -26,12 +26,11 @@ from time import monotonic
 from typing import Any
 
 import psycopg
-from psycopg import pq
 
 from pg_transport.connection import Connector
 from pg_transport.locks import lock_space
 from pg_transport.sql import compose_handoff, handoff_channel, load_queries
-from pg_transport.wire import Row, Statement, rows
+from pg_transport.wire import Row, Statement, rows, send_buffered
 
 __all__ = ["Reply", "Row", "Session"]
 
@@ -139,7 +138,9 @@ class Session:
             statement = self._statements[name] = Statement(name, self._queries[name])
         statement.send(conn, params, prepare=self.prepare)
         self.busy = True
-        self._flush(conn.pgconn)
+        # A claim is a few hundred bytes: the socket buffer takes it at once. Should
+        # it not, wait until it is writable rather than leave half a message queued.
+        send_buffered(conn.pgconn)
 
     def read(self) -> Reply:
         """Take what the socket has: notifications, and the finished statement's rows.
@@ -217,8 +218,3 @@ class Session:
             select.select([self.fileno()], [], [], left)
             into.merge(self.read())
 
-    def _flush(self, pgconn: pq.abc.PGconn) -> None:
-        # A claim is a few hundred bytes: the socket buffer takes it at once. Should
-        # it not, wait until it is writable rather than leave half a message queued.
-        while pgconn.flush():
-            select.select([], [pgconn.socket], [], 1.0)

@@ -42,6 +42,8 @@ class Statement:
 
     def values(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
         """Parameters as libpq text values (None is NULL, which libpq's types omit)."""
+        if not self.params:
+            return None  # (BEGIN, COMMIT: nothing to dump)
         formats = [PyFormat.TEXT] * len(self.params)
         return _transformer(conn).dump_sequence([params[n] for n in self.params], formats)
 
@@ -110,18 +112,16 @@ def run_apart(
     pgconn.enter_pipeline_mode()
     try:
         for index, (statement, params) in enumerate(steps):
-            values = statement.values(conn, params)
             if index < last:
-                _send(pgconn, _BEGIN, None, prepare)
-                _send(pgconn, statement, values, prepare)
-                _send(pgconn, _COMMIT, None, prepare)
+                _BEGIN.send(conn, {}, prepare=prepare)
+                statement.send(conn, params, prepare=prepare)
+                _COMMIT.send(conn, {}, prepare=prepare)
                 commands += (index, index, index)
             else:
-                _send(pgconn, statement, values, prepare)
+                statement.send(conn, params, prepare=prepare)
                 commands.append(index)
         pgconn.pipeline_sync()
-        while pgconn.flush():
-            select.select([], [pgconn.socket], [])
+        send_buffered(pgconn)
         # Every command's result, and the synchronization point's.
         results, lost = _results(conn, len(commands) + 1)
         failure: psycopg.Error | None = None
@@ -154,11 +154,11 @@ _BEGIN = Statement("begin", "BEGIN")
 _COMMIT = Statement("commit", "COMMIT")
 
 
-def _send(pgconn: pq.abc.PGconn, statement: Statement, values: Any, prepare: bool) -> None:
-    if prepare:
-        pgconn.send_query_prepared(statement.key, values)
-    else:
-        pgconn.send_query_params(statement.text, values)
+def send_buffered(pgconn: pq.abc.PGconn) -> None:
+    """Write out what libpq still holds of the statements sent (a connection in
+    non-blocking mode may keep part of them), waiting until the socket takes it."""
+    while pgconn.flush():
+        select.select([], [pgconn.socket], [], 1.0)
 
 
 def _results(
