@@ -37,9 +37,13 @@ class Peek:
     def wait_for_backend(self, pid: int, condition: str, failure: str) -> None:
         """Until backend ``pid`` meets ``condition`` (SQL on its ``pg_stat_activity``
         row); ``failure`` if it has not in 10 s."""
-        query = f"SELECT {condition} FROM pg_stat_activity WHERE pid = %s"
+        self.wait_until(f"SELECT {condition} FROM pg_stat_activity WHERE pid = %s", pid,
+                        failure=failure)
+
+    def wait_until(self, query: str, *params: Any, failure: str) -> None:
+        """Until ``query`` answers one row, true; ``failure`` if it has not in 10 s."""
         deadline = time.monotonic() + 10
-        while self(query, pid) != [(True,)]:
+        while self(query, *params) != [(True,)]:
             assert time.monotonic() < deadline, failure
 
     def wait_for_lock(self, pid: int, failure: str) -> None:

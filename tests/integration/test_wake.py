@@ -70,12 +70,11 @@ def slow_backends(peek: Peek) -> list[int]:
 def wait_for_insert(peek: Peek, pid: int) -> None:
     """Until backend ``pid`` is inside a transaction that inserted into the message table
     (its lock on the table is held until its commit, flush included, is done)."""
-    deadline = time.monotonic() + 10
-    while not peek(
+    peek.wait_until(
         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND mode = 'RowExclusiveLock'"
         " AND relation = '{schema}.message'::regclass)", pid,
-    )[0][0]:
-        assert time.monotonic() < deadline, "the publish never inserted"
+        failure="the publish never inserted",
+    )
 
 
 def publishing(store: Store, took: dict[str, float], **kwargs: object) -> threading.Thread:
