@@ -21,7 +21,7 @@ from pg_transport.connection import Connector
 from pg_transport.gate import HandoffGate
 from pg_transport.locks import lock_space
 from pg_transport.sql import handoff_prefix, load_queries, notify_channel
-from pg_transport.wire import Statement, run_apart
+from pg_transport.wire import Row, Statement, run_apart
 
 logger = logging.getLogger("pg_transport.store")
 
@@ -103,7 +103,10 @@ class Store:
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {
             name: Statement(name, self.q[name])
-            for name in ("publish", "publish_plain", "enqueue", "wake", "claim", "flush_wal")
+            for name in (
+                "publish", "publish_plain", "enqueue", "wake", "settle", "publish_routed",
+                "claim", "flush_wal",
+            )
         }
 
     # -- publishing ----------------------------------------------------------
@@ -195,7 +198,10 @@ class Store:
 
         ``deliver_unflushed`` (with ``handoff``): a hand-off commits without waiting for
         its WAL flush, and this returns True when one did; the caller must then flush
-        (the ``flush_wal`` query) before it calls the message published.
+        (the ``flush_wal`` query) before it calls the message published. Where the
+        statement commits on its own on a session that prepares, the try commits
+        unflushed only if it hands over, and its flush is sent with it
+        (:meth:`_try_then_settle`): this returns False, nothing being left to flush.
         """
         # In psycopg's pipeline (a caller batching its statements) results come later:
         # nothing could learn that a hand-off committed unflushed.
@@ -216,6 +222,7 @@ class Store:
             "notify": delay <= 0,
             "handoff": attempt,
             "deliver_unflushed": attempt and deliver_unflushed and not batched,
+            "settle_follows": False,
             **self._publish_to,
         }
         name = "publish" if attempt else "publish_plain"
@@ -224,43 +231,81 @@ class Store:
             return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
         prepare = conn.prepare_threshold is not None
-        if not attempt and params["notify"] and prepare and _between_transactions(conn):
+        apart = prepare and _between_transactions(conn)
+        if apart and not attempt and params["notify"]:
             self._enqueue_then_wake(conn, params)
             return False
-        rows = self.wire[name].execute(conn, params, prepare=prepare)
+        if apart and params["deliver_unflushed"]:
+            rows = self._try_then_settle(conn, params)
+            flushed = True
+        else:
+            rows = self.wire[name].execute(conn, params, prepare=prepare)
+            flushed = False
         if not attempt:
             return False
         if rows:  # none: the key was there already, and the try found out nothing
             self.gate.tried(queue, handed=rows[0][2] == b"t")
-        return any(row[1] == b"t" for row in rows)
+        return not flushed and any(row[1] == b"t" for row in rows)
+
+    def _try_then_settle(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any]
+    ) -> list[Row]:
+        """A hand-off try, then the ``settle`` query, each a transaction of its own, sent
+        at once: one round trip. A try that hands its message over commits unflushed and
+        settle flushes (``flush_wal``'s work); one that finds nobody commits as the
+        session says without waking anyone, and settle wakes the listeners: its durable
+        commit then holds up no other publisher's (the ``wake`` query says why), as a
+        plain publish's does. Returns the try's rows. Only where the role may flush:
+        settle calls the function even where it has only to wake. Settle runs after a
+        try that failed too, doing what the session's last try left (at worst a wake-up
+        or a flush too many).
+
+        The publish is done once settle is: either step's error is raised (a session
+        lost before settle's answer leaves a hand-off's commit unknown on disk, and
+        :meth:`_run_publish` sends a keyed publish again, flush included)."""
+        tried, settled = run_apart(
+            conn,
+            [(self.wire["publish"], {**params, "settle_follows": True}),
+             (self.wire["settle"], params)],
+            prepare=True,
+        )
+        if isinstance(tried, psycopg.Error):
+            raise tried
+        if isinstance(settled, psycopg.Error):
+            raise settled
+        return tried
 
     def _enqueue_then_wake(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         """``publish_plain`` as two transactions sent at once: the insert, committed as
         the session says (durable by default), then the wake-up alone (the ``wake``
         query says why). A publisher's flush then holds up no other publisher.
 
-        The insert's outcome is the publish's. A wake-up lost with the connection after
-        the insert committed is sent again on another one; one that fails otherwise (the
-        notification queue full) leaves a committed message that consumers find at their
-        next poll instead of at once."""
+        The insert's outcome is the publish's; the wake-up is sent all the same when it
+        fails (one wake-up too many: the listeners' claims find nothing new). A wake-up
+        lost with the connection after the insert committed is sent again on another
+        one; one that fails otherwise (the notification queue full) leaves a committed
+        message that consumers find at their next poll instead of at once."""
         inserted, woke = run_apart(
             conn, [(self.wire["enqueue"], params), (self.wire["wake"], params)], prepare=True
         )
         if isinstance(inserted, psycopg.Error):
             raise inserted
+        if not isinstance(woke, psycopg.Error):
+            return
+        failure: psycopg.Error | None = woke
         if isinstance(woke, psycopg.OperationalError) and conn.closed:
             try:
                 self.publisher.run(
                     lambda other: self.wire["wake"].execute(other, params, prepare=True),
                     idempotent=True,
                 )
-                woke = None
+                failure = None
             except psycopg.Error as exc:
-                woke = exc
-        if woke is not None:
+                failure = exc
+        if failure is not None:
             logger.warning(
                 "pgq: a message of queue %r is published, but waking its consumers "
-                "failed (%s): they take it at their next poll", params["queue"], woke,
+                "failed (%s): they take it at their next poll", params["queue"], failure,
             )
 
     # -- consuming -----------------------------------------------------------
@@ -484,11 +529,12 @@ class Store:
         def statement(
             conn: psycopg.Connection[Any], unflushed: bool
         ) -> tuple[tuple[str | None, int], bool]:
-            row = conn.execute(
-                self.q["publish_routed"], {**params, "deliver_unflushed": unflushed}
-            ).fetchone()
-            assert row is not None
-            return ((None if row[0] is None else str(row[0])), int(row[1])), bool(row[3])
+            [row] = self.wire["publish_routed"].execute(
+                conn, {**params, "deliver_unflushed": unflushed},
+                prepare=conn.prepare_threshold is not None,
+            )
+            type_ = None if row[0] is None else row[0].decode()
+            return (type_, int(row[1] or 0)), row[3] == b"t"
 
         return self._run_publish(statement, idempotent=publish_tag is not None)
 

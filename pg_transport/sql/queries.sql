@@ -14,6 +14,11 @@
 -- With deliver_unflushed set, a hand-off commits without waiting for its WAL flush, so
 -- the consumer has the message at once; the statement then says unflushed and the
 -- publisher runs flush_wal before it returns. Other publishes commit as the session says.
+-- With settle_follows set (the settle query is sent right behind this, in the same
+-- round trip) a try that finds nobody does not wake the listeners: its commit, durable,
+-- then holds no NOTIFY lock through its WAL flush (see wake), and settle wakes them in
+-- a transaction of its own; settle also runs flush_wal's work after a hand-off that
+-- committed unflushed. What it has to do is left in the session's pg_transport.settle.
 -- The last column says whether the message was handed over (the publisher's gate.py
 -- learns from it when trying is worth it); a publish that tries no hand-off runs
 -- publish_plain, which does the rest of this for less.
@@ -42,16 +47,24 @@ WITH candidate AS (
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING id, queue, priority, payload
 )
-SELECT CASE WHEN taker.consumer IS NULL
-            THEN pg_notify(%(channel)s, i.queue)
-            ELSE pg_notify(%(handoff_prefix)s || taker.consumer,
+SELECT CASE WHEN taker.consumer IS NOT NULL
+            THEN pg_notify(%(handoff_prefix)s || taker.consumer,
                            json_build_array(i.id, i.queue, i.priority, i.payload)::text)
+            WHEN NOT %(settle_follows)s
+            THEN pg_notify(%(channel)s, i.queue)
        END,
        CASE WHEN taker.consumer IS NOT NULL AND %(deliver_unflushed)s
             THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
             ELSE false
        END AS unflushed,
-       taker.consumer IS NOT NULL AS handed
+       taker.consumer IS NOT NULL AS handed,
+       %(settle_follows)s AND set_config(
+           'pg_transport.settle',
+           CASE WHEN taker.consumer IS NULL THEN 'wake'
+                WHEN %(deliver_unflushed)s THEN 'flush'
+                ELSE '' END,
+           false
+       ) IS NOT NULL
 FROM inserted AS i LEFT JOIN taker ON true
 WHERE taker.consumer IS NOT NULL OR %(notify)s
 
@@ -85,6 +98,19 @@ ON CONFLICT (publish_key) DO NOTHING
 -- the durable commit of the enqueue before it joins other sessions' flushes (group
 -- commit) instead of waiting for each of them in turn.
 SELECT pg_notify(%(channel)s, %(queue)s)
+
+-- name: settle
+-- Sent right behind a publish with settle_follows set, as a transaction of its own: what
+-- that publish left to do in pg_transport.settle. 'wake': it found nobody to hand its
+-- message to, and committed it as the session says; the listeners are woken now, as
+-- the wake query does (an unset setting, a session's first: the same, at worst a
+-- wake-up too many). 'flush': it handed the message over unflushed; this is flush_wal.
+-- Its own commit then waits for the flush only if it wrote WAL: after a 'flush'.
+-- ('': a hand-off committed as the session says; nothing is left.)
+SELECT CASE coalesce(current_setting('pg_transport.settle', true), 'wake')
+            WHEN 'wake' THEN pg_notify(%(channel)s, %(queue)s) IS NOT NULL
+            WHEN 'flush' THEN pg_logical_emit_message(true, 'pgq', '') IS NOT NULL
+       END
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement. A message

@@ -1,14 +1,15 @@
-"""A durable publish handed to a waiting consumer: the consumer has the message before
-its WAL flush, and the publisher is answered only once the flush is done.
+"""A durable publish that tries a hand-off: the consumer has the message before its WAL
+flush, and the publisher is answered only once the flush is done.
 
-The publisher's second transaction (the ``flush_wal`` query) is observed, and held at
-will, through :class:`Observed`; everything else is real: consumer sessions, the
-server's WAL positions, ``pg_terminate_backend``.
+The publisher's second transaction (the ``flush_wal`` query) is observed through
+:class:`Observed`, and held at will by an advisory lock the test holds; everything else
+is real: consumer sessions, the server's WAL positions, ``pg_terminate_backend``.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,41 +21,58 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from pg_transport.connection import Connector
+from pg_transport.gate import HandoffGate
 from pg_transport.schema import ensure_schema
 from pg_transport.store import Store
 from pg_transport.wire import Row, Statement
-from tests.integration import test_handoff
+from tests.integration import test_handoff, test_wake
 from tests.integration.conftest import Peek
 from tests.integration.test_handoff import PAYLOAD, Consumer, Consumers
 
 # The hand-off tests' consumers (real consumer sessions), as fixtures here too.
 consumers = test_handoff.consumers
 consumer = test_handoff.consumer
-
-Hook = Callable[[psycopg.Connection[Any]], None]
+listener = test_wake.listener
 
 
 class Observed(Statement):
-    """The store's ``flush_wal`` statement, with ``before`` run ahead of each execution
-    (on the publisher's thread) and the backend of each execution recorded."""
+    """One of the store's statements (``flush_wal``, ``settle``), the backend of each of
+    its runs recorded (run alone or sent with the publish). With a ``hold`` key, it first
+    waits for that advisory lock (shared), so a test holding it keeps it from
+    committing."""
 
-    def __init__(self, real: Statement, before: Hook) -> None:
-        self.__dict__.update(real.__dict__)
-        self.before = before
+    def __init__(self, real: Statement, hold: int | None) -> None:
+        text = real.text.decode()
+        if hold is not None:  # (its target list runs in order: the lock, then the rest)
+            text = f"SELECT pg_advisory_xact_lock_shared({hold}), ({text})"
+        super().__init__(f"{real.name}_observed", text)
+        self.params = real.params
         self.backends: list[int] = []
 
     def execute(
         self, conn: psycopg.Connection[Any], params: Any, *, prepare: bool
     ) -> list[Row]:
         self.backends.append(conn.info.backend_pid)
-        self.before(conn)
         return super().execute(conn, params, prepare=prepare)
 
+    def send(self, conn: psycopg.Connection[Any], params: Any, *, prepare: bool) -> None:
+        self.backends.append(conn.info.backend_pid)
+        super().send(conn, params, prepare=prepare)
 
-def observe(store: Store, before: Hook = lambda conn: None) -> Observed:
-    observed = Observed(store.wire["flush_wal"], before)
-    store.wire["flush_wal"] = observed
+
+def observe(store: Store, name: str = "flush_wal", hold: int | None = None) -> Observed:
+    observed = Observed(store.wire[name], hold)
+    store.wire[name] = observed
     return observed
+
+
+@pytest.fixture
+def held(peek: Peek) -> Iterator[int]:
+    """An advisory lock key, locked by ``peek``'s session until the test unlocks it."""
+    key = random.getrandbits(62)
+    peek("SELECT pg_advisory_lock(%s)", key)
+    yield key
+    peek("SELECT pg_advisory_unlock_all()")
 
 
 @pytest.fixture
@@ -88,94 +106,133 @@ def publish_routed(store: Store, n: int) -> None:
     )
 
 
-@pytest.mark.parametrize("send", [publish_direct, publish_routed])
-def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
-    consumer: Consumer, durable: Store, peek: Peek, send: Callable[[Store, int], None]
-) -> None:
-    reached, release, returned = threading.Event(), threading.Event(), threading.Event()
-    committed: list[str] = []
+# How each publishes a hand-off, and the statement of its that flushes: a direct one
+# sends settle with it; a routed one runs flush_wal after it.
+WAYS = [(publish_direct, "settle"), (publish_routed, "flush_wal")]
 
-    def hold(conn: psycopg.Connection[Any]) -> None:
-        # The hand-off has committed: WAL up to here holds its commit record.
-        committed.append(insert_lsn(peek))
-        reached.set()
-        assert release.wait(10), "the test never let the flush go"
 
-    flush = observe(durable, hold)
-    consumer.claim(["q"])
+def waiter(peek: Peek, key: int, failure: str) -> int:
+    """The backend waiting for advisory lock ``key``, once one does."""
+    query = ("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+             " AND (classid::bigint << 32 | objid::bigint) = %s")
+    peek.wait_until(f"SELECT EXISTS ({query})", key, failure=failure)
+    [(pid,)] = peek(query, key)
+    return int(pid)
+
+
+def publishing(send: Callable[[], None]) -> tuple[threading.Thread, threading.Event]:
+    returned = threading.Event()
 
     def publish() -> None:
-        send(durable, 1)
+        send()
         returned.set()
 
-    publisher = threading.Thread(target=publish)
-    publisher.start()
+    thread = threading.Thread(target=publish)
+    thread.start()
+    return thread, returned
+
+
+@pytest.mark.parametrize(("send", "flusher"), WAYS)
+def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
+    consumer: Consumer, durable: Store, peek: Peek, held: int,
+    send: Callable[[Store, int], None], flusher: str,
+) -> None:
+    flush = observe(durable, flusher, held)
+    consumer.claim(["q"])
+    publisher, returned = publishing(lambda: send(durable, 1))
     try:
-        assert reached.wait(10), "a hand-off was published without a flush after it"
-        # The publisher is held before its flush, and the consumer has the message.
         [handed] = consumer.handed(1)
+        # The publisher waits in its flush, and the consumer has the message.
+        assert waiter(peek, held, "the publisher never reached its flush") == flush.backends[0]
+        committed = insert_lsn(peek)  # past the hand-off's commit record
         assert (handed.queue, handed.read_ct, handed.payload["n"]) == ("q", 1, 1)
         assert peek("SELECT id, read_ct FROM {schema}.message") == [(handed.id, 1)]
         assert not returned.is_set()
     finally:
-        release.set()
+        peek("SELECT pg_advisory_unlock(%s)", held)
         publisher.join(10)
     assert returned.is_set()
     # Answered only after a flush that covers the hand-off's commit.
-    assert flushed_past(peek, committed[0])
+    assert flushed_past(peek, committed)
     assert len(flush.backends) == 1
+
+
+def test_a_try_that_finds_nobody_wakes_its_listeners_once_its_commit_is_done(
+    durable: Store, peek: Peek, held: int, listener: psycopg.Connection[Any]
+) -> None:
+    settle = observe(durable, "settle", held)
+    flush = observe(durable)
+    publisher, returned = publishing(lambda: publish_direct(durable, 1))
+    try:
+        assert waiter(peek, held, "the publisher never sent its wake-up") == settle.backends[0]
+        # Committed and visible, not handed over; nobody woken yet.
+        assert peek("SELECT read_ct FROM {schema}.message") == [(0,)]
+        assert list(listener.notifies(timeout=0.0)) == []
+        assert not returned.is_set()
+    finally:
+        peek("SELECT pg_advisory_unlock(%s)", held)
+        publisher.join(10)
+    assert returned.is_set()
+    [wake] = list(listener.notifies(timeout=10.0, stop_after=1))
+    assert (wake.channel, wake.payload) == (durable.channel, "q")
+    assert flush.backends == []  # committed flushed: nothing to flush apart
+    assert len(settle.backends) == 1
 
 
 def test_only_a_handoff_commits_unflushed(
     consumers: Consumers, durable: Store, store: Store, peek: Peek
 ) -> None:
-    flush = observe(durable)
-    # Nobody waits: the publish commits flushed, in one statement.
+    flush, settle = observe(durable), observe(durable, "settle")
+    # A publish the gate lets try no hand-off commits flushed, and wakes apart.
+    durable.gate = HandoffGate(misses=1, pause=3600.0)
+    durable.gate.tried("q", handed=False)
     durable.publish("q", {**PAYLOAD, "n": 1})
-    assert flush.backends == []
+    assert (flush.backends, settle.backends) == ([], [])
     # A message due later is not handed over, nor flushed apart.
     consumers().claim(["q"])
     durable.publish("q", {**PAYLOAD, "n": 2}, delay=60)
-    assert flush.backends == []
+    assert (flush.backends, settle.backends) == ([], [])
     # Copies routed to two queues are handed to nobody, though "q" has a waiter.
     durable.declare_exchange("fan", "fanout")
     for queue in ("q", "s"):
         durable.bind("fan", queue, "", "")
     assert durable.publish_routed("fan", "", {**PAYLOAD, "n": 3}) == ("fanout", 2)
-    assert flush.backends == []
+    assert (flush.backends, settle.backends) == ([], [])
     assert peek("SELECT read_ct FROM {schema}.message WHERE queue IN ('q', 's')"
                 " AND payload->>'n' = '3'") == [(0,), (0,)]
     # Without the option, a hand-off commits flushed, as every publish does.
-    observe(store)
+    flush, settle = observe(store), observe(store, "settle")
     waiting = consumers()
     waiting.claim(["r"])
     store.publish("r", {**PAYLOAD, "n": 4})
     assert [m.payload["n"] for m in waiting.handed(1)] == [4]
-    assert store.wire["flush_wal"].backends == []  # type: ignore[attr-defined]
+    assert (flush.backends, settle.backends) == ([], [])
 
 
-@pytest.mark.parametrize("send", [publish_direct, publish_routed])
+@pytest.mark.parametrize(("send", "flusher"), WAYS)
 def test_a_publisher_cut_off_before_its_flush_flushes_on_its_retry(
-    consumer: Consumer, durable: Store, peek: Peek, pg_url: str,
-    send: Callable[[Store, int], None],
+    consumer: Consumer, durable: Store, peek: Peek, held: int,
+    send: Callable[[Store, int], None], flusher: str,
 ) -> None:
-    committed: list[str] = []
-
-    def cut_off_once(conn: psycopg.Connection[Any]) -> None:
-        if committed:
-            return
-        committed.append(insert_lsn(peek))
-        with psycopg.connect(pg_url, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s, 10000)", [conn.info.backend_pid])
-
-    flush = observe(durable, cut_off_once)
+    cut_at = observe(durable, flusher, held)
+    flush = observe(durable) if flusher != "flush_wal" else cut_at
     consumer.claim(["q"])
+    publisher, returned = publishing(lambda: send(durable, 1))
+    try:
+        assert [m.payload["n"] for m in consumer.handed(1)] == [1]
+        cut = waiter(peek, held, "the publisher never reached its flush")
+        assert cut_at.backends == [cut]
+        committed = insert_lsn(peek)
+        peek("SELECT pg_terminate_backend(%s, 10000)", cut)
+    finally:
+        peek("SELECT pg_advisory_unlock(%s)", held)
+        publisher.join(10)
     # The hand-off committed, then its session died: the retry inserts nothing (the
     # publish key, or tag, is there) and still flushes, on a new session, before returning.
-    send(durable, 1)
-    assert len(flush.backends) == 2 and flush.backends[0] != flush.backends[1]
-    assert flushed_past(peek, committed[0])
-    assert [m.payload["n"] for m in consumer.handed(1)] == [1]
+    assert returned.is_set()
+    assert flush.backends and flush.backends[-1] != cut
+    assert flushed_past(peek, committed)
+    assert len(consumer.handed(1)) == 1
     assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
 
 

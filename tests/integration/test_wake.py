@@ -1,7 +1,8 @@
-"""A publish that hands nothing over: its insert and its wake-up, two transactions.
+"""A publish that hands nothing over: its insert and its wake-up, two transactions; or
+a hand-off try that finds nobody, committed before its flush.
 
 Postgres commits the transactions that NOTIFY one at a time, each holding a lock until
-its commit is done, WAL flush included; a publish's durable insert commits without it.
+its commit is done, WAL flush included; a publish's durable commit does without it.
 A slow flush is made real here with the server's ``commit_delay`` (100 ms, on the
 publisher's sessions only); the publisher's sessions and the listeners are real, and so
 is the ``pg_terminate_backend`` that cuts a publish off in the middle of its commit.
@@ -38,8 +39,8 @@ def never_trying() -> HandoffGate:
 
 
 @pytest.fixture
-def slow(pg_url: str, store: Store, peek: Peek) -> Iterator[Store]:
-    """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
+def slow_connector(pg_url: str, peek: Peek) -> Iterator[Connector]:
+    """Sessions whose commits that flush take 100 ms."""
     [(superuser,)] = peek("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
     if not superuser:
         pytest.skip("commit_delay may be set by a superuser only")
@@ -47,10 +48,26 @@ def slow(pg_url: str, store: Store, peek: Peek) -> Iterator[Store]:
         pg_url, application_name=SLOW,
         setup=(f"SET commit_delay = {COMMIT_DELAY_US}", "SET commit_siblings = 0"),
     )
-    publisher = Store(connector, store.schema, gate=never_trying())
-    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
-    yield publisher
+    yield connector
     connector.close()
+
+
+@pytest.fixture
+def slow(slow_connector: Connector, store: Store) -> Store:
+    """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
+    publisher = Store(slow_connector, store.schema, gate=never_trying())
+    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
+    return publisher
+
+
+@pytest.fixture
+def slow_trying(slow_connector: Connector, store: Store) -> Store:
+    """As ``slow``, made as ``durable_publish`` makes it, and trying a hand-off on every
+    publish."""
+    publisher = Store(slow_connector, store.schema, deliver_before_flush=True,
+                      gate=HandoffGate(misses=1_000_000))
+    publisher.publish("q", PAYLOAD)
+    return publisher
 
 
 @pytest.fixture
@@ -111,6 +128,25 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
     assert other < COMMIT_DELAY_US / 1e6 / 2, f"the other NOTIFY took {other * 1000:.1f} ms"
 
 
+def test_a_try_that_finds_nobody_holds_up_no_other_notifying_commit(
+    slow_trying: Store, peek: Peek
+) -> None:
+    took: dict[str, float] = {}
+    thread = publishing(slow_trying, took)  # "q": nobody waits
+    # Other sessions' NOTIFYs, one after another for as long as the publish lasts.
+    others: list[float] = []
+    while thread.is_alive() or not others:
+        started = time.perf_counter()
+        peek("NOTIFY pgq_test_other")
+        others.append(time.perf_counter() - started)
+    thread.join()
+    assert took["publish"] >= COMMIT_DELAY_US / 1e6  # it waited for a slow flush
+    # With the wake-up in a transaction that waits for its flush, one NOTIFY waits too.
+    assert max(others) < COMMIT_DELAY_US / 1e6 / 2, (
+        f"a NOTIFY took {max(others) * 1000:.1f} ms")
+    assert peek("SELECT read_ct FROM {schema}.message WHERE queue = 'q'") == [(0,), (0,)]
+
+
 def test_the_wake_up_follows_the_committed_message(
     store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
@@ -121,7 +157,7 @@ def test_the_wake_up_follows_the_committed_message(
     assert count == 1
 
 
-def test_a_failed_insert_wakes_nobody_and_its_session_serves_the_next_publish(
+def test_a_failed_insert_raises_and_its_session_serves_the_next_publish(
     slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     before = slow_backends(peek)
@@ -130,9 +166,11 @@ def test_a_failed_insert_wakes_nobody_and_its_session_serves_the_next_publish(
     with pytest.raises(psycopg.errors.CheckViolation):
         slow.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
     slow.publish("good", PAYLOAD)
-    # The failed insert's wake-up did not run: the first one is the next publish's.
-    assert received(listener) == "good"
-    assert slow_backends(peek) == before  # rolled back, not closed
+    # The failed insert's wake-up ran all the same (its own transaction): a wake-up
+    # too many, for a queue with nothing new in it. The next publish's follows it.
+    wakes = listener.notifies(timeout=10.0, stop_after=2)
+    assert [wake.payload for wake in wakes] == ["bad", "good"]
+    assert slow_backends(peek) == before  # the same session, not a new one
     assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
 
 
