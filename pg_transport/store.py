@@ -260,8 +260,10 @@ class Store:
         try that failed too, doing what the session's last try left (at worst a wake-up
         or a flush too many).
 
-        The publish is done once settle is: either step's error is raised (a session
-        lost before settle's answer leaves a hand-off's commit unknown on disk, and
+        The try's error is raised. After a try that found nobody, its message is on
+        disk, and a failed settle is a failed wake-up, as in :meth:`_enqueue_then_wake`.
+        After a hand-off, the publish is done once settle is: its error is raised (a
+        session lost before settle's answer leaves the commit unknown on disk, and
         :meth:`_run_publish` sends a keyed publish again, flush included)."""
         tried, settled = run_apart(
             conn,
@@ -272,7 +274,9 @@ class Store:
         if isinstance(tried, psycopg.Error):
             raise tried
         if isinstance(settled, psycopg.Error):
-            raise settled
+            if not tried or tried[0][2] == b"t":  # handed over, or inserted nothing
+                raise settled
+            self._wake_failed(conn, params, settled)
         return tried
 
     def _enqueue_then_wake(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
@@ -290,8 +294,14 @@ class Store:
         )
         if isinstance(inserted, psycopg.Error):
             raise inserted
-        if not isinstance(woke, psycopg.Error):
-            return
+        if isinstance(woke, psycopg.Error):
+            self._wake_failed(conn, params, woke)
+
+    def _wake_failed(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any], woke: psycopg.Error
+    ) -> None:
+        """A wake-up for a message committed durably failed: lost with ``conn``, it is
+        sent again on another connection; otherwise a warning says so."""
         failure: psycopg.Error | None = woke
         if isinstance(woke, psycopg.OperationalError) and conn.closed:
             try:

@@ -189,3 +189,19 @@ def test_a_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consume
     # the message is there once, and the wake-up was sent again.
     assert peek("SELECT count(*) FROM {schema}.message WHERE publish_key = 'once'") == [(1,)]
     assert received(listener) == "q"
+
+
+def test_a_try_cut_off_in_its_commit_is_published_and_wakes_its_consumers(
+    slow_trying: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    [pid] = slow_backends(peek)
+    took: dict[str, float] = {}
+    thread = publishing(slow_trying, took)  # no key: nothing would send it again whole
+    wait_for_insert(peek, pid)
+    peek("SELECT pg_terminate_backend(%s)", pid)
+    thread.join()
+    assert "publish" in took  # it returned: the try's commit was answered
+    assert pid not in slow_backends(peek)
+    # The wake-up after it was lost with the session, and sent again on another.
+    assert peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'") == [(2,)]
+    assert received(listener) == "q"
