@@ -25,6 +25,9 @@ from pg_transport.wire import Row, Statement, run_apart
 
 logger = logging.getLogger("pg_transport.store")
 
+# Routes that matched no queue remembered at most; more are forgotten (see publish_routed).
+_MAX_ROUTES = 1024
+
 T = TypeVar("T")
 
 __all__ = [
@@ -87,6 +90,8 @@ class Store:
         self.publisher = publisher or connector
         self.deliver_before_flush = deliver_before_flush
         self.gate = gate or HandoffGate()
+        # Routes (exchange, routing key) whose last publish matched no queue.
+        self._unrouted: set[tuple[str, str]] = set()
         # Whether this role may run flush_wal: asked once, on the first publish.
         self._can_flush: bool | None = None
         self.schema = schema
@@ -265,19 +270,28 @@ class Store:
         After a hand-off, the publish is done once settle is: its error is raised (a
         session lost before settle's answer leaves the commit unknown on disk, and
         :meth:`_run_publish` sends a keyed publish again, flush included)."""
-        tried, settled = run_apart(
-            conn,
-            [(self.wire["publish"], {**params, "settle_follows": True}),
-             (self.wire["settle"], params)],
-            prepare=True,
-        )
-        if isinstance(tried, psycopg.Error):
-            raise tried
-        if isinstance(settled, psycopg.Error):
+        tried, settled = self._with_settle(conn, self.wire["publish"], params)
+        if settled is not None:
             if not tried or tried[0][2] == b"t":  # handed over, or inserted nothing
                 raise settled
             self._wake_failed(conn, params, settled)
         return tried
+
+    def _with_settle(
+        self, conn: psycopg.Connection[Any], statement: Statement, params: dict[str, Any]
+    ) -> tuple[list[Row], psycopg.Error | None]:
+        """``statement`` with settle_follows set, then ``settle``, sent at once (see
+        :meth:`_try_then_settle`): the statement's rows (its error is raised) and
+        settle's error, if it failed."""
+        published, settled = run_apart(
+            conn,
+            [(statement, {**params, "settle_follows": True}),
+             (self.wire["settle"], {"channel": self.channel, "queue": params.get("queue")})],
+            prepare=True,
+        )
+        if isinstance(published, psycopg.Error):
+            raise published
+        return published, settled if isinstance(settled, psycopg.Error) else None
 
     def _enqueue_then_wake(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         """``publish_plain`` as two transactions sent at once: the insert, committed as
@@ -536,15 +550,34 @@ class Store:
             **self._publish_to,
         }
 
+        route = (exchange, routing_key)
+
         def statement(
             conn: psycopg.Connection[Any], unflushed: bool
         ) -> tuple[tuple[str | None, int], bool]:
-            [row] = self.wire["publish_routed"].execute(
-                conn, {**params, "deliver_unflushed": unflushed},
-                prepare=conn.prepare_threshold is not None,
-            )
-            type_ = None if row[0] is None else row[0].decode()
-            return (type_, int(row[1] or 0)), row[3] == b"t"
+            routed = {**params, "deliver_unflushed": unflushed, "settle_follows": False}
+            prepare = conn.prepare_threshold is not None
+            # Settle is sent along where the statement may wake or hand over: not for a
+            # route that matched no queue last time (events nobody monitors, say), which
+            # would only pay for it. A binding made since costs one publish its NOTIFY
+            # inside its commit, as every routed publish did before settle.
+            if (unflushed and params["notify"] and prepare and _between_transactions(conn)
+                    and route not in self._unrouted):
+                [row], settled = self._with_settle(conn, self.wire["publish_routed"], routed)
+                if settled is not None:  # (a hand-off's flush, or every wake-up)
+                    raise settled
+                flushed = True
+            else:
+                [row] = self.wire["publish_routed"].execute(conn, routed, prepare=prepare)
+                flushed = False
+            type_, matched = (None if row[0] is None else row[0].decode()), int(row[1] or 0)
+            if matched:
+                self._unrouted.discard(route)
+            else:
+                if len(self._unrouted) >= _MAX_ROUTES:
+                    self._unrouted.clear()
+                self._unrouted.add(route)
+            return (type_, matched), not flushed and row[3] == b"t"
 
         return self._run_publish(statement, idempotent=publish_tag is not None)
 

@@ -18,7 +18,8 @@
 -- round trip) a try that finds nobody does not wake the listeners: its commit, durable,
 -- then holds no NOTIFY lock through its WAL flush (see wake), and settle wakes them in
 -- a transaction of its own; settle also runs flush_wal's work after a hand-off that
--- committed unflushed. What it has to do is left in the session's pg_transport.settle.
+-- committed unflushed. What it has to do is left in the session's pg_transport.settle
+-- (see settle).
 -- The last column says whether the message was handed over (the publisher's gate.py
 -- learns from it when trying is worth it); a publish that tries no hand-off runs
 -- publish_plain, which does the rest of this for less.
@@ -60,7 +61,7 @@ SELECT CASE WHEN taker.consumer IS NOT NULL
        taker.consumer IS NOT NULL AS handed,
        %(settle_follows)s AND set_config(
            'pg_transport.settle',
-           CASE WHEN taker.consumer IS NULL THEN 'wake'
+           CASE WHEN taker.consumer IS NULL THEN json_build_array(i.queue)::text
                 WHEN %(deliver_unflushed)s THEN 'flush'
                 ELSE '' END,
            false
@@ -100,17 +101,25 @@ ON CONFLICT (publish_key) DO NOTHING
 SELECT pg_notify(%(channel)s, %(queue)s)
 
 -- name: settle
--- Sent right behind a publish with settle_follows set, as a transaction of its own: what
--- that publish left to do in pg_transport.settle. 'wake': it found nobody to hand its
--- message to, and committed it as the session says; the listeners are woken now, as
--- the wake query does (an unset setting, a session's first: the same, at worst a
--- wake-up too many). 'flush': it handed the message over unflushed; this is flush_wal.
--- Its own commit then waits for the flush only if it wrote WAL: after a 'flush'.
--- ('': a hand-off committed as the session says; nothing is left.)
-SELECT CASE coalesce(current_setting('pg_transport.settle', true), 'wake')
-            WHEN 'wake' THEN pg_notify(%(channel)s, %(queue)s) IS NOT NULL
-            WHEN 'flush' THEN pg_logical_emit_message(true, 'pgq', '') IS NOT NULL
-       END
+-- Sent right behind a publish (or publish_routed) with settle_follows set, as a
+-- transaction of its own: what that statement left to do in pg_transport.settle. A
+-- JSON array: the queues it inserted into without handing the message over, committed
+-- as the session says; their listeners are woken now, as the wake query does. 'flush':
+-- it handed the message over unflushed; this is flush_wal. '': nothing is left (a
+-- hand-off committed as the session says). Unset (a session's first publish inserted
+-- nothing, the key being there): queue's listeners are woken, at worst a wake-up too
+-- many. Its commit waits for the flush only if it wrote WAL: after a 'flush'.
+WITH todo AS (
+    SELECT coalesce(current_setting('pg_transport.settle', true),
+                    json_build_array(%(queue)s::text)::text) AS what
+)
+SELECT (SELECT count(pg_logical_emit_message(true, 'pgq', ''))
+        FROM todo WHERE what = 'flush')
+     + (SELECT count(pg_notify(%(channel)s, woken.queue))
+        FROM todo,
+             json_array_elements_text(CASE WHEN left(what, 1) = '[' THEN what::json END)
+                 AS woken (queue)
+        WHERE woken.queue IS NOT NULL)
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement. A message
@@ -366,7 +375,8 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- of that queue where there is one, as in publish, if the NOTIFY has room for it
 -- (handoff_room: bytes left for the queue name, which JSON-escaping may make up to 6
 -- times longer). With deliver_unflushed set, a hand-off commits without waiting for its
--- WAL flush and the last column says so, as in publish: the publisher runs flush_wal.
+-- WAL flush and the fourth column says so, as in publish: the publisher runs flush_wal.
+-- With settle_follows set, the listeners are left to settle, as in publish.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s
 ), targets AS (
@@ -417,7 +427,7 @@ WITH ex AS (
     SELECT pg_notify(%(channel)s, d.queue)
     FROM (SELECT DISTINCT i.queue FROM inserted AS i
           WHERE NOT EXISTS (SELECT 1 FROM taker AS k WHERE k.queue = i.queue)) AS d
-    WHERE %(notify)s
+    WHERE %(notify)s AND NOT %(settle_follows)s
 ), handed AS (
     SELECT pg_notify(%(handoff_prefix)s || k.consumer,
                      json_build_array(i.id, i.queue, i.priority, i.payload)::text)
@@ -428,7 +438,15 @@ SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets),
        CASE WHEN %(deliver_unflushed)s AND (SELECT count(*) FROM handed) > 0
             THEN set_config('synchronous_commit', 'off', true) IS NOT NULL
             ELSE false
-       END AS unflushed
+       END AS unflushed,
+       %(settle_follows)s AND set_config(
+           'pg_transport.settle',
+           CASE WHEN (SELECT count(*) FROM handed) = 0
+                THEN coalesce((SELECT json_agg(DISTINCT i.queue) FROM inserted AS i), '[]')::text
+                WHEN %(deliver_unflushed)s THEN 'flush'
+                ELSE '' END,
+           false
+       ) IS NOT NULL
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.

@@ -106,9 +106,6 @@ def publish_routed(store: Store, n: int) -> None:
     )
 
 
-# How each publishes a hand-off, and the statement of its that flushes: a direct one
-# sends settle with it; a routed one runs flush_wal after it.
-WAYS = [(publish_direct, "settle"), (publish_routed, "flush_wal")]
 
 
 def waiter(peek: Peek, key: int, failure: str) -> int:
@@ -132,12 +129,12 @@ def publishing(send: Callable[[], None]) -> tuple[threading.Thread, threading.Ev
     return thread, returned
 
 
-@pytest.mark.parametrize(("send", "flusher"), WAYS)
+@pytest.mark.parametrize("send", [publish_direct, publish_routed])
 def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
     consumer: Consumer, durable: Store, peek: Peek, held: int,
-    send: Callable[[Store, int], None], flusher: str,
+    send: Callable[[Store, int], None],
 ) -> None:
-    flush = observe(durable, flusher, held)
+    flush = observe(durable, "settle", held)
     consumer.claim(["q"])
     publisher, returned = publishing(lambda: send(durable, 1))
     try:
@@ -157,12 +154,14 @@ def test_the_consumer_has_the_message_before_the_flush_the_publisher_waits_for(
     assert len(flush.backends) == 1
 
 
+@pytest.mark.parametrize("send", [publish_direct, publish_routed])
 def test_a_try_that_finds_nobody_wakes_its_listeners_once_its_commit_is_done(
-    durable: Store, peek: Peek, held: int, listener: psycopg.Connection[Any]
+    durable: Store, peek: Peek, held: int, listener: psycopg.Connection[Any],
+    send: Callable[[Store, int], None],
 ) -> None:
     settle = observe(durable, "settle", held)
     flush = observe(durable)
-    publisher, returned = publishing(lambda: publish_direct(durable, 1))
+    publisher, returned = publishing(lambda: send(durable, 1))
     try:
         assert waiter(peek, held, "the publisher never sent its wake-up") == settle.backends[0]
         # Committed and visible, not handed over; nobody woken yet.
@@ -180,10 +179,11 @@ def test_a_try_that_finds_nobody_wakes_its_listeners_once_its_commit_is_done(
 
 
 def test_only_a_handoff_commits_unflushed(
-    consumers: Consumers, durable: Store, store: Store, peek: Peek
+    consumers: Consumers, durable: Store, store: Store, peek: Peek,
+    listener: psycopg.Connection[Any],
 ) -> None:
     flush, settle = observe(durable), observe(durable, "settle")
-    # A publish the gate lets try no hand-off commits flushed, and wakes apart.
+    # A publish the gate lets try no hand-off commits flushed, and wakes apart (wake).
     durable.gate = HandoffGate(misses=1, pause=3600.0)
     durable.gate.tried("q", handed=False)
     durable.publish("q", {**PAYLOAD, "n": 1})
@@ -192,12 +192,16 @@ def test_only_a_handoff_commits_unflushed(
     consumers().claim(["q"])
     durable.publish("q", {**PAYLOAD, "n": 2}, delay=60)
     assert (flush.backends, settle.backends) == ([], [])
-    # Copies routed to two queues are handed to nobody, though "q" has a waiter.
+    # Copies routed to two queues are handed to nobody, though "q" has a waiter: they
+    # commit flushed, and settle wakes both queues.
     durable.declare_exchange("fan", "fanout")
     for queue in ("q", "s"):
         durable.bind("fan", queue, "", "")
     assert durable.publish_routed("fan", "", {**PAYLOAD, "n": 3}) == ("fanout", 2)
-    assert (flush.backends, settle.backends) == ([], [])
+    assert flush.backends == [] and len(settle.backends) == 1
+    # (the first publish's wake-up, then these two)
+    wakes = listener.notifies(timeout=10.0, stop_after=3)
+    assert sorted(wake.payload for wake in wakes) == ["q", "q", "s"]
     assert peek("SELECT read_ct FROM {schema}.message WHERE queue IN ('q', 's')"
                 " AND payload->>'n' = '3'") == [(0,), (0,)]
     # Without the option, a hand-off commits flushed, as every publish does.
@@ -209,13 +213,13 @@ def test_only_a_handoff_commits_unflushed(
     assert (flush.backends, settle.backends) == ([], [])
 
 
-@pytest.mark.parametrize(("send", "flusher"), WAYS)
+@pytest.mark.parametrize("send", [publish_direct, publish_routed])
 def test_a_publisher_cut_off_before_its_flush_flushes_on_its_retry(
     consumer: Consumer, durable: Store, peek: Peek, held: int,
-    send: Callable[[Store, int], None], flusher: str,
+    send: Callable[[Store, int], None],
 ) -> None:
-    cut_at = observe(durable, flusher, held)
-    flush = observe(durable) if flusher != "flush_wal" else cut_at
+    cut_at = observe(durable, "settle", held)
+    flush = observe(durable)
     consumer.claim(["q"])
     publisher, returned = publishing(lambda: send(durable, 1))
     try:
@@ -283,3 +287,23 @@ def test_a_role_that_may_not_flush_hands_over_flushed(
     finally:
         waiting.close()
         connector.close()
+
+
+def test_a_route_that_matched_no_queue_is_published_without_settle_until_it_matches(
+    durable: Store, listener: psycopg.Connection[Any]
+) -> None:
+    settle = observe(durable, "settle")
+    durable.declare_exchange("events", "fanout")
+    # Nothing bound: the first publish learns it, with settle sent along; the next one
+    # is the statement alone.
+    for _ in range(2):
+        assert durable.publish_routed("events", "", PAYLOAD) == ("fanout", 0)
+    assert len(settle.backends) == 1
+    durable.bind("events", "monitor", "", "")
+    # The next publish finds the queue, waking it from inside its own commit, and the
+    # one after it has settle wake it.
+    for sent in (1, 2):
+        assert durable.publish_routed("events", "", PAYLOAD) == ("fanout", 1)
+        assert len(settle.backends) == sent
+        [wake] = listener.notifies(timeout=10.0, stop_after=1)
+        assert wake.payload == "monitor"

@@ -105,6 +105,17 @@ def publishing(store: Store, took: dict[str, float], **kwargs: object) -> thread
     return thread
 
 
+def routing(store: Store, took: dict[str, float]) -> threading.Thread:
+    def publish() -> None:
+        started = time.perf_counter()
+        assert store.publish_routed("tasks", "k", PAYLOAD) == ("direct", 1)
+        took["publish"] = time.perf_counter() - started
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    return thread
+
+
 def received(listener: psycopg.Connection[tuple[object, ...]]) -> str:
     for notify in listener.notifies(timeout=10.0, stop_after=1):
         return notify.payload
@@ -128,11 +139,17 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
     assert other < COMMIT_DELAY_US / 1e6 / 2, f"the other NOTIFY took {other * 1000:.1f} ms"
 
 
+@pytest.mark.parametrize("routed", [False, True])
 def test_a_try_that_finds_nobody_holds_up_no_other_notifying_commit(
-    slow_trying: Store, peek: Peek
+    slow_trying: Store, peek: Peek, routed: bool
 ) -> None:
     took: dict[str, float] = {}
-    thread = publishing(slow_trying, took)  # "q": nobody waits
+    if routed:  # through an exchange, to one queue: the statement may hand over
+        slow_trying.declare_exchange("tasks", "direct")
+        slow_trying.bind("tasks", "q", "k", "")
+        thread = routing(slow_trying, took)
+    else:
+        thread = publishing(slow_trying, took)  # "q": nobody waits
     # Other sessions' NOTIFYs, one after another for as long as the publish lasts.
     others: list[float] = []
     while thread.is_alive() or not others:
