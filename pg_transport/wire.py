@@ -43,7 +43,7 @@ class Statement:
     def values(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
         """Parameters as libpq text values (None is NULL, which libpq's types omit)."""
         if not self.params:
-            return None  # (BEGIN, COMMIT: nothing to dump)
+            return None  # (flush_wal, ping: nothing to dump)
         formats = [PyFormat.TEXT] * len(self.params)
         return _transformer(conn).dump_sequence([params[n] for n in self.params], formats)
 
