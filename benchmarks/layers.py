@@ -1,0 +1,237 @@
+"""Where one publish's time goes, layer by layer: pgq next to Redis, from one producer.
+
+``python -m benchmarks.layers`` publishes no-op tasks with ``apply_async`` from this
+process through each broker in turn (``--tasks`` a round, every broker once a round,
+in reverse order every other round) and times each call at three depths:
+
+- ``apply_async``: the whole call;
+- ``call``: kombu's ``Producer._publish`` inside it, the broker's part (the broker
+  benchmark's ``call us``);
+- ``wire``: the broker's own round trips inside that: for pgq the statements sent
+  through libpq (``wire.run_apart`` and ``Statement.execute``: the INSERT, its wake-up,
+  a flush), for Redis redis-py's commands (the LPUSH).
+
+Reported per broker, as the median over every call of every round: each depth, the
+Python in the call around the round trips (``call`` minus ``wire``) and the rest of
+``apply_async`` (``apply_async`` minus ``call``), all in µs; and the publish rate. Set
+against each other, they say what a gap in publish rate is made of: the durable
+commit's WAL flush shows as ``wire`` of ``pgq`` minus ``wire`` of ``pgq-async``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+import redis.client
+from kombu.messaging import Producer
+
+from benchmarks.app import DRAIN, TASK_NAME, make_app
+from benchmarks.brokers import default_pg_url, patched_environ
+from benchmarks.phases import in_turn
+from benchmarks.targets import Broker, PgqBroker, RedisBroker, RedisFsyncBroker, Target
+from pg_transport import store, wire
+
+__all__ = ["Layers", "main", "measure"]
+
+BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync")
+DEPTHS = ("apply_async", "call", "wire")
+
+
+@dataclass
+class Layers:
+    """One broker's calls: for each depth, the seconds of every call, in call order."""
+
+    seconds: dict[str, list[float]] = field(
+        default_factory=lambda: {depth: [] for depth in DEPTHS}
+    )
+    published: int = 0
+    elapsed: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Medians in µs (of each depth, and of the differences call by call) and the
+        rate in publishes a second."""
+        s = self.seconds
+        per_call = {
+            "apply_async_us": s["apply_async"],
+            "call_us": s["call"],
+            "wire_us": s["wire"],
+            "python_in_call_us": [c - w for c, w in zip(s["call"], s["wire"], strict=True)],
+            "outside_call_us": [a - c for a, c in zip(s["apply_async"], s["call"], strict=True)],
+        }
+        found = {name: median(values) * 1e6 for name, values in per_call.items()}
+        found["rate"] = self.published / self.elapsed if self.elapsed else 0.0
+        return found
+
+
+class _Clock:
+    """Time spent inside the wrapped functions since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.depth = 0
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:  # (called inside another timed call: counted there)
+                return function(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - start
+                self.depth -= 1
+
+        return timed
+
+
+@contextlib.contextmanager
+def _clocks() -> Iterator[tuple[_Clock, _Clock]]:
+    """Clocks on kombu's ``Producer._publish`` and on the brokers' round trips, while
+    this is open."""
+    call, trips = _Clock(), _Clock()
+    patched: list[tuple[Any, str, Any]] = [
+        (Producer, "_publish", call),
+        (wire, "run_apart", trips),
+        (wire.Statement, "execute", trips),
+        (redis.client.Redis, "execute_command", trips),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    # pg_transport.store imported run_apart by name: that name is the one it calls.
+    originals.append((store, "run_apart", getattr(store, "run_apart")))  # noqa: B009
+    try:
+        for owner, name, clock in patched:
+            setattr(owner, name, clock.wrap(getattr(owner, name)))
+        setattr(store, "run_apart", wire.run_apart)  # noqa: B010
+        yield call, trips
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def _publisher(target: Target) -> Callable[[int], None]:
+    app = make_app(target.broker_url, target.queue, target.transport_options)
+    task = app.tasks[TASK_NAME]
+    return lambda seq: task.apply_async((DRAIN, seq, 0.0))
+
+
+def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, Layers]:
+    """Publish ``tasks`` a round through each target, ``rounds`` times, in turn."""
+    found = {name: Layers() for name in targets}
+    with contextlib.ExitStack() as stack:
+        publishers: dict[str, Callable[[int], None]] = {}
+        for name, target in targets.items():
+            with patched_environ(target.env):
+                publishers[name] = _publisher(target)
+                publishers[name](0)  # connect, declare, migrate: not measured
+        call, trips = stack.enter_context(_clocks())
+        for turn in range(rounds):
+            for name in in_turn(list(targets), turn):
+                layers, publish = found[name], publishers[name]
+                with patched_environ(targets[name].env):
+                    call.take(), trips.take()
+                    began = time.perf_counter()
+                    for seq in range(tasks):
+                        start = time.perf_counter()
+                        publish(seq + 1)
+                        layers.seconds["apply_async"].append(time.perf_counter() - start)
+                        layers.seconds["call"].append(call.take())
+                        layers.seconds["wire"].append(trips.take())
+                    layers.elapsed += time.perf_counter() - began
+                    layers.published += tasks
+    return found
+
+
+def _brokers(args: argparse.Namespace) -> dict[str, Broker]:
+    every: dict[str, Broker] = {
+        "pgq": PgqBroker(args.pg_url),
+        "pgq-async": PgqBroker(args.pg_url, "pgq-async", {"durable_publish": False}),
+        "redis": RedisBroker(args.redis_url, args.redis_db),
+        "redis-fsync": RedisFsyncBroker(),
+    }
+    return {name: every[name] for name in args.brokers}
+
+
+def _brokers_arg(text: str) -> list[str]:
+    names = [name for name in text.split(",") if name]
+    unknown = sorted(set(names) - set(BROKERS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown broker(s) {', '.join(unknown) or '(none given)'}; known: {', '.join(BROKERS)}"
+        )
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.layers", description=(__doc__ or "").split("\n")[0]
+    )
+    parser.add_argument("--brokers", type=_brokers_arg, default=["pgq", "pgq-async", "redis"],
+                        help=f"subset of {','.join(BROKERS)} (default pgq,pgq-async,redis)")
+    parser.add_argument("--tasks", type=_positive, default=3000,
+                        help="publishes a round (default 3000)")
+    parser.add_argument("--rounds", type=_positive, default=3, help="rounds (default 3)")
+    parser.add_argument("--pg-url", default=default_pg_url(), help="Postgres for pgq (libpq URL)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis server")
+    parser.add_argument("--redis-db", type=int, default=13,
+                        help="Redis db of the Redis broker (flushed; default 13)")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
+    return parser.parse_args(argv)
+
+
+def format_table(summaries: dict[str, dict[str, float]]) -> str:
+    head = ("broker", "publish/s", "apply_async", "call", "wire", "py in call", "outside")
+    keys = ("rate", "apply_async_us", "call_us", "wire_us", "python_in_call_us", "outside_call_us")
+    lines = [f"{head[0]:<14}" + "".join(f"{h:>13}" for h in head[1:])]
+    for name, found in summaries.items():
+        lines.append(f"{name:<14}" + "".join(f"{found[k]:>13.0f}" for k in keys))
+    lines.append("µs per publish, medians over every call; wire: the broker's round trips "
+                 "(pgq: its statements through libpq; Redis: its commands)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    brokers = _brokers(args)
+    unusable = {name: reason for name, b in brokers.items() if (reason := b.check())}
+    for name, reason in unusable.items():
+        print(f"[{name}] skipped: {reason}", file=sys.stderr)
+    run_id = uuid.uuid4().hex[:10]
+    targets: dict[str, Target] = {}
+    try:
+        for name, broker in brokers.items():
+            if name not in unusable:
+                targets[name] = broker.setup(f"{run_id}_{name.replace('-', '_')}")
+        summaries = {
+            name: layers.summary()
+            for name, layers in measure(targets, args.tasks, args.rounds).items()
+        }
+    finally:
+        for name, target in targets.items():
+            brokers[name].teardown(target)
+    print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

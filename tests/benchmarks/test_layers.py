@@ -1,0 +1,110 @@
+"""The layer benchmark times the calls it says it times, and leaves nothing patched.
+
+Small and quick (a few dozen publishes), so it runs with the default tests: real pgq on
+the test Postgres, and the local Redis where one answers.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+from kombu.messaging import Producer
+from psycopg import sql
+
+import pg_transport.store as store
+from benchmarks.layers import Layers, main, measure, parse_args
+from benchmarks.targets import Broker, PgqBroker, RedisBroker, Target
+from pg_transport import wire
+
+TASKS, ROUNDS = 15, 2
+REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_DB = 12
+
+
+@pytest.fixture
+def targets(pg_url: str) -> Iterator[dict[str, tuple[Broker, Target]]]:
+    brokers: dict[str, Broker] = {
+        "pgq": PgqBroker(pg_url),
+        "pgq-async": PgqBroker(pg_url, "pgq-async", {"durable_publish": False}),
+        "redis": RedisBroker(REDIS_URL, REDIS_DB),
+    }
+    if brokers["redis"].check() is not None:
+        del brokers["redis"]  # (no Redis here: pgq alone)
+    # A fresh schema each time: a process migrates a schema once, and a test's
+    # teardown drops it.
+    run = uuid.uuid4().hex[:8]
+    made = {name: (b, b.setup(f"{run}_{name.replace('-', '_')}")) for name, b in brokers.items()}
+    yield made
+    for broker, target in made.values():
+        broker.teardown(target)
+
+
+def test_every_publish_is_timed_at_every_depth(
+    targets: dict[str, tuple[Broker, Target]], pg_url: str
+) -> None:
+    found = measure({name: t for name, (_, t) in targets.items()}, TASKS, ROUNDS)
+    assert set(found) == set(targets)
+    for name, layers in found.items():
+        assert layers.published == TASKS * ROUNDS
+        s = layers.seconds
+        assert [len(s[d]) for d in ("apply_async", "call", "wire")] == [TASKS * ROUNDS] * 3
+        for total, call, trips in zip(s["apply_async"], s["call"], s["wire"], strict=True):
+            # Each depth is inside the one above it, and every publish made a round trip.
+            assert 0 < trips <= call <= total, (name, total, call, trips)
+        summary = layers.summary()
+        assert summary["python_in_call_us"] > 0 and summary["outside_call_us"] > 0
+        assert summary["rate"] > 0
+    # The publishes timed are real: every one is in its broker (and the untimed first).
+    for name, (_, target) in targets.items():
+        if name.startswith("pgq"):
+            schema = sql.Identifier(target.transport_options["schema"])
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                query = sql.SQL("SELECT count(*) FROM {}.message WHERE queue = %s").format(schema)
+                [(count,)] = conn.execute(query, (target.queue,)).fetchall()
+        else:
+            count = redis.Redis.from_url(target.broker_url).llen(target.queue)
+        assert count == TASKS * ROUNDS + 1, name
+
+
+def test_nothing_stays_patched(targets: dict[str, tuple[Broker, Target]]) -> None:
+    before = (Producer._publish, wire.run_apart, wire.Statement.execute, store.run_apart)
+    measure({name: t for name, (_, t) in targets.items()}, 2, 1)
+    after = (Producer._publish, wire.run_apart, wire.Statement.execute, store.run_apart)
+    assert after == before
+
+
+def test_a_round_trip_outside_any_publish_is_not_counted() -> None:
+    layers = Layers()
+    layers.seconds = {"apply_async": [3.0, 5.0, 4.0], "call": [2.0, 3.0, 2.5],
+                      "wire": [1.0, 1.0, 2.0]}
+    layers.published, layers.elapsed = 3, 12.0
+    summary = layers.summary()
+    assert summary["apply_async_us"] == 4.0e6
+    assert summary["python_in_call_us"] == 1.0e6  # medians of 1.0, 2.0, 0.5
+    assert summary["outside_call_us"] == 1.5e6  # of 1.0, 2.0, 1.5
+    assert summary["rate"] == 0.25
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [(["--brokers", "pgq,rabbitmq"], "rabbitmq"), (["--tasks", "0"], "at least 1")],
+)
+def test_bad_arguments_are_named(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_the_command_prints_a_row_per_broker(
+    pg_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--brokers", "pgq", "--tasks", "3", "--rounds", "1", "--pg-url", pg_url]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:2] == ["broker", "publish/s"]
+    assert rows[1].split()[0] == "pgq" and len(rows[1].split()) == 7
