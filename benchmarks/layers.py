@@ -32,12 +32,11 @@ from statistics import median
 from typing import Any
 
 import redis.client
-from kombu.messaging import Producer
 
 from benchmarks.app import DRAIN, TASK_NAME, make_app
-from benchmarks.brokers import default_pg_url, patched_environ
-from benchmarks.phases import in_turn
-from benchmarks.targets import Broker, PgqBroker, RedisBroker, RedisFsyncBroker, Target
+from benchmarks.brokers import default_pg_url, make_brokers, patched_environ
+from benchmarks.phases import broker_call_clock, in_turn
+from benchmarks.targets import Broker, Target
 from pg_transport import store, wire
 
 __all__ = ["Layers", "main", "measure"]
@@ -99,24 +98,23 @@ class _Clock:
 
 
 @contextlib.contextmanager
-def _clocks() -> Iterator[tuple[_Clock, _Clock]]:
-    """Clocks on kombu's ``Producer._publish`` and on the brokers' round trips, while
-    this is open."""
-    call, trips = _Clock(), _Clock()
-    patched: list[tuple[Any, str, Any]] = [
-        (Producer, "_publish", call),
-        (wire, "run_apart", trips),
-        (wire.Statement, "execute", trips),
-        (redis.client.Redis, "execute_command", trips),
+def _round_trip_clock() -> Iterator[_Clock]:
+    """A clock on the brokers' round trips (pgq's statements through libpq, redis-py's
+    commands), while this is open."""
+    trips = _Clock()
+    patched: list[tuple[Any, str]] = [
+        (wire, "run_apart"),
+        (wire.Statement, "execute"),
+        (redis.client.Redis, "execute_command"),
     ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
     # pg_transport.store imported run_apart by name: that name is the one it calls.
     originals.append((store, "run_apart", getattr(store, "run_apart")))  # noqa: B009
     try:
-        for owner, name, clock in patched:
-            setattr(owner, name, clock.wrap(getattr(owner, name)))
+        for owner, name in patched:
+            setattr(owner, name, trips.wrap(getattr(owner, name)))
         setattr(store, "run_apart", wire.run_apart)  # noqa: B010
-        yield call, trips
+        yield trips
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
@@ -131,24 +129,23 @@ def _publisher(target: Target) -> Callable[[int], None]:
 def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, Layers]:
     """Publish ``tasks`` a round through each target, ``rounds`` times, in turn."""
     found = {name: Layers() for name in targets}
-    with contextlib.ExitStack() as stack:
-        publishers: dict[str, Callable[[int], None]] = {}
-        for name, target in targets.items():
-            with patched_environ(target.env):
-                publishers[name] = _publisher(target)
-                publishers[name](0)  # connect, declare, migrate: not measured
-        call, trips = stack.enter_context(_clocks())
+    publishers: dict[str, Callable[[int], None]] = {}
+    for name, target in targets.items():
+        with patched_environ(target.env):
+            publishers[name] = _publisher(target)
+            publishers[name](0)  # connect, declare, migrate: not measured
+    with broker_call_clock() as in_call, _round_trip_clock() as trips:
         for turn in range(rounds):
             for name in in_turn(list(targets), turn):
                 layers, publish = found[name], publishers[name]
                 with patched_environ(targets[name].env):
-                    call.take(), trips.take()
+                    trips.take()
                     began = time.perf_counter()
                     for seq in range(tasks):
-                        start = time.perf_counter()
+                        start, call_before = time.perf_counter(), in_call()
                         publish(seq + 1)
                         layers.seconds["apply_async"].append(time.perf_counter() - start)
-                        layers.seconds["call"].append(call.take())
+                        layers.seconds["call"].append(in_call() - call_before)
                         layers.seconds["wire"].append(trips.take())
                     layers.elapsed += time.perf_counter() - began
                     layers.published += tasks
@@ -156,13 +153,9 @@ def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, La
 
 
 def _brokers(args: argparse.Namespace) -> dict[str, Broker]:
-    every: dict[str, Broker] = {
-        "pgq": PgqBroker(args.pg_url),
-        "pgq-async": PgqBroker(args.pg_url, "pgq-async", {"durable_publish": False}),
-        "redis": RedisBroker(args.redis_url, args.redis_db),
-        "redis-fsync": RedisFsyncBroker(),
-    }
-    return {name: every[name] for name in args.brokers}
+    """The brokers named, made as the broker benchmark makes them."""
+    chosen = argparse.Namespace(**{**vars(args), "brokers": ",".join(args.brokers)})
+    return {broker.name: broker for broker in make_brokers(chosen)}
 
 
 def _brokers_arg(text: str) -> list[str]:
@@ -196,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-db", type=int, default=13,
                         help="Redis db of the Redis broker (flushed; default 13)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
+    # What make_brokers asks of the brokers this benchmark does not offer (RabbitMQ) or
+    # leaves as they are by default (Redis-fsync's data in the temporary directory).
+    parser.set_defaults(redis_fsync_dir=None, amqp_url="")
     return parser.parse_args(argv)
 
 

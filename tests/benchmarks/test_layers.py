@@ -16,22 +16,19 @@ from kombu.messaging import Producer
 from psycopg import sql
 
 import pg_transport.store as store
-from benchmarks.layers import Layers, main, measure, parse_args
-from benchmarks.targets import Broker, PgqBroker, RedisBroker, Target
+from benchmarks.layers import Layers, _brokers, main, measure, parse_args
+from benchmarks.targets import Broker, Target
 from pg_transport import wire
 
 TASKS, ROUNDS = 15, 2
-REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_DB = 12
 
 
 @pytest.fixture
 def targets(pg_url: str) -> Iterator[dict[str, tuple[Broker, Target]]]:
-    brokers: dict[str, Broker] = {
-        "pgq": PgqBroker(pg_url),
-        "pgq-async": PgqBroker(pg_url, "pgq-async", {"durable_publish": False}),
-        "redis": RedisBroker(REDIS_URL, REDIS_DB),
-    }
+    # Made as the command makes them (a Redis database of the test's own).
+    brokers = _brokers(parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
+                                   "--redis-db", str(REDIS_DB)]))
     if brokers["redis"].check() is not None:
         del brokers["redis"]  # (no Redis here: pgq alone)
     # A fresh schema each time: a process migrates a schema once, and a test's
