@@ -71,6 +71,7 @@ class Store:
         relaxed: Connector | None = None,
         publisher: Connector | None = None,
         deliver_before_flush: bool = False,
+        publisher_flushes: bool = True,
         gate: HandoffGate | None = None,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
@@ -83,12 +84,17 @@ class Store:
         :meth:`publish` runs the ``flush_wal`` query before it returns: the message is
         on disk by then, as with any durable publish (see the ``publish`` query).
 
+        ``publisher_flushes``: whether ``publisher``'s commits wait for their WAL flush
+        (``durable_publish``, the default). Where they do not, a publish holds nobody up
+        with its wake-up inside its transaction: see ``flushes`` in :meth:`publish_on`.
+
         ``gate`` (default: a new :class:`~pg_transport.gate.HandoffGate`) decides when
         :meth:`publish` tries a hand-off."""
         self.connector = connector
         self.relaxed = relaxed or connector
         self.publisher = publisher or connector
         self.deliver_before_flush = deliver_before_flush
+        self.publisher_flushes = publisher_flushes
         self.gate = gate or HandoffGate()
         # Routes (exchange, routing key) whose last publish matched no queue.
         self._unrouted: set[tuple[str, str]] = set()
@@ -134,6 +140,7 @@ class Store:
             handed_unflushed = self.publish_on(
                 conn, queue, payload, priority=priority, delay=delay,
                 publish_key=publish_key, handoff=True, deliver_unflushed=unflushed,
+                flushes=self.publisher_flushes,
             )
             return None, handed_unflushed
 
@@ -190,6 +197,7 @@ class Store:
         publish_key: str | None = None,
         handoff: bool = False,
         deliver_unflushed: bool = False,
+        flushes: bool = True,
     ) -> bool:
         """Insert a message on the caller's connection, inside the caller's transaction.
 
@@ -207,6 +215,14 @@ class Store:
         statement commits on its own on a session that prepares, the try commits
         unflushed only if it hands over, and its flush is sent with it
         (:meth:`_try_then_settle`): this returns False, nothing being left to flush.
+
+        ``flushes``: whether a commit on ``conn`` waits for its WAL flush (False: a session
+        of ``durable_publish`` off). Where it does and the statement commits on its own,
+        a publish that tries no hand-off sends its wake-up as a transaction of its own
+        (:meth:`_enqueue_then_wake`); where it does not, the wake-up stays inside the
+        insert's transaction, which holds the NOTIFY lock only for a moment: one
+        transaction costs the server less than two (measured: 1.15-1.23x the publish
+        rate from 2 to 4 producers, docs/performance.md).
         """
         # In psycopg's pipeline (a caller batching its statements) results come later:
         # nothing could learn that a hand-off committed unflushed.
@@ -236,8 +252,8 @@ class Store:
             return False
         # Prepared on sessions that prepare at all (none behind a transaction pooler).
         prepare = conn.prepare_threshold is not None
-        apart = prepare and _between_transactions(conn)
-        if apart and not attempt and params["notify"]:
+        apart = _sends_apart(conn)
+        if apart and flushes and not attempt and params["notify"]:
             self._enqueue_then_wake(conn, params)
             return False
         if apart and params["deliver_unflushed"]:
@@ -561,7 +577,7 @@ class Store:
             # route that matched no queue last time (events nobody monitors, say), which
             # would only pay for it. A binding made since costs one publish its NOTIFY
             # inside its commit, as every routed publish did before settle.
-            if (unflushed and params["notify"] and prepare and _between_transactions(conn)
+            if (unflushed and params["notify"] and _sends_apart(conn)
                     and route not in self._unrouted):
                 [row], settled = self._with_settle(conn, self.wire["publish_routed"], routed)
                 if settled is not None:  # (a hand-off's flush, or every wake-up)
@@ -643,9 +659,14 @@ def _notify_room(text: str) -> int:
     return HANDOFF_LIMIT - _HANDOFF_FRAME - len(text)
 
 
-def _between_transactions(conn: psycopg.Connection[Any]) -> bool:
-    """Whether a statement on ``conn`` commits on its own (no transaction is open)."""
-    return conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+def _sends_apart(conn: psycopg.Connection[Any]) -> bool:
+    """Whether statements on ``conn`` may be sent as transactions of their own, several
+    at once (:func:`~pg_transport.wire.run_apart`): the session prepares (it is its own,
+    not a transaction pooler's) and no transaction is open on it."""
+    return (
+        conn.prepare_threshold is not None
+        and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    )
 
 
 def _fits_notify(queue: str, text: str) -> bool:

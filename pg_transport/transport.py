@@ -534,7 +534,7 @@ class Transport(virtual.Transport):
         self.store = Store(
             self.connector, self.options.schema, relaxed=self.relaxed,
             publisher=self.connector if durable else self.relaxed,
-            deliver_before_flush=durable,
+            deliver_before_flush=durable, publisher_flushes=durable,
         )
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify

@@ -72,8 +72,9 @@ WHERE taker.consumer IS NOT NULL OR %(notify)s
 -- name: publish_plain
 -- publish without the hand-off: insert one message (a retried publish with the same key
 -- is a no-op) and, if it is due now, wake the listeners of the schema's channel. Where
--- the publisher's session is its own (not behind a transaction pooler), a publish due
--- now runs enqueue and wake instead, as two transactions sent at once.
+-- the publisher's session is its own (not behind a transaction pooler) and its commits
+-- wait for their flush, a publish due now runs enqueue and wake instead, as two
+-- transactions sent at once.
 WITH inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
     VALUES (%(queue)s, %(priority)s, now() + make_interval(secs => %(delay)s),
@@ -423,15 +424,19 @@ WITH ex AS (
     LEFT JOIN taker AS k ON k.queue = t.queue
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING id, queue, priority, payload
-), woken AS (
-    SELECT pg_notify(%(channel)s, d.queue)
-    FROM (SELECT DISTINCT i.queue FROM inserted AS i
-          WHERE NOT EXISTS (SELECT 1 FROM taker AS k WHERE k.queue = i.queue)) AS d
-    WHERE %(notify)s AND NOT %(settle_follows)s
 ), handed AS (
-    SELECT pg_notify(%(handoff_prefix)s || k.consumer,
-                     json_build_array(i.id, i.queue, i.priority, i.payload)::text)
+    SELECT i.queue, pg_notify(%(handoff_prefix)s || k.consumer,
+                              json_build_array(i.id, i.queue, i.priority, i.payload)::text)
     FROM inserted AS i JOIN taker AS k ON k.queue = i.queue
+), unhanded AS (
+    -- Every matched queue whose copy was not handed over, inserted now or found there:
+    -- a publish sent again after its session was lost finds its copies committed, and
+    -- their wake-up may have been lost with that session (settle's, or a listener's
+    -- missed). At worst a wake-up too many.
+    SELECT t.queue FROM targets AS t WHERE t.queue NOT IN (SELECT queue FROM handed)
+), woken AS (
+    SELECT pg_notify(%(channel)s, u.queue) FROM unhanded AS u
+    WHERE %(notify)s AND NOT %(settle_follows)s
 )
 SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets),
        (SELECT count(*) FROM woken) + (SELECT count(*) FROM handed),
@@ -442,7 +447,7 @@ SELECT (SELECT type FROM ex), (SELECT count(*) FROM targets),
        %(settle_follows)s AND set_config(
            'pg_transport.settle',
            CASE WHEN (SELECT count(*) FROM handed) = 0
-                THEN coalesce((SELECT json_agg(DISTINCT i.queue) FROM inserted AS i), '[]')::text
+                THEN coalesce((SELECT json_agg(u.queue) FROM unhanded AS u), '[]')::text
                 WHEN %(deliver_unflushed)s THEN 'flush'
                 ELSE '' END,
            false

@@ -106,14 +106,13 @@ def slow_backends(peek: Peek) -> list[int]:
     return [int(pid) for (pid,) in rows]
 
 
-def wait_for_insert(peek: Peek, pid: int) -> None:
-    """Until backend ``pid`` is inside a transaction that inserted into the message table
-    (its lock on the table is held until its commit, flush included, is done)."""
-    peek.wait_until(
-        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND mode = 'RowExclusiveLock'"
-        " AND relation = '{schema}.message'::regclass)", pid,
-        failure="the publish never inserted",
-    )
+def wait_for_insert(peek: Peek, pid: int) -> str:
+    """Until backend ``pid`` has inserted (it has a transaction id, given at its first
+    write; its commit, flush included, follows at once): that transaction's id. (Its
+    lock on the message table would not do: the PREPARE of a statement takes it too.)"""
+    peek.wait_for_backend(pid, "backend_xid IS NOT NULL", "the publish never inserted")
+    [(xid,)] = peek("SELECT backend_xid::text FROM pg_stat_activity WHERE pid = %s", pid)
+    return str(xid)
 
 
 def publishing(store: Store, took: dict[str, float], **kwargs: object) -> threading.Thread:
@@ -208,6 +207,31 @@ def test_a_failed_insert_raises_and_its_session_serves_the_next_publish(
     assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
 
 
+@pytest.fixture
+def unflushed(pg_url: str, store: Store) -> Iterator[Store]:
+    """A publisher as ``durable_publish`` off makes it: its sessions commit without
+    waiting for their flush."""
+    connector = Connector(pg_url, setup=("SET synchronous_commit = off",))
+    publisher = Store(connector, store.schema, publisher_flushes=False, gate=never_trying())
+    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
+    yield publisher
+    connector.close()
+
+
+def test_with_no_flush_to_wait_for_the_wake_up_is_inside_the_insert_s_transaction(
+    unflushed: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    unflushed.gate.tried("bad", handed=False)
+    unflushed.gate.tried("good", handed=False)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        unflushed.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
+    unflushed.publish("good", PAYLOAD)
+    # One transaction: the failed insert's wake-up went with it (sent as a transaction
+    # of its own, it would have come first; see the test above this one).
+    assert [wake.payload for wake in listener.notifies(timeout=10.0, stop_after=1)] == ["good"]
+    assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
+
+
 def test_a_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consumers(
     slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
@@ -238,4 +262,28 @@ def test_a_try_cut_off_in_its_commit_is_published_and_wakes_its_consumers(
     assert pid not in slow_backends(peek)
     # The wake-up after it was lost with the session, and sent again on another.
     assert peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'") == [(2,)]
+    assert received(listener) == "q"
+
+
+def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consumers(
+    slow_trying: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    slow_trying.declare_exchange("tasks", "direct")
+    slow_trying.bind("tasks", "q", "k", "")
+    [pid] = slow_backends(peek)
+    outcome: list[tuple[str | None, int]] = []
+    thread = threading.Thread(target=lambda: outcome.append(
+        slow_trying.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
+    ))
+    thread.start()
+    xid = wait_for_insert(peek, pid)  # its commit now waits out the slow flush
+    peek("SELECT pg_terminate_backend(%s)", pid)
+    thread.join()
+    assert outcome == [("direct", 1)]  # it returned, sent again on another session
+    assert pid not in slow_backends(peek)
+    # The cut-off transaction committed its copy (a commit under way is not stopped),
+    # and its wake-up, sent after it, was lost with the session: the publish sent again
+    # inserted nothing and woke the queue's listeners all the same.
+    assert peek("SELECT xmin::text FROM {schema}.message WHERE queue = 'q' AND publish_key"
+                " = md5('once' || 'q')") == [(xid,)]
     assert received(listener) == "q"
