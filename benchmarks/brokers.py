@@ -404,6 +404,21 @@ def run_round(run: Run, brokers: list[Broker], round_number: int) -> dict[str, d
     return results
 
 
+def in_rounds(
+    run: Run,
+    brokers: list[Broker],
+    one_round: Callable[[Run, list[Broker], int], dict[str, dict[str, Any]]],
+) -> list[dict[str, dict[str, Any]]]:
+    """``one_round(run, brokers, number)`` for each of ``--rounds`` rounds, the brokers
+    in reverse order every other round: its results, round by round."""
+    rounds = []
+    for number in range(run.args.rounds):
+        if run.args.rounds > 1:
+            run.say(f"round {number + 1} of {run.args.rounds}")
+        rounds.append(one_round(run, brokers[::-1] if number % 2 else brokers, number + 1))
+    return rounds
+
+
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
     # Read-only queries; --no-optional-locks keeps git from refreshing the index.
     return subprocess.run(
@@ -457,27 +472,44 @@ def save(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def show(run: Run, report: dict[str, Any], table: str, default_path: Path) -> None:
+    """Save the report (``--output``, else ``default_path``; not with ``--no-save``),
+    print the table, and the JSON too with ``--json``."""
+    args = run.args
+    if not args.no_save:
+        path = args.output or default_path
+        save(report, path)
+        run.say(f"saved {path}")
+    print(table, file=run.out, flush=True)
+    if args.json:
+        print(json.dumps(report, indent=2), flush=True)
+
+
 def sink_unreachable(args: argparse.Namespace) -> str | None:
     return RedisBroker(args.redis_url, args.sink_db).check()
 
 
-def main(argv: list[str] | None = None) -> int:
+def begin(argv: list[str] | None) -> Run | None:
+    """The run the arguments ask for; None (the reason printed) where the timing sink
+    does not answer."""
     args = parse_args(argv)
     reason = sink_unreachable(args)
     if reason:
         print(f"cannot run: the timing sink needs Redis. {reason}", file=sys.stderr)
+        return None
+    return Run(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    run = begin(argv)
+    if run is None:
         return 2
-    run = Run(args)
+    args = run.args
     started = dt.datetime.now(dt.timezone.utc)
     # Before the run: the load other work puts on the machine, not the benchmark's own.
     config = {**build_config(args), **host_info(), **code_version()}
     brokers_in_order = make_brokers(args)
-    rounds: list[dict[str, dict[str, Any]]] = []
-    for number in range(args.rounds):
-        order = brokers_in_order[::-1] if number % 2 else brokers_in_order
-        if args.rounds > 1:
-            run.say(f"round {number + 1} of {args.rounds}")
-        rounds.append(run_round(run, order, number + 1))
+    rounds = in_rounds(run, brokers_in_order, run_round)
     brokers = combine(rounds, [broker.name for broker in brokers_in_order])
     pgbench: dict[str, Any] = {"status": "skipped", "reason": "--pgbench-seconds 0"}
     if args.pgbench_seconds > 0:
@@ -497,13 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_to_pgbench": pgbench_ratios(brokers, pgbench),
         "ratio_meaning": RATIO_MEANING,
     }
-    if not args.no_save:
-        path = args.output or RESULTS / f"{run.stamp}.json"
-        save(report, path)
-        run.say(f"saved {path}")
-    print(format_report(report), file=run.out, flush=True)
-    if args.json:
-        print(json.dumps(report, indent=2), flush=True)
+    show(run, report, format_report(report), RESULTS / f"{run.stamp}.json")
     return 1 if any(b["status"] == "failed" for b in brokers.values()) else 0
 
 

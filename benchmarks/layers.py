@@ -39,7 +39,7 @@ from benchmarks.phases import broker_call_clock, in_turn
 from benchmarks.targets import Broker, Target
 from pg_transport import store, wire
 
-__all__ = ["Layers", "main", "measure"]
+__all__ = ["Layers", "main", "measure", "publisher"]
 
 BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync")
 DEPTHS = ("apply_async", "call", "wire")
@@ -120,7 +120,8 @@ def _round_trip_clock() -> Iterator[_Clock]:
             setattr(owner, name, original)
 
 
-def _publisher(target: Target) -> Callable[[int], None]:
+def publisher(target: Target) -> Callable[[int], None]:
+    """``publish(seq)``: one drain task through ``target`` with ``apply_async``."""
     app = make_app(target.broker_url, target.queue, target.transport_options)
     task = app.tasks[TASK_NAME]
     return lambda seq: task.apply_async((DRAIN, seq, 0.0))
@@ -132,7 +133,7 @@ def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, La
     publishers: dict[str, Callable[[int], None]] = {}
     for name, target in targets.items():
         with patched_environ(target.env):
-            publishers[name] = _publisher(target)
+            publishers[name] = publisher(target)
             publishers[name](0)  # connect, declare, migrate: not measured
     with broker_call_clock() as in_call, _round_trip_clock() as trips:
         for turn in range(rounds):
@@ -152,7 +153,7 @@ def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, La
     return found
 
 
-def _brokers(args: argparse.Namespace) -> dict[str, Broker]:
+def brokers(args: argparse.Namespace) -> dict[str, Broker]:
     """The brokers named, made as the broker benchmark makes them."""
     chosen = argparse.Namespace(**{**vars(args), "brokers": ",".join(args.brokers)})
     return {broker.name: broker for broker in make_brokers(chosen)}
@@ -168,7 +169,21 @@ def _brokers_arg(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
+def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The brokers to publish through and where they are (``--brokers``, a subset of
+    :data:`BROKERS`), as :func:`brokers` takes them."""
+    parser.add_argument("--brokers", type=_brokers_arg, default=["pgq", "pgq-async", "redis"],
+                        help=f"subset of {','.join(BROKERS)} (default pgq,pgq-async,redis)")
+    parser.add_argument("--pg-url", default=default_pg_url(), help="Postgres for pgq (libpq URL)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis server")
+    parser.add_argument("--redis-db", type=int, default=13,
+                        help="Redis db of the Redis broker (flushed; default 13)")
+    # What make_brokers asks of the brokers this benchmark does not offer (RabbitMQ) or
+    # leaves as they are by default (Redis-fsync's data in the temporary directory).
+    parser.set_defaults(redis_fsync_dir=None, amqp_url="")
+
+
+def positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -179,19 +194,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.layers", description=(__doc__ or "").split("\n")[0]
     )
-    parser.add_argument("--brokers", type=_brokers_arg, default=["pgq", "pgq-async", "redis"],
-                        help=f"subset of {','.join(BROKERS)} (default pgq,pgq-async,redis)")
-    parser.add_argument("--tasks", type=_positive, default=3000,
+    add_broker_arguments(parser)
+    parser.add_argument("--tasks", type=positive, default=3000,
                         help="publishes a round (default 3000)")
-    parser.add_argument("--rounds", type=_positive, default=3, help="rounds (default 3)")
-    parser.add_argument("--pg-url", default=default_pg_url(), help="Postgres for pgq (libpq URL)")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis server")
-    parser.add_argument("--redis-db", type=int, default=13,
-                        help="Redis db of the Redis broker (flushed; default 13)")
+    parser.add_argument("--rounds", type=positive, default=3, help="rounds (default 3)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
-    # What make_brokers asks of the brokers this benchmark does not offer (RabbitMQ) or
-    # leaves as they are by default (Redis-fsync's data in the temporary directory).
-    parser.set_defaults(redis_fsync_dir=None, amqp_url="")
     return parser.parse_args(argv)
 
 
@@ -206,25 +213,33 @@ def format_table(summaries: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    brokers = _brokers(args)
-    unusable = {name: reason for name, b in brokers.items() if (reason := b.check())}
+@contextlib.contextmanager
+def targets_of(args: argparse.Namespace) -> Iterator[dict[str, Target]]:
+    """The brokers ``args`` names that answer (the others skipped, the reason printed),
+    each set up for this run, by name; torn down on the way out."""
+    made = brokers(args)
+    unusable = {name: reason for name, b in made.items() if (reason := b.check())}
     for name, reason in unusable.items():
         print(f"[{name}] skipped: {reason}", file=sys.stderr)
     run_id = uuid.uuid4().hex[:10]
     targets: dict[str, Target] = {}
     try:
-        for name, broker in brokers.items():
+        for name, broker in made.items():
             if name not in unusable:
                 targets[name] = broker.setup(f"{run_id}_{name.replace('-', '_')}")
+        yield targets
+    finally:
+        for name, target in targets.items():
+            made[name].teardown(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with targets_of(args) as targets:
         summaries = {
             name: layers.summary()
             for name, layers in measure(targets, args.tasks, args.rounds).items()
         }
-    finally:
-        for name, target in targets.items():
-            brokers[name].teardown(target)
     print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
     return 0
 

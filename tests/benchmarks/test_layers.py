@@ -16,7 +16,7 @@ from kombu.messaging import Producer
 from psycopg import sql
 
 import pg_transport.store as store
-from benchmarks.layers import Layers, _brokers, main, measure, parse_args
+from benchmarks.layers import Layers, brokers, main, measure, parse_args
 from benchmarks.targets import Broker, Target
 from pg_transport import wire
 
@@ -27,14 +27,14 @@ REDIS_DB = 12
 @pytest.fixture
 def targets(pg_url: str) -> Iterator[dict[str, tuple[Broker, Target]]]:
     # Made as the command makes them (a Redis database of the test's own).
-    brokers = _brokers(parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
-                                   "--redis-db", str(REDIS_DB)]))
-    if brokers["redis"].check() is not None:
-        del brokers["redis"]  # (no Redis here: pgq alone)
+    chosen = brokers(parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
+                                 "--redis-db", str(REDIS_DB)]))
+    if chosen["redis"].check() is not None:
+        del chosen["redis"]  # (no Redis here: pgq alone)
     # A fresh schema each time: a process migrates a schema once, and a test's
     # teardown drops it.
     run = uuid.uuid4().hex[:8]
-    made = {name: (b, b.setup(f"{run}_{name.replace('-', '_')}")) for name, b in brokers.items()}
+    made = {name: (b, b.setup(f"{run}_{name.replace('-', '_')}")) for name, b in chosen.items()}
     yield made
     for broker, target in made.values():
         broker.teardown(target)
