@@ -1,7 +1,7 @@
 """The stream benchmark runs every task it publishes once, with a real worker running
 alongside the producer, and says why a broker has no numbers.
 
-Small (a few dozen tasks, pgq alone), so it runs with the default tests where the
+Small (150 tasks, pgq alone), so it runs with the default tests where the
 timing sink's Redis answers.
 """
 
@@ -16,7 +16,7 @@ import redis
 
 from benchmarks.stream import main, summarize
 
-TASKS = 40
+TASKS = 150
 
 
 @pytest.fixture(autouse=True)
