@@ -20,7 +20,7 @@ from benchmarks.layers import brokers
 from benchmarks.producers import Burst, burst, cpu_ticks, main, measure, parse_args, purge
 from benchmarks.targets import Target
 
-PRODUCERS, TASKS = 3, 5
+PRODUCERS, TASKS = 3, 40  # ~60 ms of publishing each: a late-scheduled producer still overlaps
 
 
 @pytest.fixture
