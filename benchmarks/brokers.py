@@ -42,6 +42,7 @@ from benchmarks.pgbench import run_pgbench
 from benchmarks.phases import (
     PhaseError,
     drain,
+    in_turn,
     latency_interleaved,
     probe,
     publish_interleaved,
@@ -415,7 +416,7 @@ def in_rounds(
     for number in range(run.args.rounds):
         if run.args.rounds > 1:
             run.say(f"round {number + 1} of {run.args.rounds}")
-        rounds.append(one_round(run, brokers[::-1] if number % 2 else brokers, number + 1))
+        rounds.append(one_round(run, list(in_turn(brokers, number)), number + 1))
     return rounds
 
 

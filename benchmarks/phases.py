@@ -9,15 +9,17 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Task
 from kombu.messaging import Producer
 
 from benchmarks.app import LATENCY, Sink
 from benchmarks.worker import Worker
+
+T = TypeVar("T")
 
 __all__ = [
     "PhaseError",
@@ -71,10 +73,11 @@ def broker_call_clock() -> Iterator[Callable[[], float]]:
         Producer._publish = original  # type: ignore[method-assign]
 
 
-def in_turn(names: list[str], turn: int) -> Iterator[str]:
-    """The order the brokers go in on pass ``turn``: as listed, reversed every other
-    pass, so that no broker always goes first (right after the others' work)."""
-    return iter(names) if turn % 2 == 0 else reversed(names)
+def in_turn(brokers: Sequence[T], turn: int) -> Iterator[T]:
+    """The order the brokers (their names, or the brokers) go in on pass ``turn``: as
+    listed, reversed every other pass, so that no broker always goes first (right after
+    the others' work)."""
+    return iter(brokers) if turn % 2 == 0 else reversed(brokers)
 
 
 def publish_interleaved(
