@@ -86,18 +86,6 @@ def test_a_round_trip_outside_any_publish_is_not_counted() -> None:
     assert summary["rate"] == 0.25
 
 
-@pytest.mark.parametrize(
-    ("argv", "named"),
-    [(["--brokers", "pgq,rabbitmq"], "rabbitmq"), (["--tasks", "0"], "at least 1")],
-)
-def test_bad_arguments_are_named(
-    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit):
-        parse_args(argv)
-    assert named in capsys.readouterr().err
-
-
 def test_the_command_prints_a_row_per_broker(
     pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

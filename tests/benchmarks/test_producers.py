@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
 from psycopg import sql
 
+from benchmarks import layers
 from benchmarks.layers import brokers
 from benchmarks.producers import Burst, burst, cpu_ticks, main, measure, parse_args, purge
 from benchmarks.targets import Target
@@ -88,15 +89,23 @@ def test_a_rate_is_every_publish_over_the_first_start_to_the_last_end() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "named"),
-    [(["--producers", "2,0"], "at least 1"), (["--producers", "two"], "whole numbers"),
-     (["--producers", ","], "no producer count"), (["--brokers", "rabbitmq"], "rabbitmq")],
+    ("parse", "argv", "named"),
+    [(parse_args, ["--producers", "2,0"], "at least 1"),
+     (parse_args, ["--producers", "two"], "whole numbers"),
+     (parse_args, ["--producers", ","], "no producer count"),
+     (parse_args, ["--brokers", "rabbitmq"], "rabbitmq"),
+     # benchmarks.layers, whose broker arguments the producers command takes
+     (layers.parse_args, ["--brokers", "pgq,rabbitmq"], "rabbitmq"),
+     (layers.parse_args, ["--tasks", "0"], "at least 1")],
+    ids=["producers-zero", "producers-word", "producers-none", "producers-broker",
+         "layers-broker", "layers-tasks"],
 )
 def test_bad_arguments_are_named(
-    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+    parse: Callable[[list[str]], object], argv: list[str], named: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
-        parse_args(argv)
+        parse(argv)
     assert named in capsys.readouterr().err
 
 
