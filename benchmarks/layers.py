@@ -35,7 +35,7 @@ import redis.client
 
 from benchmarks.app import DRAIN, TASK_NAME, make_app
 from benchmarks.brokers import default_pg_url, make_brokers, patched_environ
-from benchmarks.phases import broker_call_clock, in_turn
+from benchmarks.phases import Clock, broker_call_clock, in_turn
 from benchmarks.targets import Broker, Target
 from pg_transport import store, wire
 
@@ -71,37 +71,11 @@ class Layers:
         return found
 
 
-class _Clock:
-    """Time spent inside the wrapped functions since the last :meth:`take`."""
-
-    def __init__(self) -> None:
-        self.spent = 0.0
-        self.depth = 0
-
-    def take(self) -> float:
-        spent, self.spent = self.spent, 0.0
-        return spent
-
-    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self.depth:  # (called inside another timed call: counted there)
-                return function(*args, **kwargs)
-            self.depth += 1
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - start
-                self.depth -= 1
-
-        return timed
-
-
 @contextlib.contextmanager
-def _round_trip_clock() -> Iterator[_Clock]:
+def _round_trip_clock() -> Iterator[Clock]:
     """A clock on the brokers' round trips (pgq's statements through libpq, redis-py's
     commands), while this is open."""
-    trips = _Clock()
+    trips = Clock()
     patched: list[tuple[Any, str]] = [
         (wire, "run_apart"),
         (wire.Statement, "execute"),

@@ -22,6 +22,7 @@ from benchmarks.worker import Worker
 T = TypeVar("T")
 
 __all__ = [
+    "Clock",
     "PhaseError",
     "broker_call_clock",
     "drain",
@@ -44,6 +45,33 @@ class PhaseError(RuntimeError):
     """A phase could not produce its measurement (timeout, dead worker)."""
 
 
+class Clock:
+    """Time spent inside the functions it wraps since the last :meth:`take`; a call
+    made inside another wrapped call is counted once, in the outer one."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.depth = 0
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:  # (called inside another timed call: counted there)
+                return function(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - start
+                self.depth -= 1
+
+        return timed
+
+
 @contextmanager
 def broker_call_clock() -> Iterator[Callable[[], float]]:
     """Seconds spent inside kombu's ``Producer._publish`` while this is open.
@@ -55,20 +83,11 @@ def broker_call_clock() -> Iterator[Callable[[], float]]:
     (Celery building the task message, kombu serializing it) is the same code for
     every broker. Yields a function returning the seconds counted so far.
     """
-    spent = 0.0
+    clock = Clock()
     original = Producer._publish
-
-    def timed(self: Producer, *args: Any, **kwargs: Any) -> Any:
-        nonlocal spent
-        start = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            spent += time.perf_counter() - start
-
-    Producer._publish = timed  # type: ignore[method-assign]
+    Producer._publish = clock.wrap(original)  # type: ignore[method-assign]
     try:
-        yield lambda: spent
+        yield lambda: clock.spent
     finally:
         Producer._publish = original  # type: ignore[method-assign]
 
