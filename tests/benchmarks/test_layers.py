@@ -6,7 +6,6 @@ the test Postgres, and the local Redis where one answers.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import psycopg
@@ -16,8 +15,8 @@ from kombu.messaging import Producer
 from psycopg import sql
 
 import pg_transport.store as store
-from benchmarks.layers import Layers, brokers, main, measure, parse_args
-from benchmarks.targets import Broker, Target
+from benchmarks.layers import Layers, main, measure, parse_args, targets_of
+from benchmarks.targets import Target
 from pg_transport import wire
 
 TASKS, ROUNDS = 15, 2
@@ -25,25 +24,20 @@ REDIS_DB = 12
 
 
 @pytest.fixture
-def targets(pg_url: str) -> Iterator[dict[str, tuple[Broker, Target]]]:
-    # Made as the command makes them (a Redis database of the test's own).
-    chosen = brokers(parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
-                                 "--redis-db", str(REDIS_DB)]))
-    if chosen["redis"].check() is not None:
-        del chosen["redis"]  # (no Redis here: pgq alone)
-    # A fresh schema each time: a process migrates a schema once, and a test's
-    # teardown drops it.
-    run = uuid.uuid4().hex[:8]
-    made = {name: (b, b.setup(f"{run}_{name.replace('-', '_')}")) for name, b in chosen.items()}
-    yield made
-    for broker, target in made.values():
-        broker.teardown(target)
+def targets(pg_url: str) -> Iterator[dict[str, Target]]:
+    # Made as the command makes them, Redis left out where none answers (a Redis
+    # database of the test's own; fresh pgq schemas: a process migrates a schema once).
+    args = parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
+                       "--redis-db", str(REDIS_DB)])
+    with targets_of(args) as made:
+        assert {"pgq", "pgq-async"} <= set(made)  # (only Redis may be left out)
+        yield made
 
 
 def test_every_publish_is_timed_at_every_depth(
-    targets: dict[str, tuple[Broker, Target]], pg_url: str
+    targets: dict[str, Target], pg_url: str
 ) -> None:
-    found = measure({name: t for name, (_, t) in targets.items()}, TASKS, ROUNDS)
+    found = measure(targets, TASKS, ROUNDS)
     assert set(found) == set(targets)
     for name, layers in found.items():
         assert layers.published == TASKS * ROUNDS
@@ -56,7 +50,7 @@ def test_every_publish_is_timed_at_every_depth(
         assert summary["python_in_call_us"] > 0 and summary["outside_call_us"] > 0
         assert summary["rate"] > 0
     # The publishes timed are real: every one is in its broker (and the untimed first).
-    for name, (_, target) in targets.items():
+    for name, target in targets.items():
         if name.startswith("pgq"):
             schema = sql.Identifier(target.transport_options["schema"])
             with psycopg.connect(pg_url, autocommit=True) as conn:
@@ -67,9 +61,9 @@ def test_every_publish_is_timed_at_every_depth(
         assert count == TASKS * ROUNDS + 1, name
 
 
-def test_nothing_stays_patched(targets: dict[str, tuple[Broker, Target]]) -> None:
+def test_nothing_stays_patched(targets: dict[str, Target]) -> None:
     before = (Producer._publish, wire.run_apart, wire.Statement.execute, store.run_apart)
-    measure({name: t for name, (_, t) in targets.items()}, 2, 1)
+    measure(targets, 2, 1)
     after = (Producer._publish, wire.run_apart, wire.Statement.execute, store.run_apart)
     assert after == before
 

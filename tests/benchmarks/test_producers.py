@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import psycopg
@@ -17,7 +16,7 @@ import pytest
 from psycopg import sql
 
 from benchmarks import layers
-from benchmarks.layers import brokers
+from benchmarks.layers import targets_of
 from benchmarks.producers import Burst, burst, cpu_ticks, main, measure, parse_args, purge
 from benchmarks.targets import Target
 
@@ -26,11 +25,9 @@ PRODUCERS, TASKS = 3, 40  # ~60 ms of publishing each: a late-scheduled producer
 
 @pytest.fixture
 def target(pg_url: str) -> Iterator[Target]:
-    # Made as the command makes it; a fresh schema (a test's teardown drops it).
-    [broker] = brokers(parse_args(["--brokers", "pgq", "--pg-url", pg_url])).values()
-    made = broker.setup(f"{uuid.uuid4().hex[:8]}_pgq")
-    yield made
-    broker.teardown(made)
+    # Made as the command makes it; a fresh schema (dropped on the way out).
+    with targets_of(parse_args(["--brokers", "pgq", "--pg-url", pg_url])) as made:
+        yield made["pgq"]
 
 
 def queued(pg_url: str, target: Target) -> int:
