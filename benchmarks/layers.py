@@ -16,6 +16,17 @@ Python in the call around the round trips (``call`` minus ``wire``) and the rest
 ``apply_async`` (``apply_async`` minus ``call``), all in µs; and the publish rate. Set
 against each other, they say what a gap in publish rate is made of: the durable
 commit's WAL flush shows as ``wire`` of ``pgq`` minus ``wire`` of ``pgq-async``.
+
+Two lines under the table bound what any change to pgq's Python could win:
+
+- ``without python``: each broker's ``apply_async`` with the Python of its broker call
+  (kombu's and the transport's) taking no time, call by call (``apply_async`` minus
+  ``call`` plus ``wire``), as a publish rate ÷ Redis's. Below 1, no client code
+  reaches Redis's rate: the round trips alone are slower than Redis's whole call.
+- ``pgq's INSERT through pgbench``: the ``enqueue`` statement a publish sends, with a
+  message this run published, through pgbench (C, prepared, one connection), durable
+  and with ``synchronous_commit`` off: that statement's cost with no Python client at
+  all, next to pgq's ``wire`` (``--pgbench-seconds 0`` skips it).
 """
 
 from __future__ import annotations
@@ -31,15 +42,18 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+import psycopg
 import redis.client
+from psycopg import sql
 
 from benchmarks.app import DRAIN, TASK_NAME, make_app
 from benchmarks.brokers import default_pg_url, make_brokers, patched_environ
+from benchmarks.pgbench import run_pgq_insert
 from benchmarks.phases import Clock, broker_call_clock, in_turn
 from benchmarks.targets import Broker, Target
 from pg_transport import store, wire
 
-__all__ = ["Layers", "main", "measure", "publisher"]
+__all__ = ["Layers", "insert_floor", "main", "measure", "publisher", "without_python"]
 
 BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync")
 DEPTHS = ("apply_async", "call", "wire")
@@ -65,6 +79,10 @@ class Layers:
             "wire_us": s["wire"],
             "python_in_call_us": [c - w for c, w in zip(s["call"], s["wire"], strict=True)],
             "outside_call_us": [a - c for a, c in zip(s["apply_async"], s["call"], strict=True)],
+            # The publish had the Python of its broker call taken no time.
+            "without_python_us": [
+                a - c + w for a, c, w in zip(s["apply_async"], s["call"], s["wire"], strict=True)
+            ],
         }
         found = {name: median(values) * 1e6 for name, values in per_call.items()}
         found["rate"] = self.published / self.elapsed if self.elapsed else 0.0
@@ -127,6 +145,45 @@ def measure(targets: dict[str, Target], tasks: int, rounds: int) -> dict[str, La
     return found
 
 
+def without_python(
+    summaries: dict[str, dict[str, float]], against: str = "redis"
+) -> dict[str, float]:
+    """Each other broker's publish rate ÷ ``against``'s, had the Python of its broker
+    call taken no time (``against``'s as measured); empty without ``against``."""
+    if against not in summaries:
+        return {}
+    theirs = summaries[against]["apply_async_us"]
+    return {
+        name: theirs / found["without_python_us"]
+        for name, found in summaries.items()
+        if name != against and found["without_python_us"] > 0
+    }
+
+
+def insert_floor(
+    pg_url: str, targets: dict[str, Target], seconds: float
+) -> dict[str, dict[str, Any]]:
+    """pgq's INSERT through pgbench, durable and with ``synchronous_commit`` off, on the
+    first pgq target's schema, with the first message published there (see
+    :func:`benchmarks.pgbench.run_pgq_insert`); empty without a pgq target or with
+    ``seconds`` 0."""
+    pgq = [target for name, target in targets.items() if name.startswith("pgq")]
+    if not pgq or seconds <= 0:
+        return {}
+    target = pgq[0]
+    schema = target.transport_options["schema"]
+    query = sql.SQL("SELECT payload::text FROM {}.message WHERE queue = %s ORDER BY id LIMIT 1")
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute(query.format(sql.Identifier(schema)), (target.queue,)).fetchone()
+    if row is None:
+        return {}
+    return {
+        kind: run_pgq_insert(pg_url, schema, target.queue, row[0], seconds=seconds,
+                             durable=kind == "durable")
+        for kind in ("durable", "committed")
+    }
+
+
 def brokers(args: argparse.Namespace) -> dict[str, Broker]:
     """The brokers named, made as the broker benchmark makes them."""
     chosen = argparse.Namespace(**{**vars(args), "brokers": ",".join(args.brokers)})
@@ -172,11 +229,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=positive, default=3000,
                         help="publishes a round (default 3000)")
     parser.add_argument("--rounds", type=positive, default=3, help="rounds (default 3)")
+    parser.add_argument("--pgbench-seconds", type=float, default=3.0,
+                        help="length of each pgbench run of pgq's INSERT (0: skip them)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.pgbench_seconds < 0:
+        parser.error(f"--pgbench-seconds must be >= 0, got {args.pgbench_seconds}")
+    return args
 
 
-def format_table(summaries: dict[str, dict[str, float]]) -> str:
+def format_table(
+    summaries: dict[str, dict[str, float]],
+    ceilings: dict[str, float] | None = None,
+    floor: dict[str, dict[str, Any]] | None = None,
+) -> str:
     head = ("broker", "publish/s", "apply_async", "call", "wire", "py in call", "outside")
     keys = ("rate", "apply_async_us", "call_us", "wire_us", "python_in_call_us", "outside_call_us")
     lines = [f"{head[0]:<14}" + "".join(f"{h:>13}" for h in head[1:])]
@@ -184,6 +250,15 @@ def format_table(summaries: dict[str, dict[str, float]]) -> str:
         lines.append(f"{name:<14}" + "".join(f"{found[k]:>13.0f}" for k in keys))
     lines.append("µs per publish, medians over every call; wire: the broker's round trips "
                  "(pgq: its statements through libpq; Redis: its commands)")
+    if ceilings:
+        lines.append("without python (the broker call's Python taking no time), publish "
+                     "÷ redis: " + ", ".join(f"{n} {r:.2f}x" for n, r in ceilings.items()))
+    if floor:
+        said = [f"{kind} {found['latency_us']:.0f} µs" if found["status"] == "ok"
+                else f"{kind} {found['status']} ({found['reason']})"
+                for kind, found in floor.items()]
+        lines.append("pgq's INSERT through pgbench (one connection, prepared), per "
+                     "statement: " + ", ".join(said))
     return "\n".join(lines)
 
 
@@ -214,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
             name: layers.summary()
             for name, layers in measure(targets, args.tasks, args.rounds).items()
         }
-    print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
+        floor = insert_floor(args.pg_url, targets, args.pgbench_seconds)
+    ceilings = without_python(summaries)
+    if args.json:
+        found = {"brokers": summaries, "without_python": ceilings, "pgq_insert": floor}
+        print(json.dumps(found, indent=2))
+    else:
+        print(format_table(summaries, ceilings, floor))
     return 0
 
 

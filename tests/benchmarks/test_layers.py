@@ -15,7 +15,16 @@ from kombu.messaging import Producer
 from psycopg import sql
 
 import pg_transport.store as store
-from benchmarks.layers import Layers, main, measure, parse_args, targets_of
+from benchmarks.layers import (
+    Layers,
+    insert_floor,
+    main,
+    measure,
+    parse_args,
+    targets_of,
+    without_python,
+)
+from benchmarks.pgbench import find_pgbench
 from benchmarks.targets import Target
 from pg_transport import wire
 
@@ -77,13 +86,48 @@ def test_a_round_trip_outside_any_publish_is_not_counted() -> None:
     assert summary["apply_async_us"] == 4.0e6
     assert summary["python_in_call_us"] == 1.0e6  # medians of 1.0, 2.0, 0.5
     assert summary["outside_call_us"] == 1.5e6  # of 1.0, 2.0, 1.5
+    assert summary["without_python_us"] == 3.0e6  # of 2.0, 3.0, 3.5
     assert summary["rate"] == 0.25
+
+
+def test_without_python_compares_with_redis_as_measured() -> None:
+    found = {"redis": {"apply_async_us": 300.0, "without_python_us": 200.0},
+             "pgq": {"apply_async_us": 360.0, "without_python_us": 310.0},
+             "pgq-async": {"apply_async_us": 270.0, "without_python_us": 200.0}}
+    assert without_python(found) == {"pgq": 300.0 / 310.0, "pgq-async": 1.5}
+    assert without_python({"pgq": found["pgq"]}) == {}  # nothing to compare with
+
+
+def test_pgq_s_insert_is_run_with_a_message_the_run_published(
+    targets: dict[str, Target], pg_url: str
+) -> None:
+    if find_pgbench() is None:
+        pytest.skip("pgbench not installed")
+    measure(targets, 2, 1)
+    floor = insert_floor(pg_url, targets, 1)
+    assert set(floor) == {"durable", "committed"}
+    assert all(found["status"] == "ok" for found in floor.values()), floor
+    assert [floor[kind]["durable"] for kind in ("durable", "committed")] == [True, False]
+    # pgbench's rows went into the first pgq target's queue, each with that payload.
+    target = targets["pgq"]
+    schema = sql.Identifier(target.transport_options["schema"])
+    query = sql.SQL("SELECT count(DISTINCT payload::text), count(*) FROM {}.message "
+                    "WHERE queue = %s").format(schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        [(payloads, rows)] = conn.execute(query, (target.queue,)).fetchall()
+    assert rows > 2 + 1 + 10  # measure's publishes (and the untimed one), and pgbench's
+    # measure's three messages differ (each its own task id); pgbench copied the first.
+    assert payloads == 3
+    assert insert_floor(pg_url, targets, 0) == {}
 
 
 def test_the_command_prints_a_row_per_broker(
     pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["--brokers", "pgq", "--tasks", "3", "--rounds", "1", "--pg-url", pg_url]) == 0
+    argv = ["--brokers", "pgq", "--tasks", "3", "--rounds", "1", "--pg-url", pg_url]
+    assert main([*argv, "--pgbench-seconds", "0"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert rows[0].split()[:2] == ["broker", "publish/s"]
     assert rows[1].split()[0] == "pgq" and len(rows[1].split()) == 7
+    # Without Redis nothing to set against; without pgbench's runs no line of them.
+    assert not any(row.startswith(("without python", "pgq's INSERT")) for row in rows)
