@@ -25,12 +25,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pg_transport.sql import load_queries
+from pg_transport.sql import load_queries, substitute_parameters
 
 __all__ = ["pgbench_script", "run_pgbench", "run_pgq_insert"]
 
 _TPS = re.compile(r"^tps = ([0-9.]+)", re.MULTILINE)
-_PARAMETER = re.compile(r"%\((\w+)\)s")
 # Largest value of pgbench's random(): a fresh publish key at every INSERT.
 _KEYS = 2**62
 
@@ -66,9 +65,15 @@ def pgbench_script(query: str) -> str:
     """A pgbench script running ``query`` (psycopg's ``%(name)s`` parameters) once per
     transaction, its ``publish_key`` a new random number each time and its other
     parameters pgbench variables of the same names (``-D name=value``)."""
-    names = set(_PARAMETER.findall(query))
+    names: set[str] = set()
+
+    def variable(name: str) -> str:
+        names.add(name)
+        return f":{name}"
+
+    text = substitute_parameters(query, variable)
     draws = f"\\set publish_key random(1, {_KEYS})\n" if "publish_key" in names else ""
-    return draws + _PARAMETER.sub(r":\1", query).rstrip().rstrip(";") + ";\n"
+    return draws + text.rstrip().rstrip(";") + ";\n"
 
 
 def run_pgq_insert(

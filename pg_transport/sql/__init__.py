@@ -12,6 +12,7 @@ from pg_transport.sql.loader import (
     load_queries,
     load_schema,
     notify_channel,
+    substitute_parameters,
     to_positional,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "load_queries",
     "load_schema",
     "notify_channel",
+    "substitute_parameters",
     "to_positional",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -40,15 +41,20 @@ def to_positional(query: str) -> tuple[str, tuple[str, ...]]:
     parameter names in ``$n`` order (for statements sent without psycopg's cursor)."""
     names: list[str] = []
 
-    def number(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name is None:
-            return "%"
+    def number(name: str) -> str:
         if name not in names:
             names.append(name)
         return f"${names.index(name) + 1}"
 
-    return _PLACEHOLDER.sub(number, query), tuple(names)
+    return substitute_parameters(query, number), tuple(names)
+
+
+def substitute_parameters(query: str, render: Callable[[str], str]) -> str:
+    """A rendered query with each ``%(name)s`` placeholder as ``render(name)`` and each
+    ``%%`` as ``%``: the query in another client's notation for its parameters."""
+    return _PLACEHOLDER.sub(
+        lambda match: "%" if match.group(1) is None else render(match.group(1)), query
+    )
 
 
 def notify_channel(schema: str) -> str:
