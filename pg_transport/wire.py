@@ -22,6 +22,7 @@ import psycopg
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
+from pg_transport.params import render
 from pg_transport.sql import to_positional
 
 __all__ = ["Row", "Statement", "run_apart"]
@@ -29,6 +30,7 @@ __all__ = ["Row", "Statement", "run_apart"]
 Row = tuple["bytes | None", ...]
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_ONE_TEXT = [PyFormat.TEXT]
 
 
 class Statement:
@@ -41,11 +43,15 @@ class Statement:
         self.key = f"pgq_{name}".encode()
 
     def values(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
-        """Parameters as libpq text values (None is NULL, which libpq's types omit)."""
+        """Parameters as libpq text values (None is NULL, which libpq's types omit):
+        plain ones written directly (``params.py``), the rest by psycopg's dumpers."""
         if not self.params:
             return None  # (flush_wal, ping: nothing to dump)
-        formats = [PyFormat.TEXT] * len(self.params)
-        return _transformer(conn).dump_sequence([params[n] for n in self.params], formats)
+        ordered = [params[n] for n in self.params]
+        tx = _transformer(conn)
+        if conn.info.encoding != "utf-8":
+            return tx.dump_sequence(ordered, [PyFormat.TEXT] * len(ordered))
+        return render(ordered, lambda value: tx.dump_sequence([value], _ONE_TEXT)[0])
 
     def execute(
         self, conn: psycopg.Connection[Any], params: Mapping[str, Any], *, prepare: bool
