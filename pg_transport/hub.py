@@ -2,9 +2,11 @@
 
 Celery runs its worker on an event loop when the transport says it can. The loop
 watches three things of ours: the consumer :class:`~pg_transport.session.Session`
-(notifications and statement results), the wake-up pipe (an ack freed a prefetch slot)
-and a polling timer (delayed messages falling due, lapsed leases). Each of them ends
-in :meth:`EventLoopDrain.kick`, which puts the next claim on the wire with every
+(notifications and statement results), the wake-up pipe (an ack from a pool thread
+freed a prefetch slot; an ack on the loop's own thread, as the prefork pool makes them,
+needs no pipe: the loop's tick, before it next polls, kicks) and a polling timer
+(delayed messages falling due, lapsed leases). Each of them ends in
+:meth:`EventLoopDrain.kick`, which puts the next claim on the wire with every
 buffered ack riding on it, and returns. Its rows are handed to Celery when they
 arrive. While a claim is out, acks pile up for the next one, and a refill waits a
 moment (``REFILL_DELAY``) for more slots to free up while the worker still holds a good
@@ -28,6 +30,7 @@ nowhere, to be woken by every publish and claim each message itself.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +91,8 @@ class EventLoopDrain:
         self._in_flight: _InFlight | None = None
         self._refill_timer: Any = None
         self._refill_due = False
+        self._loop_thread = 0
+        self._kick_due = False
         #: Queues this consumer waits on (a publish may hand it a message).
         self.waiting: set[str] = set()
 
@@ -96,10 +101,13 @@ class EventLoopDrain:
         self.unregister()
         self.session.open()
         self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._kick_due = False
         transport = self.transport
         self._fds = [self.session.fileno(), transport.listener.wake_fd()]
         loop.add_reader(self._fds[0], self.on_readable)
         loop.add_reader(self._fds[1], self.on_wake)
+        loop.on_tick.add(self.on_tick)
         self._timer = loop.call_repeatedly(transport.polling_interval or 1.0, self.on_poll)
         loop.call_soon(self.kick)
 
@@ -110,6 +118,7 @@ class EventLoopDrain:
         if loop is not None:
             for fd in self._fds:
                 loop.remove(fd)
+            loop.on_tick.discard(self.on_tick)
         self._fds = []
         for timer in (self._timer, self._refill_timer):
             if timer is not None:
@@ -160,6 +169,23 @@ class EventLoopDrain:
             self.drain.release([decode_handed(text) for text in handed.handed])
 
     # -- events -------------------------------------------------------------------
+    def wake(self) -> bool:
+        """An ack freed a prefetch slot: kick before the loop next waits. Only from the
+        loop's own thread (the prefork and solo pools ack there, in callbacks the loop
+        runs), which needs no waking: :meth:`on_tick` kicks before the loop polls.
+        False from any other thread, whose caller writes the wake-up pipe."""
+        if self._loop is None or threading.get_ident() != self._loop_thread:
+            return False
+        self._kick_due = True
+        return True
+
+    def on_tick(self) -> None:
+        """Every turn of the loop, before it polls: the kick acks on its thread asked for
+        (every ack of the turn's callbacks in one statement)."""
+        if self._kick_due:
+            self._kick_due = False
+            self.kick()
+
     def on_wake(self) -> None:
         self.transport.listener.clear_wakes()
         self.kick()

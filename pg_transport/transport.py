@@ -589,7 +589,9 @@ class Transport(virtual.Transport):
         self.connector.close()
 
     def wake(self) -> None:
-        self.listener.wake()
+        """A claim may be worth making now: tell the consumer loop, whichever it is."""
+        if not self.hub.wake():
+            self.listener.wake()
 
     # -- consuming -----------------------------------------------------------
     def as_payload(self, claimed: Claimed) -> dict[str, Any]:

@@ -231,6 +231,37 @@ def test_many_acks_from_pool_threads_land_in_few_statements(
     assert len(claims) < 20
 
 
+def test_acks_on_the_loop_s_thread_land_before_it_polls_with_no_wake_up_pipe(
+    conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent, got = started(conn, hub, monkeypatch, "inline", prefetch=2, messages=6)
+    turn_until(hub, lambda: len(got) == 2 and not conn.transport.hub.session.busy)
+    listener = conn.transport.listener
+    pipe_wakes: list[int] = []
+    real_wake = listener.wake
+    monkeypatch.setattr(listener, "wake", lambda: pipe_wakes.append(1) or real_wake())
+    claims = len(sent)
+    acked = [m.delivery_info["pgq_token"][0] for m in got]
+    # As Celery's prefork and solo pools ack: in callbacks the loop runs, on its thread.
+    hub.call_soon(got[0].ack)
+    hub.call_soon(got[1].ack)
+    hub.run_once()  # runs both (in no set order), then claims before it polls
+    assert [(name, sorted(ids)) for name, ids in sent[claims:]] == [("claim", acked)]
+    assert pipe_wakes == []
+    turn_until(hub, lambda: len(got) == 4 and not conn.transport.hub.session.busy)
+    # An ack on the loop's thread between two turns: the next turn claims.
+    got[2].ack()
+    hub.run_once()
+    assert sent[-1] == ("claim", [got[2].delivery_info["pgq_token"][0]])
+    assert pipe_wakes == []
+    turn_until(hub, lambda: len(got) == 5)
+    # From any other thread an ack wakes the loop through the pipe.
+    acker = threading.Thread(target=got[3].ack)
+    acker.start()
+    acker.join()
+    assert pipe_wakes == [1]
+
+
 def test_a_claim_out_when_the_connection_closes_is_handed_back(
     broker_url: str, schema: str, hub: Hub, rows: Peek
 ) -> None:
