@@ -1,8 +1,9 @@
 """pgq's own text for statement parameters means, to the server, what psycopg's does.
 
-Every check sends the value twice to real Postgres, once as ``params.render`` writes it
-and once as psycopg's dumper does, both cast to the type the statement gives it, and
-asks the server whether they are the same value (``IS NOT DISTINCT FROM``).
+The checks of each kind of value send it twice to real Postgres, once as
+``params.render`` writes it and once as psycopg's dumper does, both cast to the type the
+statement gives it, and ask the server whether they are the same value (``IS NOT
+DISTINCT FROM``). The rest check what is left to psycopg, and what cannot be sent.
 """
 
 from __future__ import annotations
