@@ -38,7 +38,7 @@ import kombu
 from celery import Celery, Task
 
 from benchmarks.app import DRAIN, TASK_NAME, Sink, make_app
-from benchmarks.pgbench import run_pgbench
+from benchmarks.pgbench import run_pgbench, seconds
 from benchmarks.phases import (
     PhaseError,
     drain,
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--json", action="store_true", help="print the JSON result on stdout (table on stderr)")
     add("--output", type=Path, help="JSON file (default benchmarks/results/<timestamp>.json)")
     add("--no-save", action="store_true", help="do not write the JSON file")
-    add("--pgbench-seconds", type=float, default=5.0,
+    add("--pgbench-seconds", type=seconds, default=5.0,
         help="length of the pgbench single-row INSERT run (0: skip it)")
     args = parser.parse_args(argv)
     _validate(parser, args)
@@ -128,8 +128,6 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(
             "--latency-samples, --concurrency, --prefetch-multiplier and --rounds must be >= 1"
         )
-    if args.pgbench_seconds < 0:
-        parser.error(f"--pgbench-seconds must be >= 0, got {args.pgbench_seconds}")
     if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
         parser.error("--phase-timeout and --probe-timeout must be > 0, --probe-gap >= 0")
     unknown = set(args.brokers.split(",")) - set(BROKERS)

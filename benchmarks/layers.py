@@ -48,7 +48,7 @@ from psycopg import sql
 
 from benchmarks.app import DRAIN, TASK_NAME, make_app
 from benchmarks.brokers import default_pg_url, make_brokers, patched_environ
-from benchmarks.pgbench import run_pgq_insert
+from benchmarks.pgbench import run_pgq_insert, seconds
 from benchmarks.phases import Clock, broker_call_clock, in_turn
 from benchmarks.targets import Broker, Target
 from pg_transport import store, wire
@@ -229,13 +229,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=positive, default=3000,
                         help="publishes a round (default 3000)")
     parser.add_argument("--rounds", type=positive, default=3, help="rounds (default 3)")
-    parser.add_argument("--pgbench-seconds", type=float, default=3.0,
+    parser.add_argument("--pgbench-seconds", type=seconds, default=3.0,
                         help="length of each pgbench run of pgq's INSERT (0: skip them)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
-    args = parser.parse_args(argv)
-    if args.pgbench_seconds < 0:
-        parser.error(f"--pgbench-seconds must be >= 0, got {args.pgbench_seconds}")
-    return args
+    return parser.parse_args(argv)
 
 
 def format_table(

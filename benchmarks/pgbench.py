@@ -12,6 +12,7 @@ no Python client around it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -27,11 +28,19 @@ from psycopg import sql
 
 from pg_transport.sql import load_queries, substitute_parameters
 
-__all__ = ["pgbench_script", "run_pgbench", "run_pgq_insert"]
+__all__ = ["pgbench_script", "run_pgbench", "run_pgq_insert", "seconds"]
 
 _TPS = re.compile(r"^tps = ([0-9.]+)", re.MULTILINE)
 # Largest value of pgbench's random(): a fresh publish key at every INSERT.
 _KEYS = 2**62
+
+
+def seconds(text: str) -> float:
+    """A pgbench run's length on the command line: seconds, at least 0 (0 skips it)."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def find_pgbench() -> str | None:

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from benchmarks import layers
+from benchmarks import brokers, layers
 from benchmarks.layers import targets_of
 from benchmarks.producers import Burst, burst, cpu_ticks, main, measure, parse_args, purge
 from benchmarks.targets import Target
@@ -93,9 +93,12 @@ def test_a_rate_is_every_publish_over_the_first_start_to_the_last_end() -> None:
      (parse_args, ["--brokers", "rabbitmq"], "rabbitmq"),
      # benchmarks.layers, whose broker arguments the producers command takes
      (layers.parse_args, ["--brokers", "pgq,rabbitmq"], "rabbitmq"),
-     (layers.parse_args, ["--tasks", "0"], "at least 1")],
+     (layers.parse_args, ["--tasks", "0"], "at least 1"),
+     # the pgbench run's length, checked alike by both commands that take it
+     (layers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
+     (brokers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0")],
     ids=["producers-zero", "producers-word", "producers-none", "producers-broker",
-         "layers-broker", "layers-tasks"],
+         "layers-broker", "layers-tasks", "layers-pgbench-seconds", "brokers-pgbench-seconds"],
 )
 def test_bad_arguments_are_named(
     parse: Callable[[list[str]], object], argv: list[str], named: str,
