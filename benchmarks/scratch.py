@@ -60,16 +60,29 @@ class Scratch:
 
     def fill(
         self, queue: str, count: int, *, priority: int = 0, invisible: str | None = None,
-        read_ct: int = 0,
+        read_ct: int = 0, keyed: bool = False,
     ) -> None:
         """Insert ``count`` messages; ``invisible`` is an interval they stay hidden for
-        (a lease when ``read_ct`` > 0, an ETA otherwise)."""
+        (a lease when ``read_ct`` > 0, an ETA otherwise). ``keyed``: each gets a publish
+        key as the transport's publishes do (32 hex digits), else none."""
         self.sql(
-            "INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, payload)"
-            " SELECT %s, %s, now() + %s::interval, %s, %s::json"
+            "INSERT INTO {schema}.message"
+            " (queue, priority, visible_at, read_ct, publish_key, payload)"
+            " SELECT %s, %s, now() + %s::interval, %s,"
+            " CASE WHEN %s THEN md5(gen_random_uuid()::text) END, %s::json"
             " FROM generate_series(1, %s)",
-            queue, priority, invisible or "0 s", read_ct, json.dumps(CELERY_PAYLOAD), count,
+            queue, priority, invisible or "0 s", read_ct, keyed, json.dumps(CELERY_PAYLOAD),
+            count,
         )
+
+    def wal_position(self) -> str:
+        """Where the server is inserting WAL now (an LSN)."""
+        return str(self.sql("SELECT pg_current_wal_insert_lsn()")[0][0])
+
+    def wal_since(self, position: str) -> int:
+        """Bytes of WAL the server has written since ``position``, by every session."""
+        return int(self.sql("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)",
+                            position)[0][0])
 
     def consume(self, queue: str, count: int, window: int) -> int:
         """Claim and ack ``count`` messages as a worker with ``window`` prefetch slots

@@ -8,7 +8,9 @@ is made twice in fresh schemas: with pgq's own vacuuming (what a consuming worke
 ``vacuum_threshold``) and without any (autovacuum off, as on this project's CI machine).
 For each: heap and index sizes and dead rows after the first round (baseline), at the
 peak, at the end, and after one final VACUUM; the drain rate of the first and of the
-last rounds. JSON on stdout with ``--json``.
+last rounds; the WAL the server wrote per message, over the whole run and while
+draining. ``--fillfactor`` sets the message table's fill factor first (pgq's schema
+gives 50). JSON on stdout with ``--json``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 QUEUE = "health"
 
 
+def fillfactor(text: str) -> int:
+    """A fill factor as Postgres takes it for a table: a whole percentage, 10 to 100."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 10 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be between 10 and 100, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.table_health",
                                      description=__doc__.split("\n\n")[0])
@@ -36,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--window", type=int, default=16, help="prefetch window of the draining worker")
     add("--vacuum-threshold", type=int, default=None,
         help="dead rows before pgq vacuums (default: the transport's default)")
+    add("--fillfactor", type=fillfactor, default=None,
+        help="the message table's fill factor, 10-100 (default: pgq's, 50)")
     add("--pg-url", default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG).replace("pgq://",
         "postgresql://", 1))
     add("--json", action="store_true", help="JSON on stdout (table on stderr)")
@@ -56,6 +71,8 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
     threshold = args.vacuum_threshold or Options().vacuum_threshold
     rounds = args.messages // args.round
     with scratch(args.pg_url) as s:
+        if args.fillfactor is not None:
+            s.sql(f"ALTER TABLE {{schema}}.message SET (fillfactor = {args.fillfactor:d})")
         vacuumer = Vacuumer(s.store.connector, s.schema, threshold) if vacuum else None
         if vacuumer is not None:
             vacuumer.start()
@@ -63,12 +80,16 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
         peak: dict[str, Any] = {"total_bytes": 0}
         baseline: dict[str, Any] = {}
         started = time.monotonic()
+        run_wal = s.wal_position()
+        drain_wal = 0
         try:
             for n in range(rounds):
-                s.fill(QUEUE, args.round)
+                s.fill(QUEUE, args.round, keyed=True)
+                drain_from = s.wal_position()
                 t0 = time.perf_counter()
                 got = s.consume(QUEUE, args.round, args.window)
                 rates.append(got / (time.perf_counter() - t0))
+                drain_wal += s.wal_since(drain_from)
                 if got != args.round:
                     raise RuntimeError(f"round {n} drained {got} of {args.round}")
                 if n == 0:
@@ -83,6 +104,7 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
             if vacuumer is not None:
                 vacuumer.stop()
         elapsed = time.monotonic() - started
+        wal = s.wal_since(run_wal)
         time.sleep(1.1)
         end = snapshot(s)
         left = s.sql("SELECT count(*) FROM {schema}.message")[0][0]
@@ -98,6 +120,9 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
             "seconds": elapsed,
             "drain_rate_first_rounds": sum(rates[:tail]) / tail,
             "drain_rate_last_rounds": sum(rates[-tail:]) / tail,
+            # By every session of the server while this ran: its own, pgq's vacuuming.
+            "wal_bytes_per_message": wal / (rounds * args.round),
+            "drain_wal_bytes_per_message": drain_wal / (rounds * args.round),
             "baseline": baseline, "peak": peak, "end": end, "after_vacuum": after,
         }
 
@@ -107,16 +132,19 @@ def mib(n: int) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
+    factor = result["fillfactor"] or "pgq's"
     lines = [f"{result['messages_each']:,} messages per run, drained in windows of "
-             f"{result['window']}; sizes in MiB (heap + indexes)", ""]
+             f"{result['window']}, fill factor {factor}; sizes in "
+             "MiB (heap + indexes); WAL in bytes per message (all, while draining)", ""]
     lines.append(f"{'vacuum':<34}{'baseline':>9}{'peak':>9}{'end':>9}{'after':>9}"
-                 f"{'dead@end':>10}{'rate first':>12}{'rate last':>11}")
+                 f"{'dead@end':>10}{'rate first':>12}{'rate last':>11}{'WAL':>7}{'drain':>7}")
     for r in result["runs"]:
         lines.append(
             f"{r['vacuum']:<34}{mib(r['baseline']['total_bytes'])} {mib(r['peak']['total_bytes'])}"
             f" {mib(r['end']['total_bytes'])} {mib(r['after_vacuum']['total_bytes'])}"
             f"{r['end']['dead_rows']:>10}{r['drain_rate_first_rounds']:>12.0f}"
-            f"{r['drain_rate_last_rounds']:>11.0f}"
+            f"{r['drain_rate_last_rounds']:>11.0f}{r['wal_bytes_per_message']:>7.0f}"
+            f"{r['drain_wal_bytes_per_message']:>7.0f}"
         )
     return "\n".join(lines)
 
@@ -130,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         runs.append(run(args, vacuum))
     result = {"messages_each": args.messages, "round": args.round, "window": args.window,
-              "runs": runs}
+              "fillfactor": args.fillfactor, "runs": runs}
     print(format_report(result), file=out, flush=True)
     if args.json:
         print(json.dumps(result, indent=2))

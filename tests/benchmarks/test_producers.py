@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from benchmarks import brokers, layers
+from benchmarks import brokers, layers, table_health
 from benchmarks.layers import targets_of
 from benchmarks.producers import Burst, burst, cpu_ticks, main, measure, parse_args, purge
 from benchmarks.targets import Target
@@ -96,9 +96,15 @@ def test_a_rate_is_every_publish_over_the_first_start_to_the_last_end() -> None:
      (layers.parse_args, ["--tasks", "0"], "at least 1"),
      # the pgbench run's length, checked alike by both commands that take it
      (layers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
-     (brokers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0")],
+     (brokers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
+     # the message table's fill factor, as Postgres takes it
+     (table_health.parse_args, ["--fillfactor", "5"],
+      "--fillfactor: must be between 10 and 100, got 5"),
+     (table_health.parse_args, ["--fillfactor", "ninety"],
+      "--fillfactor: must be a whole number, got 'ninety'")],
     ids=["producers-zero", "producers-word", "producers-none", "producers-broker",
-         "layers-broker", "layers-tasks", "layers-pgbench-seconds", "brokers-pgbench-seconds"],
+         "layers-broker", "layers-tasks", "layers-pgbench-seconds", "brokers-pgbench-seconds",
+         "table-health-fillfactor-range", "table-health-fillfactor-word"],
 )
 def test_bad_arguments_are_named(
     parse: Callable[[list[str]], object], argv: list[str], named: str,
