@@ -53,3 +53,18 @@ def test_vacuuming_keeps_the_table_small_and_the_drain_fast(pg_url: str) -> None
         assert r["after_vacuum"]["bytes"]["heap"] == 0
     assert vacuumed["peak"]["total_bytes"] < left_alone["peak"]["total_bytes"]
     assert vacuumed["end"]["dead_rows"] < left_alone["end"]["dead_rows"]
+
+
+@pytest.mark.timeout(900)
+def test_the_fill_factor_leaves_room_for_a_claimed_row_on_its_page(pg_url: str) -> None:
+    # Full pages (100, and 90 before migration 0006) have no room for a claimed row's new
+    # version: it goes to another page with its whole ~1 kB payload in the WAL. pgq's 50
+    # keeps it on its page, and the WAL carries only what changed (docs/performance.md).
+    args = ("--messages", "20000", "--round", "10000")
+    pgqs = run("benchmarks.table_health", pg_url, *args)
+    full = run("benchmarks.table_health", pg_url, *args, "--fillfactor", "100")
+    assert pgqs["fillfactor"] is None and full["fillfactor"] == 100
+    for roomy, packed in zip(pgqs["runs"], full["runs"], strict=True):
+        assert roomy["messages_left"] == 0 and packed["messages_left"] == 0
+        assert roomy["drain_wal_bytes_per_message"] > 0
+        assert roomy["drain_wal_bytes_per_message"] < 0.6 * packed["drain_wal_bytes_per_message"]
