@@ -70,6 +70,7 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
 
     threshold = args.vacuum_threshold or Options().vacuum_threshold
     rounds = args.messages // args.round
+    messages = rounds * args.round
     with scratch(args.pg_url) as s:
         if args.fillfactor is not None:
             s.sql(f"ALTER TABLE {{schema}}.message SET (fillfactor = {args.fillfactor:d})")
@@ -115,14 +116,14 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
         return {
             "vacuum": f"pgq, threshold {threshold} dead rows" if vacuum else "none",
             "vacuums_run": vacuumer.vacuums if vacuumer is not None else 0,
-            "messages": rounds * args.round,
+            "messages": messages,
             "messages_left": int(left),
             "seconds": elapsed,
             "drain_rate_first_rounds": sum(rates[:tail]) / tail,
             "drain_rate_last_rounds": sum(rates[-tail:]) / tail,
             # By every session of the server while this ran: its own, pgq's vacuuming.
-            "wal_bytes_per_message": wal / (rounds * args.round),
-            "drain_wal_bytes_per_message": drain_wal / (rounds * args.round),
+            "wal_bytes_per_message": wal / messages,
+            "drain_wal_bytes_per_message": drain_wal / messages,
             "baseline": baseline, "peak": peak, "end": end, "after_vacuum": after,
         }
 
