@@ -85,6 +85,14 @@ def scalar_or_none(env: Env, text: str) -> Any:
     return rows[0][0] if rows else None
 
 
+def distinct_runs(env: Env) -> Any:
+    return scalar_or_none(env, "SELECT count(DISTINCT task_id) FROM {schema}.task_runs")
+
+
+def messages_left(env: Env) -> Any:
+    return scalar_or_none(env, "SELECT count(*) FROM {schema}.message")
+
+
 def publish(env: Env, total: int, label: str = "r") -> list[str]:
     client = env.client()
     with client.producer_or_acquire() as producer:
@@ -120,12 +128,9 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
         t_restart = time.monotonic()
         cluster.restart(mode)
         t_back = time.monotonic()
-        wait_for(lambda: scalar_or_none(
-            env, "SELECT count(DISTINCT task_id) FROM {schema}.task_runs") == TOTAL,
-            90, f"all {TOTAL} tasks to run")
+        wait_for(lambda: distinct_runs(env) == TOTAL, 90, f"all {TOTAL} tasks to run")
         t_all_ran = time.monotonic()
-        wait_for(lambda: scalar_or_none(env, "SELECT count(*) FROM {schema}.message") == 0,
-                 3 * VT + 30, "every message to be acked")
+        wait_for(lambda: messages_left(env) == 0, 3 * VT + 30, "every message to be acked")
         t_acked = time.monotonic()
         # The backlog may be gone before a worker is back: one whose first try came while
         # the server was still going down waits out Celery's retry interval (2 s) while
@@ -134,11 +139,10 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
         wait_for(lambda: all(reconnected(w) for w in running), 60,
                  "every worker to connect again")
         after_ids = publish(env, AFTER, label="a")
-        wait_for(lambda: scalar_or_none(
-            env, "SELECT count(DISTINCT task_id) FROM {schema}.task_runs") == TOTAL + AFTER,
-            60, f"the {AFTER} tasks published after the restart to run")
-        wait_for(lambda: scalar_or_none(env, "SELECT count(*) FROM {schema}.message") == 0,
-                 30, "the tasks published after the restart to be acked")
+        wait_for(lambda: distinct_runs(env) == TOTAL + AFTER, 60,
+                 f"the {AFTER} tasks published after the restart to run")
+        wait_for(lambda: messages_left(env) == 0, 30,
+                 "the tasks published after the restart to be acked")
         alive = {w.name: w.proc.poll() is None for w in running}
         lost = {w.name: w.output().count("Connection to broker lost") for w in running}
         failed_acks = sum(w.output().count("Couldn't ack") for w in running)
@@ -149,7 +153,7 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
     per_id = Counter(r[0] for r in runs)
     published_after = set(after_ids)
     assert set(per_id) == set(ids) | published_after, "some task never ran"
-    assert scalar_or_none(env, "SELECT count(*) FROM {schema}.message") == 0
+    assert messages_left(env) == 0
     assert scalar_or_none(env, "SELECT count(*) FROM {schema}.dead_letter") == 0
     nodes_after = {node for task_id, node in runs if task_id in published_after}
     assert len(nodes_after) == WORKERS, f"a worker did not consume after the restart: {nodes_after}"
