@@ -85,6 +85,10 @@ def scalar_or_none(env: Env, text: str) -> Any:
     return rows[0][0] if rows else None
 
 
+def runs_recorded(env: Env) -> Any:
+    return scalar_or_none(env, "SELECT count(*) FROM {schema}.task_runs")
+
+
 def distinct_runs(env: Env) -> Any:
     return scalar_or_none(env, "SELECT count(DISTINCT task_id) FROM {schema}.task_runs")
 
@@ -122,9 +126,9 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
     with workers(env, "r1", "r2", app=SOAK_APP, concurrency=CONCURRENCY,
                  environ=environ) as running:
         t_ready = time.monotonic()
-        wait_for(lambda: (scalar_or_none(env, "SELECT count(*) FROM {schema}.task_runs") or 0)
-                 >= RESTART_AFTER, 60, f"{RESTART_AFTER} runs before the restart")
-        runs_before = scalar_or_none(env, "SELECT count(*) FROM {schema}.task_runs")
+        wait_for(lambda: (runs_recorded(env) or 0) >= RESTART_AFTER, 60,
+                 f"{RESTART_AFTER} runs before the restart")
+        runs_before = runs_recorded(env)
         t_restart = time.monotonic()
         cluster.restart(mode)
         t_back = time.monotonic()
