@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from pg_transport.batching import batch
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -28,6 +29,7 @@ __all__ = [
     "Options",
     "PgqError",
     "SchemaError",
+    "batch",
 ]
 
 TRANSPORT = "pg_transport.transport:Transport"

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.types.json import Json
 
+from pg_transport import batching
 from pg_transport.connection import Connector
 from pg_transport.gate import HandoffGate
 from pg_transport.locks import lock_space
@@ -134,7 +135,18 @@ class Store:
 
         The statement commits on its own, so a message due now may be handed straight
         to a waiting consumer (see the ``publish`` query), unless tries on its queue
-        have lately found nobody waiting (:attr:`gate`)."""
+        have lately found nobody waiting (:attr:`gate`). Inside a batch
+        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead."""
+        open_batch = batching.current()
+        if open_batch is not None:
+            params = {
+                "queue": queue, "priority": priority, "delay": max(delay, 0.0),
+                "publish_key": publish_key, "payload": json.dumps(payload),
+                "notify": delay <= 0, "channel": self.channel,
+            }
+            open_batch.run(self._batch_key(), self.publisher,
+                           lambda conn: conn.execute(self.q["publish_plain"], params))
+            return
 
         def statement(conn: psycopg.Connection[Any], unflushed: bool) -> tuple[None, bool]:
             handed_unflushed = self.publish_on(
@@ -551,6 +563,7 @@ class Store:
         :meth:`publish`.
         """
         text = json.dumps(payload)
+        open_batch = batching.current()
         params = {
             "exchange": exchange,
             "routing_key": routing_key,
@@ -561,10 +574,22 @@ class Store:
             "payload": text,
             "notify": delay <= 0,
             # Queue names are known only once routed: the statement checks each one.
-            "handoff": delay <= 0,
+            "handoff": delay <= 0 and open_batch is None,
             "handoff_room": _notify_room(text),
             **self._publish_to,
         }
+        if open_batch is not None:  # in the batch's transaction: no hand-off, no settle
+
+            def routed_in(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
+                routed = {**params, "deliver_unflushed": False, "settle_follows": False}
+                row = conn.execute(self.q["publish_routed"], routed).fetchone()
+                assert row is not None
+                return row[0], int(row[1] or 0)
+
+            found: tuple[str | None, int] = open_batch.run(
+                self._batch_key(), self.publisher, routed_in
+            )
+            return found
 
         route = (exchange, routing_key)
 
@@ -602,7 +627,21 @@ class Store:
     ) -> int:
         params = {"queue": queue, "payload": Json(payload), "priority": priority,
                   "reason": reason}
+        open_batch = batching.current()
+        if open_batch is not None:  # kept only if the batch's message is published
+
+            def keep(conn: psycopg.Connection[Any]) -> int:
+                row = conn.execute(self.q["dead_letter_unroutable"], params).fetchone()
+                assert row is not None
+                return int(row[0])
+
+            return int(open_batch.run(self._batch_key(), self.publisher, keep))
         return int(self._scalar("dead_letter_unroutable", params, idempotent=False))
+
+    def _batch_key(self) -> tuple[str, str, bool]:
+        """Which transaction of a batch this store's publishes join: the publisher's
+        database, the schema, and whether its commits wait for their WAL flush."""
+        return (self.publisher.conninfo, self.schema, self.publisher_flushes)
 
     def maintain(self, queues: Sequence[str]) -> tuple[int, int]:
         """Touch ``queues``; reap expired queues and messages. (queues, messages) reaped."""

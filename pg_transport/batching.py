@@ -1,0 +1,243 @@
+"""Publishing many messages as one transaction: one commit, one WAL flush for all.
+
+A durable publish returns once its commit is on disk, so one producer publishing one
+message at a time waits for one WAL flush per message, however fast the rest is. Inside
+``with pg_transport.batch():`` the publishes made through pgq by this thread (or
+asyncio task: the open batch is a context variable) go into one transaction per broker
+database instead, sent without waiting for their answers (psycopg's pipeline mode), and
+the block's end commits them: every message is on disk when the block is left, none of
+them before. A block left by an exception publishes nothing.
+
+What a batch promises, and what it does not:
+
+- Atomic per database: all of the block's messages or none. Messages for brokers in
+  different databases (or schemas) are committed one database after another.
+- Consumers see nothing of the batch before its commit; a task published in the block
+  cannot be waited for inside it.
+- A connection lost during the block, or while it commits, is replaced and the whole
+  batch is sent again once (tenacity), from the copy the batch keeps of every statement:
+  the publish keys (a message's delivery tag) make a resend after a commit that did land
+  insert nothing twice, as for a single publish.
+- A statement that fails (not a lost connection) fails the batch: the error is raised
+  from the publish that meets it, or from the block's end (a pipelined publish's error
+  arrives late), and nothing of the batch is committed.
+- A batch opened inside another joins it: everything commits with the outermost block.
+- No hand-off to an idle consumer (a hand-off leases the message from the moment of its
+  insert): the commit wakes the consumers instead, as one NOTIFY per message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any
+
+import psycopg
+
+from pg_transport.connection import Connector, is_dead_connection, retry_idempotent
+
+__all__ = ["Batch", "BatchFailed", "Op", "batch", "current"]
+
+logger = logging.getLogger("pg_transport.batching")
+
+#: One statement of a batch: run on the batch's connection, inside its transaction.
+Op = Callable[[psycopg.Connection[Any]], Any]
+
+_open: ContextVar[Batch | None] = ContextVar("pgq_batch", default=None)
+
+
+class BatchFailed(psycopg.Error):
+    """A statement of the batch failed earlier: nothing of it can be committed."""
+
+
+def current() -> Batch | None:
+    """The batch open in this context, if any."""
+    return _open.get()
+
+
+def batch() -> Batch:
+    """A batch to use as a context manager: ``with pg_transport.batch(): ...``."""
+    return Batch()
+
+
+class Batch:
+    """Publishes made while it is open, one transaction per database (:class:`_Part`)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str, bool], _Part] = {}
+        self._token: Token[Batch | None] | None = None
+        self._joined: Batch | None = None
+        self._entered = False
+
+    @property
+    def statements(self) -> int:
+        """Statements sent so far (a message per publish, a copy per routed queue)."""
+        return sum(len(part.ops) for part in self._parts.values())
+
+    def __enter__(self) -> Batch:
+        if self._entered:
+            raise RuntimeError("a pgq batch can be used for one with-block only")
+        self._entered = True
+        outer = _open.get()
+        if outer is not None:
+            self._joined = outer
+            return outer
+        self._token = _open.set(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._joined is not None:
+            return  # the outermost block commits, or abandons, everything
+        assert self._token is not None
+        _open.reset(self._token)
+        parts, self._parts = list(self._parts.values()), {}
+        if exc_type is not None:
+            for part in parts:
+                part.abandon()
+            return
+        try:
+            for part in parts:
+                part.commit()
+        except BaseException:
+            for part in parts:
+                part.abandon()  # (those not committed yet; a committed one is left alone)
+            raise
+
+    def run(self, key: tuple[str, str, bool], connector: Connector, op: Op) -> Any:
+        """Run ``op`` in the transaction of the database ``key`` names (conninfo, schema,
+        whether commits wait for their flush), opened on ``connector`` at its first
+        statement; ``op``'s result."""
+        part = self._parts.get(key)
+        if part is None:
+            part = self._parts[key] = _Part(connector)
+        return part.run(op)
+
+
+class _Part:
+    """The batch's transaction on one database: a pooled connection in pipeline mode
+    with a transaction open, and every statement sent on it, to send again."""
+
+    def __init__(self, connector: Connector) -> None:
+        self.connector = connector
+        self.ops: list[Op] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._failed: BaseException | None = None
+        self._done = False
+
+    def run(self, op: Op) -> Any:
+        if self._failed is not None:
+            raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
+        self.ops.append(op)
+        if self._conn is not None:
+            try:
+                return op(self._conn)
+            except BaseException as exc:
+                if not is_dead_connection(exc, self._conn):
+                    self._fail(exc)
+                    raise
+                self._drop(exc)
+        try:
+            return self._resend()
+        except BaseException:
+            # Not in the batch: the caller was told it failed (kombu may publish it
+            # again, as a message of its own).
+            self.ops.pop()
+            raise
+
+    def commit(self) -> None:
+        if self._failed is not None:
+            raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
+        if self._conn is None:  # the first statement's connection failed twice
+            self._resend()
+        try:
+            self._close()
+        except BaseException as exc:
+            if not is_dead_connection(exc):
+                self._fail(exc)
+                raise
+            # Lost while committing: whether the commit landed is unknown. The publish
+            # keys make sending everything again safe either way.
+            logger.warning("pgq: connection lost committing a batch, sending it again")
+            self._resend(commit=True)
+        self._done = True
+
+    def abandon(self) -> None:
+        if self._done or self._stack is None:
+            return
+        self._drop(_Abandoned())
+        self._done = True
+
+    def _resend(self, *, commit: bool = False) -> Any:
+        """Every statement so far on a fresh connection, in a new transaction (and its
+        commit): once more after a lost connection (tenacity)."""
+
+        def attempt() -> Any:
+            self._begin()
+            assert self._conn is not None
+            try:
+                result = None
+                for op in self.ops:
+                    result = op(self._conn)
+                if commit:
+                    self._close()
+                return result
+            except BaseException as exc:
+                if not is_dead_connection(exc, self._conn):
+                    self._fail(exc)
+                    raise
+                self._drop(exc)
+                raise
+
+        try:
+            return attempt()
+        except BaseException as exc:
+            if self._failed is not None or not is_dead_connection(exc):
+                raise
+        for retrying in retry_idempotent():
+            with retrying:
+                return attempt()
+        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+    def _begin(self) -> None:
+        stack = contextlib.ExitStack()
+        try:
+            conn = stack.enter_context(self.connector.connection())
+            stack.enter_context(conn.pipeline())
+            stack.enter_context(conn.transaction())
+        except BaseException as exc:
+            # (the connector sees why: a dead connection's idle siblings are dropped too)
+            with contextlib.suppress(psycopg.Error):
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._stack, self._conn = stack, conn
+
+    def _close(self) -> None:
+        """Commit the transaction and give the connection back (the commit's, or a
+        pipelined statement's, error raised)."""
+        stack, self._stack, self._conn = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+    def _drop(self, exc: BaseException) -> None:
+        """Roll back what is open (if the connection still answers) and let it go."""
+        stack, self._stack, self._conn = self._stack, None, None
+        if stack is not None:
+            with contextlib.suppress(psycopg.Error):
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = exc
+        self._drop(exc)
+
+
+class _Abandoned(Exception):
+    """Passed to the batch's transaction to roll it back."""

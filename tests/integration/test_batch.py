@@ -1,0 +1,290 @@
+"""``pg_transport.batch()``: a block's publishes commit together, once, at its end."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from kombu import Connection, Consumer, Exchange, Producer, Queue
+
+import pg_transport
+from pg_transport import batching
+from pg_transport.batching import BatchFailed
+from pg_transport.store import Store
+from tests.integration.conftest import Peek
+
+MESSAGES = "SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message"
+
+
+@pytest.fixture
+def queue(conn: Connection) -> Iterator[Any]:
+    q = conn.SimpleQueue("batched")
+    yield q
+    q.close()
+
+
+def our_open_transaction(rows: Peek) -> int:
+    """The backend pid of this process's pgq session that has a transaction writing."""
+    found = rows("SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+                 " AND backend_xid IS NOT NULL", f"pgq:{os.getpid()}")
+    assert len(found) == 1, found
+    return int(found[0][0])
+
+
+def test_a_batch_commits_its_messages_together_at_the_end_of_the_block(
+    queue: Any, rows: Peek
+) -> None:
+    with pg_transport.batch() as batch:
+        for n in range(50):
+            queue.put({"n": n})
+        assert batch.statements == 50
+        assert rows(MESSAGES) == [(0, 0)]  # nothing is published before the commit
+    # One transaction: every row has the same xmin (one commit, one WAL flush).
+    assert rows(MESSAGES) == [(50, 1)]
+    got = []
+    for _ in range(50):
+        message = queue.get(timeout=5)
+        got.append(message.payload["n"])
+        message.ack()
+    assert sorted(got) == list(range(50))
+    assert rows(MESSAGES) == [(0, 0)]
+
+
+def test_a_block_left_by_an_exception_publishes_nothing(queue: Any, rows: Peek) -> None:
+    with pytest.raises(KeyError), pg_transport.batch():
+        for n in range(5):
+            queue.put({"n": n})
+        raise KeyError("the caller's own error")
+    assert rows(MESSAGES) == [(0, 0)]
+    queue.put({"n": "after"})  # the connection went back to the pool usable
+    assert rows(MESSAGES) == [(1, 1)]
+    assert queue.get(timeout=5).payload == {"n": "after"}
+
+
+def test_a_failing_statement_fails_the_whole_batch(store: Store, peek: Peek) -> None:
+    with pytest.raises(psycopg.errors.DatetimeFieldOverflow), pg_transport.batch():
+        store.publish("q", {"n": 1}, publish_key="k1")
+        # An interval no timestamp can hold: the server refuses this insert. Pipelined,
+        # its error arrives with a later statement or with the commit.
+        store.publish("q", {"n": 2}, publish_key="k2", delay=1e300)
+        store.publish("q", {"n": 3}, publish_key="k3")
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+    store.publish("q", {"n": 4}, publish_key="k4")  # the pool's connection is usable
+    assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
+
+
+def test_a_failed_batch_takes_no_more_statements(store: Store, peek: Peek) -> None:
+    with pytest.raises(BatchFailed), pg_transport.batch():
+        with pytest.raises(psycopg.errors.DatetimeFieldOverflow):
+            store.publish("q", {"n": 1}, publish_key="k1", delay=1e300)
+            # A routed publish waits for its answer: the error has arrived by then.
+            store.publish_routed("ex", "rk", {"n": 2}, publish_tag="t2")
+        with pytest.raises(BatchFailed, match="an earlier statement of this batch failed"):
+            store.publish("q", {"n": 3}, publish_key="k3")
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_a_batch_resent_after_its_commit_landed_inserts_nothing_twice(
+    store: Store, peek: Peek
+) -> None:
+    # What a resend after a commit whose answer was lost does: the same keys again.
+    for _ in range(2):
+        with pg_transport.batch():
+            for n in range(3):
+                store.publish("q", {"n": n}, publish_key=f"key-{n}")
+    assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [
+        (3, 1)
+    ]
+
+
+def test_a_connection_terminated_in_the_middle_of_a_batch_is_replaced(
+    queue: Any, rows: Peek
+) -> None:
+    with pg_transport.batch():
+        for n in range(10):
+            queue.put({"n": n})
+        victim = our_open_transaction(rows)
+        assert rows("SELECT pg_terminate_backend(%s, 10000)", victim) == [(True,)]
+        for n in range(10, 20):
+            queue.put({"n": n})
+    # All twenty, once each, committed by the replacement session in one transaction.
+    assert rows(MESSAGES) == [(20, 1)]
+    payloads = rows("SELECT payload::text FROM {schema}.message")
+    assert len({text for (text,) in payloads}) == 20
+
+
+def test_a_batch_starts_on_a_fresh_session_when_the_pooled_one_was_reaped(
+    queue: Any, rows: Peek
+) -> None:
+    queue.put({"n": 0})  # the publisher's session, idle in the pool afterwards
+    reaped = rows("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
+                  " WHERE application_name = %s AND state = 'idle'", f"pgq:{os.getpid()}")
+    assert reaped and all(ok for (ok,) in reaped)
+    with pg_transport.batch():
+        for n in range(1, 4):
+            queue.put({"n": n})
+    assert rows("SELECT count(*) FROM {schema}.message") == [(4,)]
+
+
+def test_a_commit_lost_with_its_session_is_sent_again(
+    queue: Any, rows: Peek, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The first commit that inserts a message ends its own session on the server (a
+    # deferred trigger runs at COMMIT): the client loses its connection while committing.
+    rows("CREATE SEQUENCE {schema}.commits")
+    rows("CREATE FUNCTION {schema}.die_once() RETURNS trigger LANGUAGE plpgsql AS $$"
+         " BEGIN IF nextval(TG_TABLE_SCHEMA || '.commits') = 1 THEN"
+         " PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); END IF;"
+         " RETURN NULL; END $$")
+    rows("CREATE CONSTRAINT TRIGGER die_once AFTER INSERT ON {schema}.message"
+         " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.die_once()")
+    with pg_transport.batch():
+        for n in range(5):
+            queue.put({"n": n})
+    assert "connection lost committing a batch" in caplog.text
+    assert rows(MESSAGES) == [(5, 1)]
+    # The first commit died at its first row; the one sent again ran the trigger 5 times.
+    assert rows("SELECT last_value FROM {schema}.commits") == [(6,)]
+
+
+def test_a_batch_inside_a_batch_commits_with_the_outer_one(queue: Any, rows: Peek) -> None:
+    with pg_transport.batch() as outer:
+        queue.put({"n": 1})
+        with pg_transport.batch() as inner:
+            assert inner is outer
+            queue.put({"n": 2})
+        assert rows(MESSAGES) == [(0, 0)]
+        queue.put({"n": 3})
+    assert rows(MESSAGES) == [(3, 1)]
+    assert batching.current() is None
+
+
+def test_a_batch_is_its_threads_own(broker_url: str, schema: str, rows: Peek) -> None:
+    options = {"schema": schema}
+    published, done = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+
+    def batching_thread() -> None:
+        try:
+            with Connection(broker_url, transport_options=options) as c:
+                q = c.SimpleQueue("batched")
+                with pg_transport.batch():
+                    q.put({"from": "batch"})
+                    published.set()
+                    assert done.wait(10)
+                q.close()
+        except BaseException as exc:
+            failures.append(exc)
+            published.set()
+
+    thread = threading.Thread(target=batching_thread)
+    thread.start()
+    assert published.wait(10)
+    with Connection(broker_url, transport_options=options) as c:
+        q = c.SimpleQueue("batched")
+        q.put({"from": "main"})  # no batch open in this thread: committed at once
+        q.close()
+    try:
+        assert rows(MESSAGES) == [(1, 1)]  # main's; the batch's is not committed yet
+    finally:
+        done.set()
+        thread.join(10)
+    assert not failures, failures
+    assert rows(MESSAGES) == [(2, 2)]
+
+
+def test_routed_copies_and_dead_letters_join_the_batch(conn: Connection, rows: Peek) -> None:
+    fanout = Exchange("fan", type="fanout")
+    nowhere = Exchange("nowhere", type="direct")
+    copies = [Queue("copy-a", fanout), Queue("copy-b", fanout)]
+    with conn.channel() as channel:
+        producer = Producer(channel)
+        for q in copies:
+            q(channel).declare()
+        nowhere(channel).declare()
+        with pg_transport.batch():
+            producer.publish({"x": 1}, exchange=fanout)
+            producer.publish({"x": 2}, exchange=nowhere, routing_key="nobody")
+            assert rows(MESSAGES) == [(0, 0)]
+            assert rows("SELECT count(*) FROM {schema}.dead_letter") == [(0,)]
+        assert rows("SELECT queue FROM {schema}.message ORDER BY queue") == [
+            ("copy-a",), ("copy-b",)
+        ]
+        assert rows("SELECT queue, reason LIKE 'unroutable%%' FROM {schema}.dead_letter") == [
+            ("nobody", True)
+        ]
+        # The copies and the dead letter: one transaction.
+        assert rows("SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM {schema}.message"
+                    " UNION ALL SELECT xmin FROM {schema}.dead_letter) AS t") == [(1,)]
+
+
+def test_an_idle_consumer_is_woken_by_the_commit(broker_url: str, schema: str) -> None:
+    options = {"schema": schema, "polling_interval": 60}
+    got: list[float] = []
+    waiting = threading.Event()
+    with Connection(broker_url, transport_options=options) as consumer_conn:
+        queue = Queue("woken", Exchange("woken"), "woken")
+        consumer = Consumer(consumer_conn, [queue], accept=["json"],
+                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
+        consumer.consume()
+        listener = consumer_conn.transport.listener
+        real_wait = listener.wait
+
+        def signalling_wait(timeout: float) -> Any:
+            waiting.set()  # the claim found nothing: from here only a wake-up helps
+            return real_wait(timeout)
+
+        listener.wait = signalling_wait
+        thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
+        thread.start()
+        assert waiting.wait(10)
+        with Connection(broker_url, transport_options=options) as pub:
+            with pg_transport.batch():
+                Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="woken",
+                                      declare=[queue])
+            committed = time.monotonic()
+        thread.join(20)
+    assert got, "the message was never delivered"
+    assert got[0] - committed < 5  # the poll would have taken 60 s
+
+
+def test_celery_tasks_sent_in_a_batch_are_published_at_its_end(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    app = Celery("batch-test", broker=broker_url, set_as_current=False)
+    app.conf.broker_transport_options = {"schema": schema}
+    with pg_transport.batch():
+        for n in range(20):
+            app.send_task("tests.add", (n, 1))
+        assert rows(MESSAGES) == [(0, 0)]
+    assert rows(MESSAGES) == [(20, 1)]
+    app.close()
+
+
+def test_a_batch_is_used_once() -> None:
+    used = pg_transport.batch()
+    with used:
+        pass
+    with pytest.raises(RuntimeError, match="one with-block"), used:
+        pass
+
+
+def test_a_batch_behind_a_transaction_pooler(broker_url: str, schema: str, rows: Peek) -> None:
+    # use_notify off, as behind PgBouncer: nothing prepared, one transaction all the same.
+    options = {"schema": schema, "use_notify": False}
+    with Connection(broker_url, transport_options=options) as c:
+        assert c.transport.store.publisher.prepare_threshold is None
+        q = c.SimpleQueue("pooled")
+        with pg_transport.batch():
+            for n in range(5):
+                q.put({"n": n})
+            assert rows(MESSAGES) == [(0, 0)]
+        assert rows(MESSAGES) == [(5, 1)]
+        assert q.get(timeout=5).payload == {"n": 0}
+        q.close()
