@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery
+from celery import Celery, group
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import pg_transport
@@ -264,6 +264,23 @@ def test_celery_tasks_sent_in_a_batch_are_published_at_its_end(
             app.send_task("tests.add", (n, 1))
         assert rows(MESSAGES) == [(0, 0)]
     assert rows(MESSAGES) == [(20, 1)]
+    app.close()
+
+
+def test_a_celery_group_sent_in_a_batch_is_one_commit(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    app = Celery("batch-group", broker=broker_url, set_as_current=False)
+    app.conf.broker_transport_options = {"schema": schema}
+
+    @app.task(name="tests.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    with pg_transport.batch():
+        group(add.s(n, 1) for n in range(10)).apply_async()
+        assert rows(MESSAGES) == [(0, 0)]
+    assert rows(MESSAGES) == [(10, 1)]
     app.close()
 
 
