@@ -22,7 +22,13 @@ from statistics import median
 
 import pg_transport
 from benchmarks.brokers import patched_environ
-from benchmarks.layers import add_broker_arguments, positive, publisher, targets_of
+from benchmarks.layers import (
+    add_broker_arguments,
+    add_run_arguments,
+    positive,
+    publisher,
+    targets_of,
+)
 from benchmarks.phases import in_turn
 from benchmarks.targets import Target
 
@@ -87,12 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.batch", description=(__doc__ or "").split("\n")[0]
     )
     add_broker_arguments(parser)
-    parser.add_argument("--tasks", type=positive, default=3000,
-                        help="publishes a round, each way (default 3000)")
-    parser.add_argument("--rounds", type=positive, default=3, help="rounds (default 3)")
+    add_run_arguments(parser, tasks=3000, tasks_help="publishes a round, each way", rounds=3)
     parser.add_argument("--batch-size", type=positive, default=100,
                         help="messages per batch (default 100)")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
     return parser.parse_args(argv)
 
 

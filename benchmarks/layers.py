@@ -214,6 +214,17 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(redis_fsync_dir=None, amqp_url="")
 
 
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, tasks: int, tasks_help: str, rounds: int
+) -> None:
+    """How much a publishing benchmark runs (``--tasks``, ``--rounds``) and ``--json``."""
+    parser.add_argument("--tasks", type=positive, default=tasks,
+                        help=f"{tasks_help} (default {tasks})")
+    parser.add_argument("--rounds", type=positive, default=rounds,
+                        help=f"rounds (default {rounds})")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
+
+
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -226,12 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.layers", description=(__doc__ or "").split("\n")[0]
     )
     add_broker_arguments(parser)
-    parser.add_argument("--tasks", type=positive, default=3000,
-                        help="publishes a round (default 3000)")
-    parser.add_argument("--rounds", type=positive, default=3, help="rounds (default 3)")
+    add_run_arguments(parser, tasks=3000, tasks_help="publishes a round", rounds=3)
     parser.add_argument("--pgbench-seconds", type=seconds, default=3.0,
                         help="length of each pgbench run of pgq's INSERT (0: skip them)")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
     return parser.parse_args(argv)
 
 

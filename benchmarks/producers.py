@@ -35,7 +35,13 @@ from typing import Any
 from kombu.connection import Connection
 
 from benchmarks.brokers import patched_environ
-from benchmarks.layers import add_broker_arguments, positive, publisher, targets_of
+from benchmarks.layers import (
+    add_broker_arguments,
+    add_run_arguments,
+    positive,
+    publisher,
+    targets_of,
+)
 from benchmarks.phases import in_turn
 from benchmarks.targets import Target
 
@@ -194,12 +200,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_broker_arguments(parser)
     parser.add_argument("--producers", type=_counts_arg, default=[1, 2, 4],
                         help="counts of producer processes, comma-separated (default 1,2,4)")
-    parser.add_argument("--tasks", type=positive, default=2000,
-                        help="publishes of each producer in a burst (default 2000)")
-    parser.add_argument("--rounds", type=positive, default=2, help="rounds (default 2)")
+    add_run_arguments(parser, tasks=2000, tasks_help="publishes of each producer in a burst",
+                      rounds=2)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a burst may take (default 300)")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
     return parser.parse_args(argv)
 
 

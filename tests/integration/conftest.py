@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 import pytest
-from kombu import Connection
+from kombu import Connection, Consumer, Queue
 from psycopg import sql
 
 from pg_transport.connection import Connector
@@ -77,3 +79,32 @@ def rows(pg_url: str, schema: str, conn: Connection) -> Iterator[Peek]:
     p = Peek(pg_url, schema)
     yield p
     p.conn.close()
+
+
+@contextmanager
+def idle_consumer(broker_url: str, options: dict[str, Any], queue: Queue) -> Iterator[list[float]]:
+    """A consumer of ``queue`` draining events in a thread (20 s at most), entered once
+    its claim has come back empty and it waits: from then on only a wake-up (or its
+    poll, ``options['polling_interval']``) brings it a message. Yields the monotonic
+    times its messages arrived; on the way out, waits for the thread to end."""
+    got: list[float] = []
+    waiting = threading.Event()
+    with Connection(broker_url, transport_options=options) as consumer_conn:
+        consumer = Consumer(consumer_conn, [queue], accept=["json"],
+                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
+        consumer.consume()
+        listener = consumer_conn.transport.listener
+        real_wait = listener.wait
+
+        def signalling_wait(timeout: float) -> Any:
+            waiting.set()  # the claim found nothing: from here only a wake-up helps
+            return real_wait(timeout)
+
+        listener.wait = signalling_wait
+        thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
+        thread.start()
+        assert waiting.wait(10)
+        try:
+            yield got
+        finally:
+            thread.join(20)

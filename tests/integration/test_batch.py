@@ -11,13 +11,13 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery, group
-from kombu import Connection, Consumer, Exchange, Producer, Queue
+from kombu import Connection, Exchange, Producer, Queue
 
 import pg_transport
 from pg_transport import batching
 from pg_transport.batching import BatchFailed
 from pg_transport.store import Store
-from tests.integration.conftest import Peek
+from tests.integration.conftest import Peek, idle_consumer
 
 MESSAGES = "SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message"
 
@@ -226,30 +226,14 @@ def test_routed_copies_and_dead_letters_join_the_batch(conn: Connection, rows: P
 
 def test_an_idle_consumer_is_woken_by_the_commit(broker_url: str, schema: str) -> None:
     options = {"schema": schema, "polling_interval": 60}
-    got: list[float] = []
-    waiting = threading.Event()
-    with Connection(broker_url, transport_options=options) as consumer_conn:
-        queue = Queue("woken", Exchange("woken"), "woken")
-        consumer = Consumer(consumer_conn, [queue], accept=["json"],
-                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
-        consumer.consume()
-        listener = consumer_conn.transport.listener
-        real_wait = listener.wait
-
-        def signalling_wait(timeout: float) -> Any:
-            waiting.set()  # the claim found nothing: from here only a wake-up helps
-            return real_wait(timeout)
-
-        listener.wait = signalling_wait
-        thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
-        thread.start()
-        assert waiting.wait(10)
-        with Connection(broker_url, transport_options=options) as pub:
-            with pg_transport.batch():
-                Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="woken",
-                                      declare=[queue])
-            committed = time.monotonic()
-        thread.join(20)
+    queue = Queue("woken", Exchange("woken"), "woken")
+    with idle_consumer(broker_url, options, queue) as got, Connection(
+        broker_url, transport_options=options
+    ) as pub:
+        with pg_transport.batch():
+            Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="woken",
+                                  declare=[queue])
+        committed = time.monotonic()
     assert got, "the message was never delivered"
     assert got[0] - committed < 5  # the poll would have taken 60 s
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from tests.integration.conftest import Peek
+from tests.integration.conftest import Peek, idle_consumer
 
 
 def setting(connector: Any, name: str) -> str:
@@ -55,29 +55,13 @@ def test_idle_consumer_is_woken_by_notify_not_by_polling(
     broker_url: str, schema: str
 ) -> None:
     options = {"schema": schema, "polling_interval": 30}
-    got: list[float] = []
-    waiting = threading.Event()
-    with Connection(broker_url, transport_options=options) as consumer_conn:
-        queue = Queue("wake", Exchange("wake"), "wake")
-        consumer = Consumer(consumer_conn, [queue], accept=["json"],
-                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
-        consumer.consume()
-        listener = consumer_conn.transport.listener
-        real_wait = listener.wait
-
-        def signalling_wait(timeout: float) -> Any:
-            waiting.set()  # the claim found nothing: from here only a wake-up helps
-            return real_wait(timeout)
-
-        listener.wait = signalling_wait
-        thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
-        thread.start()
-        assert waiting.wait(10)
-        with Connection(broker_url, transport_options=options) as pub:
-            sent = time.monotonic()
-            Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="wake",
-                                  declare=[queue])
-        thread.join(20)
+    queue = Queue("wake", Exchange("wake"), "wake")
+    with idle_consumer(broker_url, options, queue) as got, Connection(
+        broker_url, transport_options=options
+    ) as pub:
+        sent = time.monotonic()
+        Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="wake",
+                              declare=[queue])
     assert got, "the message was never delivered"
     assert got[0] - sent < 5  # the poll would have taken 30 s
 
