@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+import pg_transport
 from pg_transport.locks import lock_space
 from tests.acceptance.harness import (
     Env,
@@ -39,6 +40,25 @@ def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     assert set(per_id) == set(ids)
     assert max(per_id.values()) == 1
     assert len({r[2] for r in runs}) >= 2, "both workers should have taken part"
+
+
+def test_a_worker_runs_the_tasks_of_a_batch_once_each_after_its_commit(env: Env) -> None:
+    total = 300
+    client = env.client()
+    with workers(env, "w1", concurrency=4):
+        with pg_transport.batch():
+            ids = [client.send_task(MARK, args=[f"b{n}"]).id for n in range(total)]
+            # The idle worker would have started the first of them by now, had they
+            # been published one by one.
+            before_commit = env.scalar("SELECT clock_timestamp()")
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
+                 120, f"{total} task runs")
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                 60, "every message to be acked")
+    per_id = Counter(r[0] for r in env.runs())
+    assert set(per_id) == set(ids)
+    assert max(per_id.values()) == 1
+    assert env.scalar("SELECT min(at) FROM {schema}.task_runs") > before_commit
 
 
 def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
