@@ -90,6 +90,18 @@ def test_a_failed_batch_takes_no_more_statements(store: Store, peek: Peek) -> No
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
 
 
+def test_a_batch_keeps_each_message_s_priority_and_delay(store: Store, peek: Peek) -> None:
+    with pg_transport.batch():
+        store.publish("q", {"n": "later"}, publish_key="a", delay=60)
+        store.publish("q", {"n": "low"}, publish_key="b", priority=1)
+        store.publish("q", {"n": "high"}, publish_key="c", priority=9)
+    assert peek("SELECT payload->>'n', priority, visible_at > now() + interval '50 seconds'"
+                " FROM {schema}.message ORDER BY id") == [
+        ("later", 0, True), ("low", 1, False), ("high", 9, False)
+    ]
+    assert [m.payload["n"] for m in store.claim(["q"], [30.0], 3, None)] == ["high", "low"]
+
+
 def test_a_batch_resent_after_its_commit_landed_inserts_nothing_twice(
     store: Store, peek: Peek
 ) -> None:
