@@ -17,7 +17,8 @@ What a batch promises, and what it does not:
 - A connection lost during the block, or while it commits, is replaced and the whole
   batch is sent again once (tenacity), from the copy the batch keeps of every statement:
   the publish keys (a message's delivery tag) make a resend after a commit that did land
-  insert nothing twice, as for a single publish.
+  insert nothing twice, as for a single publish. (The dead letter kept for a message no
+  queue was bound to receive has no key: such a resend may keep it twice.)
 - A statement that fails (not a lost connection) fails the batch: the error is raised
   from the publish that meets it, or from the block's end (a pipelined publish's error
   arrives late), and nothing of the batch is committed.
