@@ -138,14 +138,10 @@ class Store:
         have lately found nobody waiting (:attr:`gate`). Inside a batch
         (:mod:`~pg_transport.batching`) it joins the batch's transaction instead."""
         open_batch = batching.current()
-        if open_batch is not None:
-            params = {
-                "queue": queue, "priority": priority, "delay": max(delay, 0.0),
-                "publish_key": publish_key, "payload": json.dumps(payload),
-                "notify": delay <= 0, "channel": self.channel,
-            }
-            open_batch.run(self._batch_key(), self.publisher,
-                           lambda conn: conn.execute(self.q["publish_plain"], params))
+        if open_batch is not None:  # (publish_on joins the batch's pipeline: no hand-off)
+            open_batch.run(self._batch_key(), self.publisher, lambda conn: self.publish_on(
+                conn, queue, payload, priority=priority, delay=delay, publish_key=publish_key,
+            ))
             return
 
         def statement(conn: psycopg.Connection[Any], unflushed: bool) -> tuple[None, bool]:
@@ -482,11 +478,13 @@ class Store:
 
     # -- queues --------------------------------------------------------------
     def _scalar(self, name: str, params: dict[str, Any], *, idempotent: bool = True) -> Any:
-        def work(conn: psycopg.Connection[Any]) -> Any:
-            row = conn.execute(self.q[name], params).fetchone()
-            return row[0] if row else None
+        return self.connector.run(
+            lambda conn: self._scalar_on(conn, name, params), idempotent=idempotent
+        )
 
-        return self.connector.run(work, idempotent=idempotent)
+    def _scalar_on(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Any:
+        row = conn.execute(self.q[name], params).fetchone()
+        return row[0] if row else None
 
     def _command(self, name: str, params: dict[str, Any]) -> int:
         def work(conn: psycopg.Connection[Any]) -> int:
@@ -629,13 +627,9 @@ class Store:
                   "reason": reason}
         open_batch = batching.current()
         if open_batch is not None:  # kept only if the batch's message is published
-
-            def keep(conn: psycopg.Connection[Any]) -> int:
-                row = conn.execute(self.q["dead_letter_unroutable"], params).fetchone()
-                assert row is not None
-                return int(row[0])
-
-            return int(open_batch.run(self._batch_key(), self.publisher, keep))
+            return int(open_batch.run(self._batch_key(), self.publisher, lambda conn: (
+                self._scalar_on(conn, "dead_letter_unroutable", params)
+            )))
         return int(self._scalar("dead_letter_unroutable", params, idempotent=False))
 
     def _batch_key(self) -> tuple[str, str, bool]:
