@@ -11,8 +11,8 @@ RETURNING {id_column}, {status_column}
 
 -- name: lock_id
 -- Serialise work on one id (an advisory_key) until the transaction ends.
-SELECT pg_advisory_xact_lock(%(key)s)
+SELECT pg_catalog.pg_advisory_xact_lock(%(key)s)
 
 -- name: try_lock_id
 -- Take the lock of one id until the transaction ends, unless someone holds it.
-SELECT pg_try_advisory_xact_lock(%(key)s)
+SELECT pg_catalog.pg_try_advisory_xact_lock(%(key)s)

@@ -67,7 +67,7 @@ def timed_claims(s: Scratch, rounds: int) -> dict[str, float]:
         times.append((time.perf_counter() - started) * 1e6)
         if len(batch) != WINDOW:
             raise RuntimeError(f"a claim got {len(batch)} of {WINDOW}: the queue ran dry")
-        acks = [(c.id, c.read_ct) for c in batch]
+        acks = [c.token for c in batch]
         s.fill(QUEUE, WINDOW)  # keep the depth (not timed)
     s.store.ack(acks)
     return {"p50_us": percentile(times, 0.5), "p99_us": percentile(times, 0.99),

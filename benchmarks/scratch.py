@@ -95,7 +95,7 @@ class Scratch:
             )
             if not batch:
                 break
-            acks = [(c.id, c.read_ct) for c in batch]
+            acks = [c.token for c in batch]
             done += len(batch)
         self.store.ack(acks)
         return done

@@ -16,6 +16,7 @@ from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
     ConfigurationError,
+    MessageTooLarge,
     PgqError,
     SchemaError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "MessageTooLarge",
     "Options",
     "PgqError",
     "SchemaError",

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import threading
 
+from pg_transport.store import Lease
+
 __all__ = ["AckBuffer", "Token"]
 
-Token = tuple[int, int]  # (message id, read_ct it was claimed with)
+Token = Lease  # the fencing token of the delivery acked
 
 
 class AckBuffer:

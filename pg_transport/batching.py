@@ -23,8 +23,7 @@ What a batch promises, and what it does not:
   from the publish that meets it, or from the block's end (a pipelined publish's error
   arrives late), and nothing of the batch is committed.
 - A batch opened inside another joins it: everything commits with the outermost block.
-- No hand-off to an idle consumer (a hand-off leases the message from the moment of its
-  insert): the commit wakes the consumers instead, as one NOTIFY per message.
+- The commit wakes the consumers: one NOTIFY per message, sent with the commit.
 """
 
 from __future__ import annotations

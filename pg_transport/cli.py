@@ -197,11 +197,10 @@ def purge(url: str | None, schema: str, queue: str) -> None:
 @schema_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 def status(url: str | None, schema: str, as_json: bool) -> None:
-    """Show every queue's ready, in-flight, delayed and dead messages, its waiting
-    consumers, and the clients.
+    """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
 
     In flight means claimed by a consumer whose lease runs; delayed means waiting for
-    its ETA; waiting counts the live consumers idle on the queue. Clients are pgq
+    its ETA. Clients are pgq
     processes connected to this database (workers and publishers of every pgq schema
     in it: Postgres does not know which schema a session uses).
     """
@@ -214,10 +213,10 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     click.echo(where)
     if report.queues:
         click.echo(_table(
-            ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY", "WAITING"],
+            ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
             [
                 [q.queue, str(q.ready), str(q.in_flight), str(q.delayed), str(q.dead),
-                 _age(q.oldest_ready_age_s), str(q.waiting)]
+                 _age(q.oldest_ready_age_s)]
                 for q in report.queues
             ],
             right={1, 2, 3, 4, 5, 6},

@@ -99,6 +99,19 @@ def _interval(key: str, value: Any) -> float:
     )
 
 
+# Postgres keeps at most 1 GB in one value; a JSON payload a little less than that.
+MAX_MESSAGE_BYTES = 1024**3 - 1024
+# Below this a Celery message with a few arguments does not fit.
+MIN_MESSAGE_BYTES = 1024
+
+
+def _message_bytes(key: str, value: Any) -> int:
+    return int(_number(
+        key, value, integer=True, minimum=MIN_MESSAGE_BYTES, allow_zero=False,
+        maximum=MAX_MESSAGE_BYTES,
+    ))
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -163,6 +176,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "auto_migrate": _flag,
     "durable_publish": _flag,
     "vacuum_threshold": _vacuum_threshold,
+    "max_message_bytes": _message_bytes,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -184,6 +198,8 @@ class Options:
     auto_migrate: bool = True
     durable_publish: bool = True
     vacuum_threshold: int = 10_000
+    #: Largest message (its JSON text, bytes) published; also what a claim brings at once.
+    max_message_bytes: int = 16 * 1024 * 1024
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)

@@ -42,6 +42,8 @@ logger = logging.getLogger("pg_transport.connection")
 T = TypeVar("T")
 
 SCHEMES = ("pgq",)
+# Built-in names first and only: pgq's tables are always named with their schema.
+PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
 DEFAULT_CONNECT_TIMEOUT = 10
 
 # SQLSTATEs of a server that is going away or not accepting us any more.
@@ -211,8 +213,16 @@ class Connector:
         application_name: str = "pgq",
         prepare_threshold: int | None = 5,
         setup: tuple[str, ...] = (),
+        pin_search_path: bool = True,
     ) -> None:
-        """``setup``: statements every new session runs first (session settings)."""
+        """``setup``: statements every new session runs first (session settings).
+
+        ``pin_search_path``: every session starts with ``search_path`` set to
+        ``pg_catalog, pg_temp`` (a startup parameter: no round trip), whatever the
+        role's own setting, so that no function or operator someone created in
+        ``public`` can stand in for a built-in one in pgq's statements (they also name
+        their functions by schema: a transaction pooler, which refuses startup options
+        and shares sessions, must not be given this)."""
         self.conninfo = conninfo
         self.display_url = display_url or "pgq://"
         self.max_idle = max_idle
@@ -223,6 +233,9 @@ class Connector:
         self._kwargs: dict[str, Any] = {}
         if "connect_timeout" not in given:
             self._kwargs["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
+        if pin_search_path:
+            own = str(given.get("options") or "")
+            self._kwargs["options"] = f"{own} {PINNED_SEARCH_PATH}".strip()
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()

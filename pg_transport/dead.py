@@ -139,7 +139,8 @@ class DeadLetters:
         rows gone and report nothing moved.
         """
         params = {
-            "ids": list(ids), "all": every, "queue": queue, "channel": self.store.channel,
+            "ids": list(ids), "all": every, "queue": queue,
+            "channel_prefix": self.store.channel_prefix,
         }
 
         def work(conn: psycopg.Connection[Any]) -> list[Any]:

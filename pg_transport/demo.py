@@ -274,15 +274,18 @@ class Demo:
                     f"{len(want) - len(missing)} of {len(want)} tasks ran within {timeout:.0f} s; "
                     f"still waiting for {calls}"
                 )
-            # A report's publish NOTIFYs the schema's channel: no need to poll fast.
+            # A report's publish NOTIFYs its queue's channel: no need to poll fast.
+            self.listener.listen([self.store.channel(RESULTS)])
             self.listener.wait(min(remaining, 1.0))
 
     def drain_reports(self) -> None:
         claimed = self.store.claim([RESULTS], [60.0], 100)
         for message in claimed:
+            if message.payload is None:
+                continue  # (dead-lettered by the claim: not a report of ours)
             report = Report.from_payload(message.payload)
             self.reports.setdefault(report.task_id, []).append(report)
-        self.store.ack([(c.id, c.read_ct) for c in claimed])
+        self.store.ack([c.token for c in claimed])
 
     def report(self, sent: Sent) -> Report:
         return self.reports[sent.task_id][0]
@@ -416,7 +419,7 @@ def run(url: str | None, schema: str | None, echo: Callable[..., None] = click.e
         echo(f"  postgres   PostgreSQL {version} ({where})")
         echo(f"  schema     {schema!r} (throwaway, dropped at the end)")
         echo(f"  migrated   {', '.join(applied)}")
-        demo.listener.start()
+        demo.listener.listen([demo.store.channel(RESULTS)])
 
         def stop_worker() -> None:
             if demo.worker is not None:

@@ -15,6 +15,11 @@ Two things keep it cheap:
 Claimed messages not yet handed to kombu (a batch behind a delivery that blocks, as
 in the solo pool) are leased like delivered ones: the lease renewer sees them through
 :meth:`Drain.held`.
+
+No row stops the consumer. One the claim dead-lettered (past max_attempts, oversized,
+not a JSON object), one that does not decode into a transport message, and one whose
+delivery raises are kept in dead_letter with the reason, ``message_poisoned`` is sent
+for it, and consumption goes on (:meth:`Drain.deliver_all`).
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pg_transport import poison
+from pg_transport import envelope, poison
 from pg_transport.acks import AckBuffer, Token
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.store import Claimed
+from pg_transport.store import Claimed, Lease
 
 if TYPE_CHECKING:
     from pg_transport.transport import Channel, Transport
@@ -66,9 +71,11 @@ class Drain:
         #: Queues whose last claim came back short (see the module docstring).
         self.exhausted: set[str] = set()
         self._next_poll = 0.0
-        # Claimed, not yet handed to kombu: id -> (id, read_ct, vt). Renewed too.
-        self._undelivered: dict[int, tuple[int, int, float]] = {}
+        # Claimed, not yet handed to kombu: id -> (lease, vt). Renewed too.
+        self._undelivered: dict[int, tuple[Lease, float]] = {}
         self._undelivered_lock = threading.Lock()
+        # Wake-up channel -> queue, for the queues consumed so far.
+        self._channels: dict[str, str] = {}
 
     # -- the loop ---------------------------------------------------------------
     def drain(self, timeout: float | None) -> None:
@@ -81,6 +88,9 @@ class Drain:
             if now >= self._next_poll:
                 self.exhausted.clear()
                 self._next_poll = now + interval
+            # LISTEN before the claim: a publish landing between an empty claim and
+            # the LISTEN would otherwise wait for the next poll.
+            transport.listener.listen(self.channels())
             if self.claim_and_deliver():
                 return
             now = monotonic()
@@ -89,14 +99,26 @@ class Drain:
             wait = self._next_poll - now
             if timeout is not None:
                 wait = min(wait, timeout - (now - start))
-            self.notified(transport.listener.wait(wait).queues)
+            self.notified(transport.listener.wait(wait).channels)
 
-    def notified(self, queues: set[str]) -> None:
-        """Queues a NOTIFY named: worth a claim again ('' names them all)."""
-        if "" in queues:
-            self.exhausted.clear()
-        elif queues:
-            self.exhausted.difference_update(queues)
+    def channels(self) -> list[str]:
+        """The wake-up channels of every queue consumed (acked or not)."""
+        return [self.channel(q) for q in self.transport._consumed_queues()]
+
+    def channel(self, queue: str) -> str:
+        found = next((c for c, q in self._channels.items() if q == queue), None)
+        if found is None:
+            found = self.store.channel(queue)
+            self._channels[found] = queue
+        return found
+
+    def notified(self, channels: set[str]) -> None:
+        """Channels notified: their queues are worth a claim again. A channel of no
+        queue consumed here is ignored (a notification is only ever a hint)."""
+        for channel in channels:
+            queue = self._channels.get(channel)
+            if queue is not None:
+                self.exhausted.discard(queue)
 
     def next_claim(self, served: Sequence[Channel] = ()) -> Wanted | None:
         """The next claim worth making, skipping ``served`` channels: a channel with
@@ -116,15 +138,6 @@ class Drain:
             acked = [q for q in acked if q not in self.exhausted]
             if acked and channel.qos.can_consume():
                 return Wanted(channel, acked, _room(channel))
-        return None
-
-    def next_wait(self) -> Wanted | None:
-        """A claim that may begin a wait: the first consuming channel with free slots,
-        over all its queues (exhausted or not), as many messages as it has room for."""
-        for channel in self.transport.consuming_channels():
-            acked, _ = channel.consuming()
-            if acked and channel.qos.can_consume():
-                return Wanted(channel, list(acked), _room(channel))
         return None
 
     def claim_and_deliver(self) -> int:
@@ -153,48 +166,76 @@ class Drain:
         with self._undelivered_lock:
             for c in batch:
                 if c.dead_letter_id is None:
-                    vt = channel.visibility_timeout(c.queue)
-                    self._undelivered[c.id] = (c.id, c.read_ct, vt)
+                    self._undelivered[c.id] = (c.token, channel.visibility_timeout(c.queue))
 
     def deliver_all(self, batch: list[Claimed], *, leased: bool) -> int:
-        """Hand a batch to kombu in order; if that fails, release the rest now rather
-        than after their lease lapses."""
+        """Hand a batch to kombu in order; should that stop (the worker shutting down),
+        release the rest now rather than after their lease lapses. A message that
+        cannot be delivered is dead-lettered, and the batch goes on."""
         for n, claimed in enumerate(batch):
             try:
-                self._deliver_one(claimed)
+                self._deliver_one(claimed, leased=leased)
             except BaseException:
                 if leased:
                     self.release(batch[n + 1 :])
                 raise
         return len(batch)
 
-    def _deliver_one(self, claimed: Claimed) -> None:
-        if claimed.dead_letter_id is not None:
-            poison.handle_poisoned(
-                self.store,
-                dead_letter_id=claimed.dead_letter_id,
-                queue=claimed.queue,
-                payload=claimed.payload,
-                attempts=claimed.read_ct,
-            )
+    def _deliver_one(self, claimed: Claimed, *, leased: bool) -> None:
+        why = claimed.fault if claimed.payload is None else envelope.fault(claimed.payload)
+        if claimed.dead_letter_id is not None or why is not None:
+            self._unwrap(claimed)
+            self.dead(claimed, claimed.fault or why or "undecodable payload")
             return
         transport = self.transport
         payload = transport.as_payload(claimed)
         # kombu puts it in the QoS (leased and renewed from there) before Celery sees it.
+        self._unwrap(claimed)
+        try:
+            transport.deliver(payload, claimed.queue)
+        except Exception as exc:  # any fault of one message: dead-letter it, go on
+            logger.exception("pgq: delivering message %d of queue %r failed",
+                             claimed.id, claimed.queue)
+            if leased:
+                self.dead(claimed, f"delivery failed: {type(exc).__name__}: {exc}")
+
+    def _unwrap(self, claimed: Claimed) -> None:
         with self._undelivered_lock:
             self._undelivered.pop(claimed.id, None)
-        transport.deliver(payload, claimed.queue)
+
+    def dead(self, claimed: Claimed, reason: str) -> None:
+        """Keep a message that cannot be delivered in dead_letter (the claim may have
+        already: ``dead_letter_id``), recover what it was and send ``message_poisoned``.
+        Never raises for the message's sake: the consumer goes on."""
+        try:
+            dead_id = claimed.dead_letter_id
+            if dead_id is None:
+                dead_id = self.store.dead_letter(claimed.token, reason)
+                if dead_id is None:
+                    return  # no longer held: its lease lapsed, another consumer has it
+            poison.handle_poisoned(
+                self.store,
+                dead_letter_id=dead_id,
+                queue=claimed.queue,
+                payload=claimed.payload or {},
+                attempts=claimed.read_ct,
+            )
+        except UNAVAILABLE as exc:
+            logger.warning("pgq: could not dead-letter message %d (%s): it is delivered "
+                           "again when its lease lapses", claimed.id, exc)
+        except Exception:  # a hook or a store call: the message is kept, go on
+            logger.exception("pgq: handling dead-lettered message %d failed", claimed.id)
 
     def release(self, rest: Sequence[Claimed]) -> None:
         """Hand back claimed messages now rather than after their lease lapses."""
-        tokens = [(c.id, c.read_ct) for c in rest if c.dead_letter_id is None]
+        tokens = [c.token for c in rest if c.dead_letter_id is None]
         with self._undelivered_lock:
-            for ident, _ in tokens:
-                self._undelivered.pop(ident, None)
+            for token in tokens:
+                self._undelivered.pop(token.id, None)
         self.store.release(tokens)
 
     # -- acks and leases ------------------------------------------------------------
-    def held(self) -> list[tuple[int, int, float]]:
+    def held(self) -> list[tuple[Lease, float]]:
         """Claimed messages not handed over yet: leased, so renewed like delivered ones."""
         with self._undelivered_lock:
             return list(self._undelivered.values())

@@ -7,6 +7,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "MessageTooLarge",
     "PgqError",
     "SchemaError",
 ]
@@ -35,3 +36,7 @@ class BrokerRefused(BrokerUnavailable):
 
 class SchemaError(PgqError):
     """The pgq schema is missing, outdated, or cannot be created with our rights."""
+
+
+class MessageTooLarge(PgqError, ValueError):
+    """A message is larger than ``max_message_bytes``: it was not published."""

@@ -53,7 +53,7 @@ class Housekeeper(threading.Thread):
                 held = transport.held()
                 if held and transport.options.lease_renewal:
                     self._guard("lease renewal", transport.store.renew, held)
-                renew_due = now + min((h[2] for h in held), default=default) / 3
+                renew_due = now + min((vt for _, vt in held), default=default) / 3
             if now >= maintain_due:
                 self._guard("queue maintenance", transport.maintain)
                 maintain_due = now + MAINTAIN_INTERVAL

@@ -112,11 +112,6 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             "Seconds the longest-waiting ready message has been deliverable; 0 when none is.",
             lambda q: q.oldest_ready_age_s or 0.0,
         ),
-        per_queue(
-            "pgq_queue_waiting_consumers",
-            "Live consumers idle on this queue, waiting for its next message.",
-            lambda q: q.waiting,
-        ),
         Family(
             "pgq_client_processes",
             "pgq client processes (workers and publishers) connected to the database.",

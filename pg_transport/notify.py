@@ -1,9 +1,16 @@
 """LISTEN/NOTIFY wake-ups, plus a self-pipe so an ack can wake the consumer.
 
 A consumer waits here when it has nothing to do: either no message was visible,
-or all its prefetch slots are full. It wakes when a publish notifies one of its
-queues, when an ack frees a slot (:meth:`Listener.wake`), or after the polling
-interval (delayed messages and expired leases need no notification).
+or all its prefetch slots are full. It wakes when a publish notifies the channel of
+one of its queues, when an ack frees a slot (:meth:`Listener.wake`), or after the
+polling interval (delayed messages and expired leases need no notification).
+
+A notification is a hint, never data. Postgres lets every role that can connect
+LISTEN and NOTIFY on any channel, so all a consumer takes from one is its channel's
+name, as a reason to claim the queue it names; what it then delivers comes from the
+rows it claims. pgq's publishes send no payload: one with a payload was sent by
+someone else, and is reported (at most once a minute) and dropped
+(:class:`Notifications`).
 """
 
 from __future__ import annotations
@@ -12,30 +19,62 @@ import contextlib
 import logging
 import os
 import select
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from time import monotonic
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from pg_transport.connection import Connector
-from pg_transport.sql import load_queries
+from pg_transport.sql import compose_channel, load_queries
 
-__all__ = ["Listener", "Wakeup"]
+__all__ = ["Listener", "Notifications", "Wakeup"]
 
 logger = logging.getLogger("pg_transport.notify")
+
+# Seconds between two warnings about notifications pgq did not send.
+FOREIGN_WARN_INTERVAL = 60.0
+
+
+class Notifications:
+    """Takes the channel names out of a session's notifications, and reports the ones
+    pgq cannot have sent (a payload)."""
+
+    def __init__(self) -> None:
+        self.foreign = 0
+        self._reported = 0
+        self._next_warning = 0.0
+
+    def collect(self, pgconn: pq.abc.PGconn, into: set[str]) -> None:
+        """Move what libpq has parsed so far into ``into`` (channel names)."""
+        while (note := pgconn.notifies()) is not None:
+            if note.extra:
+                self._foreign(note.relname)
+                continue
+            into.add(note.relname.decode("utf-8", "replace"))
+
+    def _foreign(self, channel: bytes) -> None:
+        self.foreign += 1
+        now = monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + FOREIGN_WARN_INTERVAL
+            logger.warning(
+                "pgq: dropped %d notification(s) with a payload on channel %r: pgq sends "
+                "none, so some other session is notifying its channels (any role that can "
+                "connect may); they are ignored", self.foreign - self._reported,
+                channel.decode("utf-8", "replace")[:63],
+            )
+            self._reported = self.foreign
 
 
 @dataclass
 class Wakeup:
-    """Why a wait ended: queues notified ('' means any), and/or a local wake."""
+    """Why a wait ended: channels notified, and/or a local wake."""
 
-    queues: set[str] = field(default_factory=set)
+    channels: set[str] = field(default_factory=set)
     local: bool = False
-
-    def concerns(self, active: set[str] | list[str]) -> bool:
-        if self.local or "" in self.queues:
-            return True
-        return not self.queues.isdisjoint(active)
 
 
 class Listener:
@@ -44,18 +83,24 @@ class Listener:
         self.listen_query = load_queries(schema)["listen"]
         self.use_notify = use_notify
         self._conn: psycopg.Connection[Any] | None = None
+        self._listening: set[str] = set()
+        self._notes = Notifications()
         self._pid = os.getpid()
         # The wake-up pipe exists once someone waits: a publishing-only connection
         # (most of Celery's producer pool) never holds its two descriptors.
         self._wake_r = self._wake_w = -1
 
-    def start(self) -> None:
-        """Open the LISTEN session (idempotent)."""
-        if not self.use_notify or (self._conn is not None and not self._conn.closed):
+    def listen(self, channels: Iterable[str]) -> None:
+        """LISTEN on ``channels`` too (opening the session if needed)."""
+        if not self.use_notify:
             return
-        conn = self.connector.connect()
-        conn.execute(self.listen_query)
-        self._conn = conn
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = self.connector.connect()
+            self._listening = set()
+        for channel in sorted(set(channels) - self._listening):
+            conn.execute(compose_channel(self.listen_query, channel))
+            self._listening.add(channel)
 
     def wake(self) -> None:
         """Wake a waiter from any thread; cheap, never blocks."""
@@ -84,17 +129,15 @@ class Listener:
 
     def wait(self, timeout: float) -> Wakeup:
         """Block up to ``timeout`` seconds; raises psycopg errors if LISTEN died."""
-        if self.use_notify:
-            self.start()
         self._ensure_pipe()
         result = Wakeup()
         fds: list[int] = [self._wake_r]
         conn = self._conn
-        if conn is not None:
+        if conn is not None and not conn.closed:
             fds.append(conn.pgconn.socket)
             # Notifications may already be buffered from an earlier read.
-            self._collect(conn, result)
-            if result.queues:
+            self._notes.collect(conn.pgconn, result.channels)
+            if result.channels:
                 return result
         ready, _, _ = select.select(fds, [], [], max(timeout, 0.0))
         if self._wake_r in ready:
@@ -107,16 +150,8 @@ class Listener:
                 self._conn = None
                 conn.close()
                 raise
-            self._collect(conn, result)
+            self._notes.collect(conn.pgconn, result.channels)
         return result
-
-    def _collect(self, conn: psycopg.Connection[Any], result: Wakeup) -> None:
-        pgconn = conn.pgconn
-        while True:
-            note = pgconn.notifies()
-            if note is None:
-                return
-            result.queues.add(note.extra.decode("utf-8", "replace"))
 
     def _drain_pipe(self) -> None:
         try:
@@ -127,6 +162,7 @@ class Listener:
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
+        self._listening = set()
         if conn is not None and not conn.closed:
             try:
                 conn.close()

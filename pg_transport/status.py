@@ -1,5 +1,4 @@
-"""What ``pgq status`` reports: queue depths, dead letters, waiting consumers, connected
-clients, barriers.
+"""What ``pgq status`` reports: queue depths, dead letters, connected clients, barriers.
 
 Every statement is in ``sql/status.sql``. The per-queue numbers come from one
 GROUP BY over ``message``: cheap enough for an operator's command, not meant to be
@@ -32,10 +31,6 @@ class QueueStatus:
     dead: int
     #: Seconds the longest-waiting ready message has been deliverable; None when none is.
     oldest_ready_age_s: float | None
-    #: Live consumers waiting on this queue: their last claim there found nothing, and
-    #: the next publish is handed to the longest-waiting one. Waiting consumers and
-    #: ready messages side by side for long would mean a wake-up went missing.
-    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +73,7 @@ def collect(store: Store) -> Status:
     q = load_named("status.sql", store.schema)
 
     def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], Any]:
-        queues = conn.execute(q["status_queues"], {"lock_space": store.lock_space}).fetchall()
+        queues = conn.execute(q["status_queues"]).fetchall()
         clients = conn.execute(q["status_clients"]).fetchone()
         return queues, clients
 
@@ -87,7 +82,7 @@ def collect(store: Store) -> Status:
         schema=store.schema,
         queues=[
             QueueStatus(row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]),
-                        None if row[5] is None else float(row[5]), int(row[6]))
+                        None if row[5] is None else float(row[5]))
             for row in queues
         ],
         clients=Clients(int(clients[0]), int(clients[1])) if clients else Clients(0, 0),

@@ -23,8 +23,9 @@ See :mod:`pg_transport.config`: ``schema``, ``visibility_timeout``,
 ``native_delayed_delivery``, ``auto_migrate``; each overridable by ``PGQ_<KEY>``.
 
 This module is thin: it maps kombu calls to :class:`~pg_transport.store.Store`
-calls. A delivered message carries its fencing token (row id, read_ct) in
-``delivery_info['pgq_token']``; ack, requeue and lease renewal are fenced by it.
+calls. A delivered message carries its fencing token (row id and lease) in
+``delivery_info['pgq_token']`` and its queue in ``delivery_info['pgq_queue']``; ack,
+requeue, dead-lettering and lease renewal are fenced by them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.transport.virtual.exchange import TopicExchange
 
-from pg_transport import identity, poison
+from pg_transport import envelope, identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.drain import UNAVAILABLE, Drain
@@ -55,7 +56,7 @@ from pg_transport.hub import EventLoopDrain
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
 from pg_transport.sql import load_queries
-from pg_transport.store import Claimed, Store
+from pg_transport.store import Claimed, Lease, Store
 from pg_transport.vacuum import Vacuumer
 
 __all__ = ["Channel", "Message", "QoS", "Transport"]
@@ -80,9 +81,10 @@ def check_queue_name(queue: str) -> str:
 
 
 
-def _token(message: Any) -> tuple[int, int]:
-    ident, read_ct = message.delivery_info[TOKEN]
-    return int(ident), int(read_ct)
+def _token(message: Any) -> Lease:
+    info = message.delivery_info
+    ident, lease = info[TOKEN]
+    return Lease(int(ident), int(lease), str(info["pgq_queue"]))
 
 
 class Message(virtual.Message):
@@ -105,32 +107,37 @@ class Message(virtual.Message):
 class QoS(virtual.QoS):
     """Acks and rejects go straight to Postgres, fenced by the delivery's token.
 
-    ``_held`` mirrors the unacked deliveries as (id, read_ct, vt) under a lock so
-    the lease-renewal thread can read it while other threads ack.
+    ``_held`` mirrors the unacked deliveries as (lease, vt) under a lock so the
+    lease-renewal thread can read it while other threads ack.
     """
 
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
-        self._held: dict[str, tuple[int, int, float]] = {}
+        self._held: dict[str, tuple[Lease, float]] = {}
         self._held_lock = threading.Lock()
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        ident, read_ct = _token(message)
-        vt = self.channel.visibility_timeout(message.delivery_info["pgq_queue"])
+        token = _token(message)
+        vt = self.channel.visibility_timeout(token.queue)
         with self._held_lock:
-            self._held[delivery_tag] = (ident, read_ct, vt)
+            self._held[delivery_tag] = (token, vt)
         super().append(message, delivery_tag)
 
-    def _forget(self, delivery_tag: str) -> tuple[int, int] | None:
+    def _forget(self, delivery_tag: str) -> None:
         with self._held_lock:
-            held = self._held.pop(delivery_tag, None)
+            self._held.pop(delivery_tag, None)
         self._quick_ack(delivery_tag)
         transport = self.channel.connection
         if transport is not None:
             transport.wake()
-        return (held[0], held[1]) if held else None
 
-    def held(self) -> list[tuple[int, int, float]]:
+    def forget(self, delivery_tag: str) -> None:
+        """Drop a delivery Celery never took (its delivery raised): the consumer
+        dead-letters it under its lease; its prefetch slot is free again."""
+        if delivery_tag in self._delivered or delivery_tag in self._held:
+            self._forget(delivery_tag)
+
+    def held(self) -> list[tuple[Lease, float]]:
         with self._held_lock:
             return list(self._held.values())
 
@@ -141,11 +148,9 @@ class QoS(virtual.QoS):
         undecodable = getattr(message, "undecodable", None)
         try:
             if held is not None and undecodable:
-                self.channel.dead_letter(
-                    (held[0], held[1]), f"undecodable body: {undecodable}", message
-                )
+                self.channel.dead_letter(held[0], f"undecodable body: {undecodable}", message)
             elif held is not None:
-                token = (held[0], held[1])
+                token = held[0]
                 transport = self.channel.connection
                 # Rides on the consumer's next claim (woken by _forget below); once
                 # the consumer has stopped, the ack is landed here and now.
@@ -163,7 +168,7 @@ class QoS(virtual.QoS):
             held = self._held.get(delivery_tag)
         try:
             if held is not None:
-                token = (held[0], held[1])
+                token = held[0]
                 if requeue:
                     self.channel.store.release([token])
                 else:
@@ -175,9 +180,9 @@ class QoS(virtual.QoS):
             self._forget(delivery_tag)
 
     @staticmethod
-    def _lapse(what: str, held: tuple[int, int, float] | None, exc: BaseException) -> None:
+    def _lapse(what: str, held: tuple[Lease, float] | None, exc: BaseException) -> None:
         """Postgres stayed out of reach through the retries: say what happens next."""
-        ident = held[0] if held else "?"
+        ident = held[0].id if held else "?"
         logger.warning(
             "%s of message %s failed (%s); it will be delivered again when its "
             "visibility timeout lapses", what, ident, exc,
@@ -200,7 +205,7 @@ class QoS(virtual.QoS):
         with self._held_lock:
             held, self._held = self._held, {}
         self._delivered.clear()
-        tokens = [(h[0], h[1]) for h in held.values()]
+        tokens = [h[0] for h in held.values()]
         try:
             self.channel.store.release(tokens)
         except (psycopg.Error, BrokerUnavailable) as exc:
@@ -245,7 +250,7 @@ class Channel(virtual.Channel):
             )
         return attempts
 
-    def dead_letter(self, token: tuple[int, int], reason: str, message: Any) -> int | None:
+    def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
         dead_id = self.store.dead_letter(token, reason)
         if dead_id is not None and message is not None:
@@ -378,9 +383,11 @@ class Channel(virtual.Channel):
             )
             if not claimed:
                 raise Empty()
-            if claimed[0].dead_letter_id is None:
-                return self.connection.as_payload(claimed[0])
-            self.connection.drain.deliver_all(claimed, leased=True)  # poisoned: handled
+            found = claimed[0]
+            why = found.fault if found.payload is None else envelope.fault(found.payload)
+            if found.dead_letter_id is None and why is None:
+                return self.connection.as_payload(found)
+            self.connection.drain.dead(found, found.fault or why or "undecodable payload")
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
@@ -433,10 +440,15 @@ class Channel(virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         if not no_ack:
             return super().basic_get(queue, no_ack, **kwargs)
-        popped = self.store.pop([queue], 1)
-        if not popped:
-            return None
-        return self.Message(self.connection.as_payload(popped[0]), channel=self)
+        while True:
+            popped = self.store.pop([queue], 1)
+            if not popped:
+                return None
+            found = popped[0]
+            why = found.fault if found.payload is None else envelope.fault(found.payload)
+            if found.dead_letter_id is None and why is None:
+                return self.Message(self.connection.as_payload(found), channel=self)
+            self.connection.drain.dead(found, found.fault or why or "undecodable payload")
 
     def consuming(self) -> tuple[list[str], list[str]]:
         """The queues this channel consumes: (acknowledged, no_ack)."""
@@ -518,7 +530,8 @@ class Transport(virtual.Transport):
         prepare = 5 if own else None
         no_jit = (queries["no_jit"],) if own else ()
         self.connector = Connector(
-            conninfo, display_url=shown, prepare_threshold=prepare, setup=no_jit
+            conninfo, display_url=shown, prepare_threshold=prepare, setup=no_jit,
+            pin_search_path=own,
         )
         # The consumer's statements (claim, ack, renew, ...) are planned once.
         self.relaxed = (
@@ -534,7 +547,7 @@ class Transport(virtual.Transport):
         self.store = Store(
             self.connector, self.options.schema, relaxed=self.relaxed,
             publisher=self.connector if durable else self.relaxed,
-            deliver_before_flush=durable, publisher_flushes=durable,
+            publisher_flushes=durable, max_message_bytes=self.options.max_message_bytes,
         )
         self.listener = Listener(
             self.connector, self.options.schema, use_notify=self.options.use_notify
@@ -596,10 +609,11 @@ class Transport(virtual.Transport):
     # -- consuming -----------------------------------------------------------
     def as_payload(self, claimed: Claimed) -> dict[str, Any]:
         payload = claimed.payload
+        assert payload is not None, "a message with no payload is dead-lettered"
         props = payload.setdefault("properties", {})
-        props["delivery_tag"] = f"{claimed.id}:{claimed.read_ct}"
+        props["delivery_tag"] = f"{claimed.id}:{claimed.lease}"
         info = props.setdefault("delivery_info", {})
-        info[TOKEN] = [claimed.id, claimed.read_ct]
+        info[TOKEN] = [claimed.id, claimed.lease]
         info["pgq_queue"] = claimed.queue
         # Where Celery looks (request.delivery_info['redelivered']) and where kombu does.
         info["redelivered"] = payload["redelivered"] = claimed.read_ct > 1
@@ -625,8 +639,16 @@ class Transport(virtual.Transport):
         self.drain.acks.start()
 
     def deliver(self, payload: dict[str, Any], queue: str) -> None:
-        """Hand a message to the consumer of ``queue`` (kombu's callback)."""
-        self._deliver(payload, queue)
+        """Hand a message to the consumer of ``queue`` (kombu's callback). Should that
+        raise, no channel holds the delivery any more (the caller dead-letters it)."""
+        try:
+            self._deliver(payload, queue)
+        except Exception:
+            tag = payload["properties"]["delivery_tag"]
+            for channel in list(self.channels):
+                if channel._qos is not None:
+                    channel._qos.forget(tag)
+            raise
 
     def consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
@@ -639,9 +661,6 @@ class Transport(virtual.Transport):
         self, connection: Any, timeout: float | None = None
     ) -> None:
         """Deliver what is visible now, else wait for a NOTIFY, an ack or the poll."""
-        # LISTEN before the first claim: a publish landing between an empty claim
-        # and the LISTEN would otherwise wait for the next poll.
-        self.listener.start()
         self._ensure_renewer()
         self.drain.drain(timeout)
 
@@ -665,7 +684,7 @@ class Transport(virtual.Transport):
         queues = sorted(self._consumed_queues())
         self.store.maintain(queues)
 
-    def held(self) -> list[tuple[int, int, float]]:
+    def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or
         claimed and not handed over yet."""
         held = self.drain.held()

@@ -5,9 +5,7 @@ removes them their index entries stay at the head of the claim index, and every 
 steps over them: at 100,000 dead rows a claim costs about twice what it costs on a
 clean table. Autovacuum wakes up once a minute at best (``autovacuum_naptime``) and may
 be off altogether, so each consuming process also looks every few seconds and vacuums
-the table itself once ``vacuum_threshold`` dead rows have piled up. The small waiter
-table (every message handed to an idle consumer leaves a dead row there) is vacuumed
-past ``WAITER_THRESHOLD`` (or ``vacuum_threshold`` if lower). Only a table's owner may
+the table itself once ``vacuum_threshold`` dead rows have piled up. Only a table's owner may
 vacuum it; other roles leave it to autovacuum (said once in the log).
 ``VACUUM (SKIP_LOCKED)`` lets one process vacuum while the others skip.
 """
@@ -24,15 +22,12 @@ from pg_transport.connection import Connector
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.sql import load_queries
 
-__all__ = ["CHECK_INTERVAL", "WAITER_THRESHOLD", "Vacuumer"]
+__all__ = ["CHECK_INTERVAL", "Vacuumer"]
 
 logger = logging.getLogger("pg_transport.vacuum")
 
 # Seconds between two looks at the table's dead rows.
 CHECK_INTERVAL = 2.0
-# Dead rows of the waiter table before it is vacuumed: it holds a row per idle
-# consumer and queue, so a thousand dead ones are many times its live size.
-WAITER_THRESHOLD = 1000
 
 
 class Vacuumer(threading.Thread):
@@ -61,11 +56,6 @@ class Vacuumer(threading.Thread):
 
     def check(self) -> bool:
         """Vacuum what has enough dead rows; False when this role may not."""
-        thresholds = {
-            "message": self.threshold,
-            "waiter": min(self.threshold, WAITER_THRESHOLD),
-        }
-        statements = {"message": "vacuum", "waiter": "vacuum_waiter"}
 
         def work(conn: psycopg.Connection[Any]) -> bool:
             found = conn.execute(self._queries["dead_rows"], {"schema": self.schema}).fetchall()
@@ -77,8 +67,8 @@ class Vacuumer(threading.Thread):
                         conn.info.user, self.schema, table,
                     )
                     return False
-                if int(dead) >= thresholds[table]:
-                    conn.execute(self._queries[statements[table]], prepare=False)
+                if int(dead) >= self.threshold:
+                    conn.execute(self._queries["vacuum"], prepare=False)
                     self.vacuums += 1
                     logger.debug("vacuumed %s.%s (%d dead rows)", self.schema, table, dead)
             return True

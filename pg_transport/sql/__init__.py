@@ -4,28 +4,26 @@ from __future__ import annotations
 
 from pg_transport.sql.loader import (
     Migration,
-    compose_handoff,
-    handoff_channel,
-    handoff_prefix,
+    channel_prefix,
+    compose_channel,
     load_migrations,
     load_named,
     load_queries,
     load_schema,
-    notify_channel,
+    queue_channel,
     substitute_parameters,
     to_positional,
 )
 
 __all__ = [
     "Migration",
-    "compose_handoff",
-    "handoff_channel",
-    "handoff_prefix",
+    "channel_prefix",
+    "compose_channel",
     "load_migrations",
     "load_named",
     "load_queries",
     "load_schema",
-    "notify_channel",
+    "queue_channel",
     "substitute_parameters",
     "to_positional",
 ]

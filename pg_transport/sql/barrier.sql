@@ -7,7 +7,7 @@
 INSERT INTO {schema}.barrier
     (id, total, remaining, callback, errback, metadata, expires_at, stuck_timeout)
 VALUES (%(id)s, %(total)s, %(total)s, %(callback)s::json, %(errback)s::json, %(metadata)s,
-        now() + make_interval(secs => %(ttl)s), make_interval(secs => %(stuck_timeout)s))
+        pg_catalog.now() + pg_catalog.make_interval(secs => %(ttl)s), pg_catalog.make_interval(secs => %(stuck_timeout)s))
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 
@@ -28,14 +28,14 @@ RETURNING idx
 -- Count one finished part against an armed barrier. The row lock this takes is
 -- held to commit, so concurrent parts count one after the other.
 UPDATE {schema}.barrier
-SET remaining = remaining - 1, progressed_at = now()
+SET remaining = remaining - 1, progressed_at = pg_catalog.now()
 WHERE id = %(id)s AND status = 'armed' AND remaining > 0
 RETURNING remaining
 
 -- name: barrier_fire
 -- The armed -> fired flip, only for a barrier with nothing remaining; the loser gets no row.
 UPDATE {schema}.barrier
-SET status = 'fired', fired_at = now()
+SET status = 'fired', fired_at = pg_catalog.now()
 WHERE id = %(id)s AND status = 'armed' AND remaining = 0
 RETURNING callback::text, total
 
@@ -48,7 +48,7 @@ ORDER BY idx
 -- name: barrier_fail
 -- The armed -> failed flip when a part failed for good; the loser gets no row.
 UPDATE {schema}.barrier
-SET status = 'failed', reason = %(reason)s, finished_at = now()
+SET status = 'failed', reason = %(reason)s, finished_at = pg_catalog.now()
 WHERE id = %(id)s AND status = 'armed'
 RETURNING errback::text, metadata, total, remaining
 
@@ -62,15 +62,15 @@ RETURNING errback::text, metadata, total, remaining
 WITH due AS (
     SELECT id FROM {schema}.barrier
     WHERE status = 'armed'
-      AND (expires_at <= now() OR progressed_at + stuck_timeout <= now())
+      AND (expires_at <= pg_catalog.now() OR progressed_at + stuck_timeout <= pg_catalog.now())
     ORDER BY id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.barrier AS b
 SET status = 'expired',
-    reason = CASE WHEN b.expires_at <= now() THEN 'ttl' ELSE 'stuck' END,
-    finished_at = now()
+    reason = CASE WHEN b.expires_at <= pg_catalog.now() THEN 'ttl' ELSE 'stuck' END,
+    finished_at = pg_catalog.now()
 FROM due
 WHERE b.id = due.id AND b.status = 'armed'
 RETURNING b.id, b.reason, b.errback::text, b.metadata, b.total, b.remaining,
@@ -79,22 +79,22 @@ RETURNING b.id, b.reason, b.errback::text, b.metadata, b.total, b.remaining,
 -- name: barrier_complete
 -- The fired -> completed flip after the callback body succeeded.
 UPDATE {schema}.barrier
-SET status = 'completed', finished_at = now()
+SET status = 'completed', finished_at = pg_catalog.now()
 WHERE id = %(id)s AND status = 'fired'
 RETURNING id
 
 -- name: barrier_counts
 -- How many barriers are in each status.
-SELECT status, count(*) FROM {schema}.barrier GROUP BY status
+SELECT status, pg_catalog.count(*) FROM {schema}.barrier GROUP BY status
 
 -- name: barrier_show
 -- One barrier, for `pgq barrier show`.
 SELECT b.id, b.status, b.total, b.remaining, b.callback::text, b.errback::text, b.metadata,
        b.reason, b.created_at, b.progressed_at, b.expires_at,
        extract(epoch FROM b.stuck_timeout)::float8, b.fired_at, b.finished_at,
-       (SELECT count(*) FROM {schema}.barrier_part AS p
+       (SELECT pg_catalog.count(*) FROM {schema}.barrier_part AS p
         WHERE p.barrier_id = b.id AND p.outcome = 'succeeded'),
-       (SELECT count(*) FROM {schema}.barrier_part AS p
+       (SELECT pg_catalog.count(*) FROM {schema}.barrier_part AS p
         WHERE p.barrier_id = b.id AND p.outcome = 'failed')
 FROM {schema}.barrier AS b
 WHERE b.id = %(id)s
@@ -109,27 +109,27 @@ ORDER BY idx
 -- Take a claim: a new key, or one whose lease ran out. A fresh lease excludes
 -- everyone (its holder renews instead) and a tombstone is never re-claimed.
 INSERT INTO {schema}.guard_claim AS c (key, holder, lease_until, claimed_at)
-VALUES (%(key)s, %(holder)s, statement_timestamp() + make_interval(secs => %(lease)s),
-        statement_timestamp())
+VALUES (%(key)s, %(holder)s, pg_catalog.statement_timestamp() + pg_catalog.make_interval(secs => %(lease)s),
+        pg_catalog.statement_timestamp())
 ON CONFLICT (key) DO UPDATE
 SET holder = excluded.holder,
     token = c.token + 1,
     lease_until = excluded.lease_until,
     claimed_at = excluded.claimed_at
-WHERE c.completed_at IS NULL AND c.lease_until <= statement_timestamp()
+WHERE c.completed_at IS NULL AND c.lease_until <= pg_catalog.statement_timestamp()
 RETURNING token
 
 -- name: guard_renew
 -- Extend a claim's lease, fenced by holder and token.
 UPDATE {schema}.guard_claim
-SET lease_until = statement_timestamp() + make_interval(secs => %(lease)s)
+SET lease_until = pg_catalog.statement_timestamp() + pg_catalog.make_interval(secs => %(lease)s)
 WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_at IS NULL
 RETURNING token
 
 -- name: guard_complete
 -- Turn a held claim into a tombstone that refuses every later claim of the key.
 UPDATE {schema}.guard_claim
-SET completed_at = statement_timestamp()
+SET completed_at = pg_catalog.statement_timestamp()
 WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_at IS NULL
 RETURNING token
 
@@ -140,7 +140,7 @@ WHERE key = %(key)s AND holder = %(holder)s AND token = %(token)s AND completed_
 
 -- name: guard_claim_state
 -- One claim as it stands, with whether its lease is still fresh.
-SELECT holder, token, lease_until, completed_at, lease_until > statement_timestamp()
+SELECT holder, token, lease_until, completed_at, lease_until > pg_catalog.statement_timestamp()
 FROM {schema}.guard_claim
 WHERE key = %(key)s
 
@@ -148,7 +148,7 @@ WHERE key = %(key)s
 -- Start a new generation of a key: every holder of an older one is superseded.
 INSERT INTO {schema}.guard_generation AS g (key, generation)
 VALUES (%(key)s, 1)
-ON CONFLICT (key) DO UPDATE SET generation = g.generation + 1, bumped_at = now()
+ON CONFLICT (key) DO UPDATE SET generation = g.generation + 1, bumped_at = pg_catalog.now()
 RETURNING generation
 
 -- name: guard_generation

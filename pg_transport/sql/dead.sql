@@ -5,7 +5,7 @@
 -- name: dead_list
 -- Dead-letter rows, newest first, optionally of one queue; total is the count before LIMIT.
 SELECT d.id, d.queue, d.task_name, d.task_id, d.identity, d.reason, d.read_ct, d.dead_at,
-       d.hooks, count(*) OVER () AS total
+       d.hooks, pg_catalog.count(*) OVER () AS total
 FROM {schema}.dead_letter AS d
 WHERE %(queue)s::text IS NULL OR d.queue = %(queue)s::text
 ORDER BY d.id DESC
@@ -24,15 +24,16 @@ WITH moved AS (
     RETURNING d.id, d.queue, d.priority, d.enqueued_at, d.payload
 ), requeued AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, enqueued_at, payload)
-    SELECT moved.queue, moved.priority, now(), 0, moved.enqueued_at, moved.payload
+    SELECT moved.queue, moved.priority, pg_catalog.now(), 0, moved.enqueued_at, moved.payload
     FROM moved
     ORDER BY moved.id
 )
 SELECT q.queue, q.ids,
-       -- Past NOTIFY's payload limit an empty payload wakes every listener instead.
-       pg_notify(%(channel)s, CASE WHEN octet_length(q.queue) <= 4000 THEN q.queue ELSE '' END)
+       pg_catalog.pg_notify(
+           %(channel_prefix)s::text || pg_catalog.md5(pg_catalog.convert_to(q.queue, 'UTF8')),
+           '')
 FROM (
-    SELECT moved.queue, array_agg(moved.id ORDER BY moved.id) AS ids
+    SELECT moved.queue, pg_catalog.array_agg(moved.id ORDER BY moved.id) AS ids
     FROM moved GROUP BY moved.queue
 ) AS q
 ORDER BY q.queue
@@ -43,11 +44,12 @@ ORDER BY q.queue
 WITH purged AS (
     DELETE FROM {schema}.dead_letter AS d
     WHERE (%(older_than)s::float8 IS NULL
-           OR d.dead_at < now() - make_interval(secs => %(older_than)s::float8))
+           OR d.dead_at
+              < pg_catalog.now() - pg_catalog.make_interval(secs => %(older_than)s::float8))
       AND (%(queue)s::text IS NULL OR d.queue = %(queue)s::text)
     RETURNING 1
 )
-SELECT count(*) FROM purged
+SELECT pg_catalog.count(*) FROM purged
 
 -- name: dead_record_hooks
 -- Replace the recorded hook outcomes of a dead-letter row (a rehook's are the news).

@@ -6,11 +6,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from hashlib import blake2b, md5
 from importlib import resources
 
 from psycopg import sql
-
-from pg_transport.locks import lock_space
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$")
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
@@ -57,39 +56,34 @@ def substitute_parameters(query: str, render: Callable[[str], str]) -> str:
     )
 
 
-def notify_channel(schema: str) -> str:
-    """The LISTEN/NOTIFY channel of a schema."""
-    return f"pgq_{schema}"
+def channel_prefix(schema: str) -> str:
+    """The start of every wake-up channel of a schema (:func:`queue_channel` ends it).
+
+    Channel names have 63 bytes at most and a schema name may take all of them: the
+    schema is in it as a digest."""
+    return f"pgq_{blake2b(schema.encode('utf-8'), digest_size=4).hexdigest()}_"
 
 
-def handoff_prefix(schema: str) -> str:
-    """The start of a consumer's own channel (the consumer's token completes it).
+def queue_channel(schema: str, queue: str) -> str:
+    """The channel where publishes to ``queue`` wake its consumers, with no payload.
 
-    Channel names have 63 bytes at most, and a schema name may take all of them: the
-    schema is in it as its lock space, in hex."""
-    return f"pgq_h{lock_space(schema) & 0xFFFFFFFF:08x}_"
-
-
-def handoff_channel(schema: str, token: int) -> str:
-    """The channel where publishes hand messages to the consumer holding ``token``."""
-    return f"{handoff_prefix(schema)}{token}"
+    The SQL computes the same name (``md5(convert_to(queue, 'UTF8'))`` after the prefix)
+    for queues it routes to. Anyone who can connect may NOTIFY it: a wake-up is only ever
+    a reason to claim."""
+    return channel_prefix(schema) + md5(queue.encode("utf-8")).hexdigest()
 
 
 def compose(text: str, schema: str) -> sql.Composed:
-    """Compose ``{schema}`` and ``{channel}`` into ``text`` as identifiers.
+    """Compose ``{schema}`` into ``text`` as an identifier.
 
-    ``{handoff}`` (a consumer's own channel) is left in place, for :func:`compose_handoff`
-    once the session knows its token."""
-    return sql.SQL(text).format(
-        schema=sql.Identifier(schema),
-        channel=sql.Identifier(notify_channel(schema)),
-        handoff=sql.SQL("{handoff}"),
-    )
+    ``{channel}`` (a queue's channel, in LISTEN) is left in place, for
+    :func:`compose_channel` once the queue is known."""
+    return sql.SQL(text).format(schema=sql.Identifier(schema), channel=sql.SQL("{channel}"))
 
 
-def compose_handoff(rendered: str, channel: str) -> sql.Composed:
-    """A rendered query with a consumer's own channel composed in as an identifier."""
-    return sql.SQL(rendered).format(handoff=sql.Identifier(channel))
+def compose_channel(rendered: str, channel: str) -> sql.Composed:
+    """A rendered query with a channel composed in as an identifier."""
+    return sql.SQL(rendered).format(channel=sql.Identifier(channel))
 
 
 @cache

@@ -44,7 +44,9 @@ CREATE TABLE {schema}.binding (
 CREATE INDEX binding_queue_idx ON {schema}.binding (queue);
 
 -- A message is a row; visible_at is its visibility timeout. read_ct counts
--- deliveries and is the fencing token of acks and releases.
+-- deliveries (max_attempts); lease counts grants (every claim and every release) and
+-- is the fencing token of acks, releases, renewals and dead-lettering: a holder whose
+-- message was released or claimed again can touch it no more.
 CREATE TABLE {schema}.message (
     id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue       text        NOT NULL,
@@ -55,6 +57,7 @@ CREATE TABLE {schema}.message (
     publish_key text,
     payload     json        NOT NULL,
     expires_at  timestamptz,
+    lease       integer     NOT NULL DEFAULT 0,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (
@@ -74,27 +77,6 @@ CREATE TABLE {schema}.message (
 CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, visible_at, id);
 
 CREATE INDEX message_expiring_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
-
--- Consumers waiting for messages: their last claim found less than they had room for
--- (one row per queue). A publish hands its message to the longest-waiting live one:
--- inserted already leased to it, sent in a NOTIFY on that consumer's own channel.
--- consumer is the token of the consumer's session, which holds the advisory lock
--- (lock space of the schema, token) while it lives.
-CREATE TABLE {schema}.waiter (
-    id       bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    consumer integer     NOT NULL,
-    queue    text        NOT NULL,
-    vt       float8      NOT NULL,
-    since    timestamptz NOT NULL DEFAULT now()
-) WITH (
-    autovacuum_vacuum_scale_factor = 0,
-    autovacuum_vacuum_threshold = 1000,
-    autovacuum_vacuum_cost_delay = 0
-);
-
-CREATE INDEX waiter_queue_idx ON {schema}.waiter (queue, id);
-
-CREATE INDEX waiter_consumer_idx ON {schema}.waiter (consumer);
 
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (

@@ -139,7 +139,7 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
         # The backlog may be gone before a worker is back: one whose first try came while
         # the server was still going down waits out Celery's retry interval (2 s) while
         # the other drains. So each worker is seen back, then given work of its own: idle
-        # and waiting, each is handed (or woken for) part of a fresh batch.
+        # and listening, each is woken for part of a fresh batch.
         wait_for(lambda: all(reconnected(w) for w in running), 60,
                  "every worker to connect again")
         after_ids = publish(env, AFTER, label="a")

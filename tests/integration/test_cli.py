@@ -100,7 +100,7 @@ def test_purge_deletes_waiting_messages_and_prints_the_count(
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == "4 waiting messages purged from queue 'jobs'"
     assert store.size("other") == 1
-    assert store.ack([(held.id, held.read_ct)]) == 1
+    assert store.ack([held.token]) == 1
 
     again = invoke("purge", "jobs", "--url", broker_url, "--schema", schema)
     assert again.stdout.strip() == "0 waiting messages purged from queue 'jobs'"

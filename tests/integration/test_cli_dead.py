@@ -125,12 +125,12 @@ def test_requeue_one_moves_it_back_fresh_and_wakes_listeners(
     kept = poison(store, peek, "jobs", task_message(2))
 
     with psycopg.connect(pg_url, autocommit=True) as listener:
-        listener.execute(f'LISTEN "{store.channel}"')
+        listener.execute(f'LISTEN "{store.channel("jobs")}"')
         result = dead("requeue", str(target), url=broker_url, schema=schema)
         assert result.exit_code == 0, result.output
         assert result.stdout.strip() == "1 dead-letter row requeued: 1 to queue 'jobs'"
         notified = next(listener.notifies(timeout=5, stop_after=1))
-    assert (notified.channel, notified.payload) == (store.channel, "jobs")
+    assert (notified.channel, notified.payload) == (store.channel("jobs"), "")
 
     assert dead_ids(peek) == [kept]
     [(queue, priority, read_ct, key, ready, stored)] = peek(

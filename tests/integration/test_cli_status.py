@@ -37,7 +37,7 @@ def test_counts_each_state_per_queue(
     # jobs: 1 dead, 1 in flight, 1 delayed, 2 ready (one of them deliverable for 2 minutes).
     store.publish("jobs", message(0))
     [doomed] = store.claim(["jobs"], [30.0], 1)
-    assert store.dead_letter((doomed.id, doomed.read_ct), "rejected") is not None
+    assert store.dead_letter(doomed.token, "rejected") is not None
     store.publish("jobs", message(1))
     [held] = store.claim(["jobs"], [300.0], 1)
     store.publish("jobs", message(2), delay=3600)
@@ -48,7 +48,7 @@ def test_counts_each_state_per_queue(
     # other: only a dead letter; idle: declared, empty.
     store.publish("other", message(5))
     [other] = store.claim(["other"], [30.0], 1)
-    assert store.dead_letter((other.id, other.read_ct), "rejected") is not None
+    assert store.dead_letter(other.token, "rejected") is not None
     store.declare_queue("idle")
 
     report = status(broker_url, schema)
@@ -59,15 +59,15 @@ def test_counts_each_state_per_queue(
     assert 120 <= age < 180
     assert queues == {
         "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0,
-                 "oldest_ready_age_s": None, "waiting": 0},
-        "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1, "waiting": 0},
+                 "oldest_ready_age_s": None},
+        "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
         "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1,
-                  "oldest_ready_age_s": None, "waiting": 0},
+                  "oldest_ready_age_s": None},
     }
     assert report["barriers"] == []
 
     # A released claim is ready again; an expired lease too (its consumer died).
-    assert store.release([(held.id, held.read_ct)]) == 1
+    assert store.release([held.token]) == 1
     jobs = next(q for q in status(broker_url, schema)["queues"] if q["queue"] == "jobs")
     assert (jobs["ready"], jobs["in_flight"], jobs["delayed"]) == (3, 0, 1)
 
@@ -76,13 +76,12 @@ def test_counts_each_state_per_queue(
     lines = table.stdout.splitlines()
     assert lines[0] == f"pgq schema {schema!r} at {mask_url(broker_url)}"
     assert lines[1].split() == [
-        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY", "WAITING"
+        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY"
     ]
-    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-", "0"]
+    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
     assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
     assert lines[3].split()[5] == "2m"  # "2m 0s": oldest ready for two minutes
-    assert lines[3].split()[-1] == "0"
-    assert lines[4].split() == ["other", "0", "0", "0", "1", "-", "0"]
+    assert lines[4].split() == ["other", "0", "0", "0", "1", "-"]
     assert lines[5].startswith("clients: ")
 
 

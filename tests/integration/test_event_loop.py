@@ -18,7 +18,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
-from pg_transport.store import HANDOFF_LIMIT
+from pg_transport.store import Lease
 from tests.integration.conftest import Peek
 
 
@@ -92,36 +92,31 @@ def test_an_ack_rides_on_the_next_claim(
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
-def test_after_a_short_claim_an_ack_rides_on_a_claim_that_begins_the_wait(
+def test_after_a_short_claim_acks_land_alone_and_a_publish_wakes_a_claim(
     conn: Connection, hub: Hub, rows: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No poll during the test: it would claim (and carry acks) of its own accord.
     monkeypatch.setattr(conn.transport, "polling_interval", 600)
     sent, got = started(conn, hub, monkeypatch, "short", prefetch=4, messages=2)
     turn_until(hub, lambda: len(got) == 2)
-    # The claim came back short (2 of 4): the queue is known to be empty, and the
-    # consumer waits nowhere, since that claim brought messages.
+    # The claim came back short (2 of 4): the queue is known to be empty.
     assert "short" in conn.transport.drain.exhausted
-    assert rows("SELECT count(*) FROM {schema}.waiter") == [(0,)]
     first, second = (m.delivery_info["pgq_token"][0] for m in got)
     got[0].ack()
-    turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.waiter") == [(1,)])
-    # The ack rode on a claim, which found nothing and so began the wait.
-    assert sent[-1] == ("claim", [first])
-    assert rows("SELECT id FROM {schema}.message") == [(second,)]
-    # Waiting now: the next ack lands alone, no claim with it.
+    turn_until(hub, lambda: rows("SELECT id FROM {schema}.message") == [(second,)])
+    # Nothing to claim: the ack went alone.
+    assert sent[-1] == ("ack", [first])
     got[1].ack()
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
     assert sent[-1] == ("ack", [second])
-    # And the next publish is handed over: delivered with no claim of the consumer's
-    # (once the ack's answer is read: read together with the hand-off, it would kick a
-    # claim of its own).
+    # The next publish's wake-up (a NOTIFY on the queue's channel, with nothing in it)
+    # brings a claim, and the claim the message.
     turn_until(hub, lambda: not conn.transport.hub.session.busy)
     claims = [name for name, _ in sent].count("claim")
     Producer(conn.channel(), routing_key="short").publish({"n": 2})
     turn_until(hub, lambda: len(got) == 3)
     assert got[2].payload == {"n": 2}
-    assert [name for name, _ in sent].count("claim") == claims
+    assert [name for name, _ in sent].count("claim") == claims + 1
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
@@ -323,11 +318,11 @@ def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg
     """Put a claim on the wire that waits (in its ack) for a row ``admin`` holds locked:
     its snapshot is taken, its answer comes only once ``admin`` lets go."""
     transport = conn.transport
-    [(ident,)] = rows("INSERT INTO {schema}.message (queue, read_ct, payload)"
-                      " VALUES ('elsewhere', 1, '{{}}') RETURNING id")
+    [(ident,)] = rows("INSERT INTO {schema}.message (queue, read_ct, lease, payload)"
+                      " VALUES ('elsewhere', 1, 1, '{{}}') RETURNING id")
     admin.execute("BEGIN")
     admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
-    transport.drain.acks.add((ident, 1))
+    transport.drain.acks.add(Lease(ident, 1, "elsewhere"))
     transport.drain.exhausted.clear()
     transport.hub.kick()
     assert transport.hub.session.busy
@@ -344,44 +339,28 @@ def _wait_on_socket(conn: Connection, needle: bytes) -> None:
             assert time.monotonic() < deadline, "the notification never came"
 
 
-@pytest.mark.parametrize("handed", [False, True], ids=["notified", "handed over"])
 def test_a_publish_behind_a_claim_in_flight_is_not_missed(
-    broker_url: str, schema: str, hub: Hub, rows: Peek, pg_url: str, handed: bool
+    broker_url: str, schema: str, hub: Hub, rows: Peek, pg_url: str
 ) -> None:
     # A claim's snapshot predates a publish and its short answer says "empty"; the
-    # publish's NOTIFY (or its hand-off, to the waiting row that very claim wrote) comes
-    # right behind that answer on the socket and is read with it.
+    # publish's NOTIFY comes right behind that answer on the socket and is read with it.
     options = {"schema": schema, "polling_interval": 60}
     with Connection(broker_url, transport_options=options) as c:
         c.connect()
         c.transport._ensure_renewer = lambda: None
         got = consume(c, "race", prefetch=2)
         producer = Producer(c.channel(), routing_key="race")
-        for n in range(2):  # the first claim comes back full: the consumer waits nowhere
+        for n in range(2):  # the first claim comes back full
             producer.publish({"n": n})
         c.transport.register_with_event_loop(c.connection, hub)
         session = c.transport.hub.session
         turn_until(hub, lambda: len(got) == 2 and not session.busy)
-        assert c.transport.hub.waiting == set()
         for message in got:
             message.ack()
         with psycopg.connect(pg_url, autocommit=True) as admin:
             _claim_blocked_behind(c, hub, rows, admin)
-            if handed:
-                admin.execute("ROLLBACK")  # the claim comes back empty and waits on "race"
-                turn_until_row = time.monotonic() + 10
-                while rows("SELECT count(*) FROM {schema}.waiter") != [(1,)]:
-                    assert time.monotonic() < turn_until_row, "the claim never waited"
             with Connection(broker_url, transport_options=options) as other:
-                body = "" if handed else "x" * HANDOFF_LIMIT  # too large: a NOTIFY for all
-                Producer(other.channel(), routing_key="race").publish({"n": 2, "b": body})
-            if not handed:
-                admin.execute("ROLLBACK")
-        channel = session._handoff_channel if handed else f"pgq_{schema}"
-        _wait_on_socket(c, channel.encode())
+                Producer(other.channel(), routing_key="race").publish({"n": 2})
+            admin.execute("ROLLBACK")
+        _wait_on_socket(c, c.transport.store.channel("race").encode())
         turn_until(hub, lambda: len(got) == 3, timeout=10)  # the poll would take 60 s
-        turn_until(hub, lambda: not session.busy)
-        # What the consumer believes it waits on is what Postgres says it waits on.
-        assert sorted(c.transport.hub.waiting) == [
-            q for (q,) in rows("SELECT queue FROM {schema}.waiter WHERE consumer = %s",
-                               session.token)]

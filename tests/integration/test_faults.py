@@ -14,19 +14,19 @@ from tests.integration.conftest import Peek
 def test_publish_retried_after_an_ambiguous_commit_is_not_duplicated(
     pg_url: str, store: Store, peek: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Store.publish_on
+    real = Store._insert_on
     attempts: list[int] = []
 
     def commit_then_lose_the_connection(self: Store, conn: psycopg.Connection[Any],
-                                        *args: Any, **kwargs: Any) -> None:
-        real(self, conn, *args, **kwargs)  # autocommit: the row is committed here
+                                        params: dict[str, Any]) -> None:
+        real(self, conn, params)  # autocommit: the row is committed here
         attempts.append(conn.info.backend_pid)
         if len(attempts) == 1:
             with psycopg.connect(pg_url, autocommit=True) as admin:
                 admin.execute("SELECT pg_terminate_backend(%s, 10000)", [conn.info.backend_pid])
             conn.execute("SELECT 1")  # what the client sees: its connection is gone
 
-    monkeypatch.setattr(Store, "publish_on", commit_then_lose_the_connection)
+    monkeypatch.setattr(Store, "_insert_on", commit_then_lose_the_connection)
     store.publish("q", {"body": "once", "properties": {}}, publish_key="k-1")
     assert len(attempts) == 2 and attempts[0] != attempts[1]  # retried, on a new session
     assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
@@ -35,18 +35,18 @@ def test_publish_retried_after_an_ambiguous_commit_is_not_duplicated(
 def test_publish_without_a_key_is_not_retried(
     pg_url: str, store: Store, peek: Peek, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Store.publish_on
+    real = Store._insert_on
     attempts: list[int] = []
 
     def commit_then_lose_the_connection(self: Store, conn: psycopg.Connection[Any],
-                                        *args: Any, **kwargs: Any) -> None:
-        real(self, conn, *args, **kwargs)
+                                        params: dict[str, Any]) -> None:
+        real(self, conn, params)
         attempts.append(1)
         with psycopg.connect(pg_url, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s, 10000)", [conn.info.backend_pid])
         conn.execute("SELECT 1")
 
-    monkeypatch.setattr(Store, "publish_on", commit_then_lose_the_connection)
+    monkeypatch.setattr(Store, "_insert_on", commit_then_lose_the_connection)
     # Without a key a retry could duplicate: the error reaches the caller instead.
     with pytest.raises(psycopg.OperationalError):
         store.publish("q", {"body": "once", "properties": {}})

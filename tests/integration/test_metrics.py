@@ -135,7 +135,7 @@ def known_state(store: Store, peek: Peek) -> None:
     """jobs: 2 ready (the oldest for 2 minutes), 1 in flight, 1 delayed, 1 dead; idle: empty."""
     store.publish("jobs", message(0))
     [doomed] = store.claim(["jobs"], [30.0], 1)
-    assert store.dead_letter((doomed.id, doomed.read_ct), "rejected") is not None
+    assert store.dead_letter(doomed.token, "rejected") is not None
     store.publish("jobs", message(1))
     store.claim(["jobs"], [300.0], 1)
     store.publish("jobs", message(2), delay=3600)

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pg_transport.sql import to_positional
-from pg_transport.store import Store, Waiting, claim_params
+from pg_transport.store import Lease, Store, claim_params
 from tests.integration.conftest import Peek
 
 
@@ -78,17 +78,18 @@ def no_seq_scan(nodes: list[tuple[str, str | None]]) -> bool:
     return ("Seq Scan", "message") not in nodes
 
 
-TOKENS = {"ids": [1, 2, 3], "read_cts": [1, 1, 1]}
+TOKENS = {"ids": [1, 2, 3], "leases": [1, 1, 1], "queues": ["q1", "q1", "q1"]}
+BOUND = {"max_bytes": 16 << 20, "max_message_bytes": 16 << 20}
 
 # What a consumer's sessions run, planned once (generic): name -> (parameters, indexes).
 CONSUMER = {
     # The acks riding on a claim find their rows by primary key, the picked rows too.
-    "claim": (claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5], [(1, 1), (2, 1)],
-                           Waiting(7, ["q1"], [30.0], unwait=True)),
+    "claim": (claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5],
+                           [Lease(1, 1, "q1"), Lease(2, 1, "q1")]),
               ("message_claim_idx", "message_pkey")),
-    "pop": ({"queues": ["q1"], "limit": 16}, ("message_claim_idx", "message_pkey")),
+    "pop": ({"queues": ["q1"], "limit": 16, **BOUND}, ("message_claim_idx", "message_pkey")),
     "ack": (TOKENS, ("message_pkey",)),
-    "release": ({**TOKENS, "channel": "c"}, ("message_pkey",)),
+    "release": ({**TOKENS, "channel_prefix": "c"}, ("message_pkey",)),
     "renew": ({**TOKENS, "vts": [30.0, 30.0, 30.0]}, ("message_pkey",)),
 }
 
@@ -98,8 +99,8 @@ OTHERS = {
     "size": ({"queue": "q7"}, ("message_claim_idx",)),
     "purge": ({"queue": "q7"}, ("message_claim_idx",)),
     "delete_queue": ({"queue": "q7"}, ("message_claim_idx",)),
-    "dead_letter": ({"id": 7, "read_ct": 1, "reason": "r"}, ("message_pkey",)),
-    "maintain": ({"queues": ["q1"], "lock_space": 1}, ("message_expiring_idx",)),
+    "dead_letter": ({"id": 7, "lease": 1, "queue": "q1", "reason": "r"}, ("message_pkey",)),
+    "maintain": ({"queues": ["q1"]}, ("message_expiring_idx",)),
     "drop_messages": ({"queues": ["gone.pidbox"]}, ("message_claim_idx",)),
 }
 

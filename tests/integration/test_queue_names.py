@@ -18,6 +18,7 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 from psycopg import sql
 
+from pg_transport.sql import queue_channel
 from tests.acceptance.harness import wait_for
 
 SCHEMA_PLACEHOLDER = "<schema>"
@@ -104,7 +105,8 @@ def test_simple_queue_round_trip(conn: Connection, peek: Peek, schema: str, key:
 
         again = queue.get_nowait()
         assert body(again) == {"name": name, "i": 1}
-        assert again.delivery_info["pgq_token"][1] == 2, "second delivery of the same row"
+        assert again.delivery_info["redelivered"] is True, "second delivery of the same row"
+        assert again.delivery_info["pgq_token"][1] == 3  # claimed, released, claimed
         again.ack()
         assert queue.qsize() == 1
 
@@ -209,11 +211,11 @@ def test_direct_exchange_with_odd_names(
     assert peek.messages() == []
 
 
-def _listening(peek: Peek, schema: str) -> bool:
+def _listening(peek: Peek, schema: str, name: str) -> bool:
     rows = peek.rows(
         "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
         "AND position(%s in query) > 0",
-        f"pgq_{schema}",
+        queue_channel(schema, name),
     )
     return bool(rows[0][0])
 
@@ -222,7 +224,8 @@ def _listening(peek: Peek, schema: str) -> bool:
 def test_waiting_consumer_is_woken_by_a_publish(
     broker_url: str, peek: Peek, schema: str, key: str
 ) -> None:
-    """NOTIFY carries the odd name; a long polling interval rules out the poll."""
+    """The odd name's channel (a digest of it: the NOTIFY carries nothing) wakes the
+    consumer; a long polling interval rules out the poll."""
     name = real_name(NAMES[key], schema)
     received: list[Any] = []
     failed: list[BaseException] = []
@@ -241,9 +244,9 @@ def test_waiting_consumer_is_woken_by_a_publish(
 
     thread = threading.Thread(target=consume, daemon=True)
     thread.start()
-    # The consumer LISTENs only after its first claim found nothing: from here on,
+    # The consumer LISTENs before its first claim, which finds nothing: from here on,
     # only a NOTIFY (or the 120 s poll) can deliver the message.
-    wait_for(lambda: _listening(peek, schema) or not thread.is_alive(), 30, "LISTEN")
+    wait_for(lambda: _listening(peek, schema, name) or not thread.is_alive(), 30, "LISTEN")
     with Connection(broker_url, transport_options=options) as publisher:
         publisher.SimpleQueue(name).put({"woke": name})
     thread.join(30)

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 
 from pg_transport.connection import Connector
-from pg_transport.store import Store
+from pg_transport.store import Lease, Store
 from tests.integration.conftest import Peek
 
 
@@ -37,33 +37,62 @@ def test_expired_lease_is_redelivered_without_a_reaper(store: Store, peek: Peek)
     assert (second.id, second.read_ct) == (first.id, 2)
 
 
-def test_ack_is_fenced_by_read_ct(store: Store, peek: Peek) -> None:
+def test_ack_is_fenced_by_the_lease(store: Store, peek: Peek) -> None:
     store.publish("q", body(1))
     [first] = claim_all(store, "q")
     peek.expire_leases()
     [second] = claim_all(store, "q")
     # The first consumer's lease expired and the message went elsewhere: its late
     # ack and its late requeue must not touch the new delivery.
-    assert store.ack([(first.id, first.read_ct)]) == 0
-    assert store.release([(first.id, first.read_ct)]) == 0
+    assert store.ack([first.token]) == 0
+    assert store.release([first.token]) == 0
     assert claim_all(store, "q") == []
-    assert store.ack([(second.id, second.read_ct)]) == 1
+    assert store.ack([second.token]) == 1
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
 
 
 def test_release_makes_visible_now(store: Store) -> None:
     store.publish("q", body(1))
     [first] = claim_all(store, "q")
-    assert store.release([(first.id, first.read_ct)]) == 1
+    assert store.release([first.token]) == 1
     [again] = claim_all(store, "q")
     assert (again.id, again.read_ct) == (first.id, 2)
+
+
+def test_a_release_ends_the_holder_s_lease(store: Store, peek: Peek) -> None:
+    """Between a release and the next claim the message waits, visible: its releaser (or
+    any earlier holder) can no more hide it by renewing, nor delete it unrun by acking."""
+    store.publish("q", body(1))
+    [held] = claim_all(store, "q")
+    assert store.release([held.token]) == 1
+    assert store.renew([(held.token, 600)]) == 0
+    assert store.ack([held.token]) == 0
+    assert store.release([held.token]) == 0
+    assert store.dead_letter(held.token, "late") is None
+    assert peek("SELECT visible_at <= now(), read_ct FROM {schema}.message") == [(True, 1)]
+    [again] = claim_all(store, "q")
+    assert (again.id, again.read_ct, again.lease) == (held.id, 2, held.lease + 2)
+
+
+def test_a_token_of_another_queue_touches_nothing(store: Store, peek: Peek) -> None:
+    """The fence matches the queue too: an id and lease that happen to match a message of
+    another queue (ids are guessable) do not reach it."""
+    store.publish("q", body(1))
+    [held] = claim_all(store, "q")
+    elsewhere = Lease(held.id, held.lease, "other")
+    assert store.ack([elsewhere]) == 0
+    assert store.release([elsewhere]) == 0
+    assert store.renew([(elsewhere, 600)]) == 0
+    assert store.dead_letter(elsewhere, "forged") is None
+    assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
+    assert store.ack([held.token]) == 1
 
 
 def test_renew_extends_only_current_lease(store: Store, peek: Peek) -> None:
     store.publish("q", body(1))
     [c] = claim_all(store, "q", vt=1)
-    assert store.renew([(c.id, c.read_ct + 1, 600)]) == 0
-    assert store.renew([(c.id, c.read_ct, 600)]) == 1
+    assert store.renew([(Lease(c.id, c.lease + 1, c.queue), 600)]) == 0
+    assert store.renew([(c.token, 600)]) == 1
     ((later,),) = peek("SELECT visible_at > now() + interval '500 s' FROM {schema}.message")
     assert later
 
@@ -130,9 +159,9 @@ def test_declare_has_delete_queue(store: Store) -> None:
 def test_reject_without_requeue_dead_letters(store: Store, peek: Peek) -> None:
     store.publish("q", body(1))
     [c] = claim_all(store, "q")
-    dead_id = store.dead_letter((c.id, c.read_ct), "rejected")
+    dead_id = store.dead_letter(c.token, "rejected")
     assert dead_id is not None
-    assert store.dead_letter((c.id, c.read_ct), "again") is None
+    assert store.dead_letter(c.token, "again") is None
     store.identify_dead_letter(
         dead_id, task_id="t1", task_name="x.y", identity={"execution_id": 7}, reasons=["why"]
     )
@@ -172,7 +201,7 @@ def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, sto
         start.wait()
         while batch := own.claim(["q"], [30.0], 7):
             seen[slot].extend(c.id for c in batch)
-            own.ack([(c.id, c.read_ct) for c in batch])
+            own.ack([c.token for c in batch])
         own.connector.close()
 
     threads = [threading.Thread(target=consume, args=(i,)) for i in range(workers)]
@@ -194,7 +223,7 @@ def test_ack_survives_a_terminated_backend(pg_url: str, store: Store, peek: Peek
         # With a timeout, pg_terminate_backend returns once the backend is gone.
         admin.execute("SELECT pg_terminate_backend(%s, 10000)", [pid])
     # The pooled connection is dead now; the ack is retried once on a fresh one.
-    assert store.ack([(c.id, c.read_ct)]) == 1
+    assert store.ack([c.token]) == 1
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
     with store.connector.connection() as conn:
         assert conn.info.backend_pid != pid

@@ -91,7 +91,8 @@ def test_reject_with_requeue_and_without(conn: Connection, rows: Peek) -> None:
     assert first.delivery_info["redelivered"] is False
     again = queue.get(timeout=5)
     assert again.payload == {"n": 1}
-    assert again.delivery_info["pgq_token"][1] == 2
+    assert again.delivery_info["redelivered"] is True
+    assert again.delivery_info["pgq_token"][1] == 3  # claimed, released, claimed again
     assert again.delivery_info["redelivered"] is True
     again.reject()
     assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]

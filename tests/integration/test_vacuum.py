@@ -12,7 +12,7 @@ from psycopg import sql
 
 from pg_transport.connection import Connector
 from pg_transport.store import Store
-from pg_transport.vacuum import WAITER_THRESHOLD, Vacuumer
+from pg_transport.vacuum import Vacuumer
 from tests.integration.conftest import Peek
 
 
@@ -43,19 +43,6 @@ def test_vacuums_once_the_threshold_is_reached(store: Store, peek: Peek) -> None
     assert vacuumer.vacuums == 1
     # Every row was dead: the VACUUM gave the whole heap back.
     assert heap_pages(peek) == 0
-
-
-def test_the_waiter_table_is_vacuumed_past_its_own_threshold(store: Store, peek: Peek) -> None:
-    # Every hand-off deletes a waiter row: they pile up far faster than the table grows.
-    vacuumer = Vacuumer(store.connector, store.schema, threshold=10_000)
-    peek("INSERT INTO {schema}.waiter (consumer, queue, vt)"
-         " SELECT n, 'q', 30 FROM generate_series(1, %s) AS n", WAITER_THRESHOLD + 100)
-    peek("DELETE FROM {schema}.waiter")
-    peek("SELECT pg_stat_force_next_flush()")
-    peek("SELECT 1")
-    assert vacuumer.check() is True
-    assert vacuumer.vacuums == 1, "the message table has no dead rows: only the waiters"
-    assert heap_pages(peek, "waiter") == 0
 
 
 @pytest.fixture

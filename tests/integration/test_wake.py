@@ -1,5 +1,4 @@
-"""A publish that hands nothing over: its insert and its wake-up, two transactions; or
-a hand-off try that finds nobody, committed before its flush.
+"""A publish: its insert and its wake-up, two transactions sent at once.
 
 Postgres commits the transactions that NOTIFY one at a time, each holding a lock until
 its commit is done, WAL flush included; a publish's durable commit does without it.
@@ -19,23 +18,15 @@ import psycopg
 import pytest
 
 from pg_transport.connection import Connector
-from pg_transport.gate import HandoffGate
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
-from tests.integration.test_handoff import PAYLOAD
+
+PAYLOAD = {"body": "x", "properties": {"delivery_info": {}}, "headers": {}}
 
 # The server's longest commit_delay (µs): every commit of the slow publisher that
 # writes WAL sleeps this long before its flush.
 COMMIT_DELAY_US = 100_000
 SLOW = "pgq-slow-flush"
-
-
-def never_trying() -> HandoffGate:
-    """A gate that has just seen a try miss and pauses for an hour: every publish
-    through it runs the plain path, with no hand-off part."""
-    gate = HandoffGate(misses=1, pause=3600.0)
-    gate.tried("q", handed=False)
-    return gate
 
 
 @pytest.fixture
@@ -55,18 +46,8 @@ def slow_connector(pg_url: str, peek: Peek) -> Iterator[Connector]:
 @pytest.fixture
 def slow(slow_connector: Connector, store: Store) -> Store:
     """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
-    publisher = Store(slow_connector, store.schema, gate=never_trying())
+    publisher = Store(slow_connector, store.schema)
     publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
-    return publisher
-
-
-@pytest.fixture
-def slow_trying(slow_connector: Connector, store: Store) -> Store:
-    """As ``slow``, made as ``durable_publish`` makes it, and trying a hand-off on every
-    publish."""
-    publisher = Store(slow_connector, store.schema, deliver_before_flush=True,
-                      gate=HandoffGate(misses=1_000_000))
-    publisher.publish("q", PAYLOAD)
     return publisher
 
 
@@ -94,8 +75,11 @@ def notify_other(other: psycopg.Connection[tuple[object, ...]]) -> None:
 
 @pytest.fixture
 def listener(pg_url: str, store: Store) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A session listening on the channels of queues q, bad and good."""
     conn = psycopg.connect(pg_url, autocommit=True)
-    conn.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(store.channel)))
+    for queue in ("q", "bad", "good"):
+        channel = psycopg.sql.Identifier(store.channel(queue))
+        conn.execute(psycopg.sql.SQL("LISTEN {}").format(channel))
     yield conn
     conn.close()
 
@@ -138,8 +122,10 @@ def routing(store: Store, took: dict[str, float]) -> threading.Thread:
 
 
 def received(listener: psycopg.Connection[tuple[object, ...]]) -> str:
+    """The channel of the next wake-up (which carries nothing)."""
     for notify in listener.notifies(timeout=10.0, stop_after=1):
-        return notify.payload
+        assert notify.payload == ""
+        return notify.channel
     raise AssertionError("no wake-up in 10 s")
 
 
@@ -157,35 +143,11 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
     assert took["publish"] >= COMMIT_DELAY_US / 1e6  # the flush was slow indeed
 
 
-@pytest.mark.parametrize("routed", [False, True])
-def test_a_try_that_finds_nobody_holds_up_no_other_notifying_commit(
-    slow_trying: Store, peek: Peek, other: psycopg.Connection[tuple[object, ...]],
-    routed: bool,
-) -> None:
-    took: dict[str, float] = {}
-    if routed:  # through an exchange, to one queue: the statement may hand over
-        slow_trying.declare_exchange("tasks", "direct")
-        slow_trying.bind("tasks", "q", "k", "")
-        thread = routing(slow_trying, took)
-    else:
-        thread = publishing(slow_trying, took)  # "q": nobody waits
-    # Another session's NOTIFYs, one after another for as long as the publish lasts.
-    # With the wake-up in a transaction that waits for its flush, one of them waits too.
-    sent = 0
-    while thread.is_alive() or not sent:
-        notify_other(other)
-        sent += 1
-    thread.join()
-    assert took["publish"] >= COMMIT_DELAY_US / 1e6  # it waited for a slow flush
-    assert peek("SELECT read_ct FROM {schema}.message WHERE queue = 'q'") == [(0,), (0,)]
-
-
 def test_the_wake_up_follows_the_committed_message(
     store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    store.gate = never_trying()
     store.publish("q", PAYLOAD)
-    assert received(listener) == "q"
+    assert received(listener) == store.channel("q")
     [(count,)] = peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'")
     assert count == 1
 
@@ -194,15 +156,13 @@ def test_a_failed_insert_raises_and_its_session_serves_the_next_publish(
     slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     before = slow_backends(peek)
-    slow.gate.tried("bad", handed=False)
-    slow.gate.tried("good", handed=False)
     with pytest.raises(psycopg.errors.CheckViolation):
         slow.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
     slow.publish("good", PAYLOAD)
     # The failed insert's wake-up ran all the same (its own transaction): a wake-up
     # too many, for a queue with nothing new in it. The next publish's follows it.
     wakes = listener.notifies(timeout=10.0, stop_after=2)
-    assert [wake.payload for wake in wakes] == ["bad", "good"]
+    assert [wake.channel for wake in wakes] == [slow.channel("bad"), slow.channel("good")]
     assert slow_backends(peek) == before  # the same session, not a new one
     assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
 
@@ -212,7 +172,7 @@ def unflushed(pg_url: str, store: Store) -> Iterator[Store]:
     """A publisher as ``durable_publish`` off makes it: its sessions commit without
     waiting for their flush."""
     connector = Connector(pg_url, setup=("SET synchronous_commit = off",))
-    publisher = Store(connector, store.schema, publisher_flushes=False, gate=never_trying())
+    publisher = Store(connector, store.schema, publisher_flushes=False)
     publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
     yield publisher
     connector.close()
@@ -221,14 +181,13 @@ def unflushed(pg_url: str, store: Store) -> Iterator[Store]:
 def test_with_no_flush_to_wait_for_the_wake_up_is_inside_the_insert_s_transaction(
     unflushed: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    unflushed.gate.tried("bad", handed=False)
-    unflushed.gate.tried("good", handed=False)
     with pytest.raises(psycopg.errors.CheckViolation):
         unflushed.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
     unflushed.publish("good", PAYLOAD)
     # One transaction: the failed insert's wake-up went with it (sent as a transaction
     # of its own, it would have come first; see the test above this one).
-    assert [wake.payload for wake in listener.notifies(timeout=10.0, stop_after=1)] == ["good"]
+    wakes = listener.notifies(timeout=10.0, stop_after=1)
+    assert [wake.channel for wake in wakes] == [unflushed.channel("good")]
     assert peek("SELECT queue FROM {schema}.message WHERE queue <> 'q'") == [("good",)]
 
 
@@ -246,34 +205,18 @@ def test_a_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consume
     # Whether the insert's answer or only the wake-up's was lost with the session,
     # the message is there once, and the wake-up was sent again.
     assert peek("SELECT count(*) FROM {schema}.message WHERE publish_key = 'once'") == [(1,)]
-    assert received(listener) == "q"
-
-
-def test_a_try_cut_off_in_its_commit_is_published_and_wakes_its_consumers(
-    slow_trying: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
-) -> None:
-    [pid] = slow_backends(peek)
-    took: dict[str, float] = {}
-    thread = publishing(slow_trying, took)  # no key: nothing would send it again whole
-    wait_for_insert(peek, pid)
-    peek("SELECT pg_terminate_backend(%s)", pid)
-    thread.join()
-    assert "publish" in took  # it returned: the try's commit was answered
-    assert pid not in slow_backends(peek)
-    # The wake-up after it was lost with the session, and sent again on another.
-    assert peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'") == [(2,)]
-    assert received(listener) == "q"
+    assert received(listener) == slow.channel("q")
 
 
 def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consumers(
-    slow_trying: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+    slow: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    slow_trying.declare_exchange("tasks", "direct")
-    slow_trying.bind("tasks", "q", "k", "")
+    slow.declare_exchange("tasks", "direct")
+    slow.bind("tasks", "q", "k", "")
     [pid] = slow_backends(peek)
     outcome: list[tuple[str | None, int]] = []
     thread = threading.Thread(target=lambda: outcome.append(
-        slow_trying.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
+        slow.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
     ))
     thread.start()
     xid = wait_for_insert(peek, pid)  # its commit now waits out the slow flush
@@ -282,8 +225,8 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     assert outcome == [("direct", 1)]  # it returned, sent again on another session
     assert pid not in slow_backends(peek)
     # The cut-off transaction committed its copy (a commit under way is not stopped),
-    # and its wake-up, sent after it, was lost with the session: the publish sent again
-    # inserted nothing and woke the queue's listeners all the same.
+    # and its answer was lost with the session: the publish sent again inserted nothing
+    # and woke the queue's listeners all the same.
     assert peek("SELECT xmin::text FROM {schema}.message WHERE queue = 'q' AND publish_key"
                 " = md5('once' || 'q')") == [(xid,)]
-    assert received(listener) == "q"
+    assert received(listener) == slow.channel("q")
