@@ -19,9 +19,10 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_expone
 
 from barrier.settings import BarrierSettings
 from pg_transport.config import Options
-from pg_transport.connection import Connector, is_dead_connection, mask_url, url_to_conninfo
+from pg_transport.connection import Connector, is_dead_connection, url_to_conninfo
 from pg_transport.errors import BrokerUnavailable, ConfigurationError
 from pg_transport.schema import ensure_schema
+from pg_transport.secrets import mask_url, scheme_of
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
@@ -86,9 +87,9 @@ _lock = threading.Lock()
 def _build(app: Any, environ: Mapping[str, str]) -> Backend:
     url = broker_url(app)
     if not uses_pgq(app):
-        raise ConfigurationError(
-            f"the barrier needs a pgq:// broker, app {app.main!r} uses {mask_url(url)!r}"
-        )
+        scheme = scheme_of(url)
+        uses = f"a {scheme}:// broker" if scheme else "a broker URL without a scheme"
+        raise ConfigurationError(f"the barrier needs a pgq:// broker, app {app.main!r} uses {uses}")
     options = Options.from_sources(app.conf.broker_transport_options, environ)
     connector = Connector(
         url_to_conninfo(url), display_url=mask_url(url), application_name="pgq-barrier"

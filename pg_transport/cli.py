@@ -20,11 +20,12 @@ import psycopg
 
 from pg_transport import status as status_report
 from pg_transport.config import Options
-from pg_transport.connection import Connector, describe, mask_url, url_to_conninfo
+from pg_transport.connection import Connector, describe, url_to_conninfo
 from pg_transport.dead import DeadLetter, DeadLetters, NotFound, import_app, parse_duration
 from pg_transport.errors import PgqError, SchemaError
 from pg_transport.schema import current_version, latest_version
 from pg_transport.schema import migrate as migrate_schema
+from pg_transport.secrets import mask_url
 from pg_transport.store import Store
 
 __all__ = ["main"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -27,12 +26,13 @@ from tenacity import (
     wait_exponential,
 )
 
-from pg_transport.errors import BrokerRefused, BrokerUnreachable, ConfigurationError
+from pg_transport.errors import BrokerRefused, BrokerUnreachable
+from pg_transport.secrets import mask_url, parse_url
 
 __all__ = [
     "Connector",
     "is_dead_connection",
-    "mask_url",
+    "mask_url",  # re-exported from pg_transport.secrets, where it lives
     "retry_idempotent",
     "url_to_conninfo",
 ]
@@ -41,7 +41,6 @@ logger = logging.getLogger("pg_transport.connection")
 
 T = TypeVar("T")
 
-SCHEMES = ("pgq",)
 # Built-in names first and only: pgq's tables are always named with their schema.
 PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
 DEFAULT_CONNECT_TIMEOUT = 10
@@ -49,60 +48,14 @@ DEFAULT_CONNECT_TIMEOUT = 10
 # SQLSTATEs of a server that is going away or not accepting us any more.
 _DEAD_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/?#]*):(?P<pw>[^@/?#]*)@")
-_PASSWORD_PARAM = re.compile(r"(?P<key>[?&]password=)(?P<pw>[^&#]*)", re.IGNORECASE)
-
-
-def mask_url(url: str, mask: str = "**") -> str:
-    """The URL with any password (userinfo or ``password=`` parameter) masked."""
-    url = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{mask}@", url, count=1)
-    return _PASSWORD_PARAM.sub(lambda m: f"{m['key']}{mask}", url)
-
-
-def _hide_passwords(text: str, url: str, mask: str = "**") -> str:
-    """``text`` with every password written in ``url`` masked (libpq may echo them)."""
-    secrets = [m["pw"] for m in _USERINFO.finditer(url)]
-    secrets += [m["pw"] for m in _PASSWORD_PARAM.finditer(url)]
-    for secret in sorted(filter(None, secrets), key=len, reverse=True):
-        text = text.replace(secret, mask)
-    return text
-
-
-_URL_FORM = "pgq://[user[:password]@]host[:port]/dbname[?params]"
-
 
 def url_to_conninfo(url: str | None) -> str:
     """Turn ``pgq://…`` into a libpq connection string; ``pgq://`` means libpq defaults.
 
-    libpq itself parses the rest (multi-host lists, unix sockets, query parameters),
-    so everything libpq accepts in a ``postgresql://`` URL works here. Ports are
-    checked here too: libpq would only notice a non-numeric port when connecting.
+    The URL is parsed by libpq (see :func:`pg_transport.secrets.parse_url`), once:
+    what connects is what was checked, and what is shown is built from the same parse.
     """
-    if not url:
-        return ""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise ConfigurationError(
-            f"malformed broker URL {mask_url(url)!r}: no scheme, expected {_URL_FORM}"
-        )
-    if scheme.lower() not in SCHEMES:
-        raise ConfigurationError(
-            f"malformed broker URL {mask_url(url)!r}: scheme {scheme + '://'!r} is not "
-            f"pgq://, expected {_URL_FORM}"
-        )
-    conninfo = "postgresql://" + rest
-    try:
-        params = pg_conninfo.conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError as exc:
-        reason = _hide_passwords(str(exc).replace(conninfo, "<url>").strip(), url)
-        raise ConfigurationError(f"malformed broker URL {mask_url(url)!r}: {reason}") from None
-    for port in str(params.get("port") or "").split(","):
-        if port and not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
-            raise ConfigurationError(
-                f"malformed broker URL {mask_url(url)!r}: port {port!r} is not a number "
-                "between 1 and 65535"
-            )
-    return conninfo
+    return pg_conninfo.make_conninfo("", **parse_url(url))
 
 
 def is_dead_connection(exc: BaseException, conn: psycopg.Connection[Any] | None = None) -> bool:

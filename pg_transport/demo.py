@@ -32,10 +32,11 @@ import psycopg
 from celery import Celery, Task
 
 from pg_transport.config import Options
-from pg_transport.connection import Connector, mask_url, url_to_conninfo
+from pg_transport.connection import Connector, url_to_conninfo
 from pg_transport.errors import PgqError
 from pg_transport.notify import Listener
 from pg_transport.schema import migrate
+from pg_transport.secrets import mask_url
 from pg_transport.sql import load_queries
 from pg_transport.store import Store
 

@@ -49,12 +49,18 @@ from pg_transport import envelope, identity, poison
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.drain import UNAVAILABLE, Drain
-from pg_transport.errors import BrokerUnavailable, BrokerUnreachable, SchemaError
+from pg_transport.errors import (
+    BrokerUnavailable,
+    BrokerUnreachable,
+    ConfigurationError,
+    SchemaError,
+)
 from pg_transport.eta import eta_delay
 from pg_transport.housekeeping import Housekeeper
 from pg_transport.hub import EventLoopDrain
 from pg_transport.notify import Listener
 from pg_transport.schema import ensure_schema
+from pg_transport.secrets import seal, unseal
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 from pg_transport.vacuum import Vacuumer
@@ -522,6 +528,14 @@ class Transport(virtual.Transport):
         self.polling_interval = self.options.polling_interval
         self.url = _client_url(client)
         conninfo, shown = url_to_conninfo(self.url), mask_url(self.url)
+        if "://" in (client.hostname or ""):
+            # kombu keeps a URL it does not parse whole in `hostname`, which Celery
+            # reports in `inspect stats` (and Flower shows). The masked URL goes there,
+            # the secrets in kombu's own `password`: Celery leaves that out of stats,
+            # clones and pools carry it over, and _client_url puts the two together.
+            hostname, credentials = seal(self.url)
+            if credentials is not None:
+                client.hostname, client.password = hostname, credentials
         # Behind a transaction pooler (use_notify off) a session is not ours from one
         # statement to the next: no server-side prepared statements, no session
         # settings (every statement commits synchronously, is planned every time).
@@ -563,7 +577,11 @@ class Transport(virtual.Transport):
         return str(psycopg.__version__)
 
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return uri if include_password else mask_url(uri, mask)
+        # kombu passes its `hostname`, masked since __init__; the secrets are in its
+        # `password`. Shown, a secret is *** whatever mask kombu or Celery asks for:
+        # one mask on every surface.
+        url = unseal(uri, getattr(self.client, "password", None)) if "://" in uri else self.url
+        return url if include_password else mask_url(url)
 
     def establish_connection(self) -> Any:
         ensure_schema(self.connector, self.options.schema, auto_migrate=self.options.auto_migrate)
@@ -697,9 +715,17 @@ class Transport(virtual.Transport):
 
 def _client_url(client: Any) -> str:
     """The pgq URL of a kombu Connection, built from its fields when not given as one."""
+    if len(getattr(client, "alt", None) or ()) > 1:
+        # kombu splits a URL at every ';' into failover alternates, a ';' in a password
+        # included, and Celery reports the alternates masked by a parser of its own.
+        raise ConfigurationError(
+            "the broker URL is a list (kombu splits a URL at ';'): pgq takes one URL. "
+            "List failover hosts libpq's way, pgq://host1,host2/db?"
+            "target_session_attrs=read-write, and write a ';' in a password as %3B"
+        )
     hostname = client.hostname or ""
     if "://" in hostname:
-        return str(hostname)
+        return unseal(str(hostname), client.password)
     auth = ""
     if client.userid:
         auth = quote(client.userid, safe="")
