@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pg_transport import envelope, poison
+from pg_transport import envelope
 from pg_transport.acks import AckBuffer, Token
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.store import Claimed, Lease
+from pg_transport.undeliverable import Undeliverable
 
 if TYPE_CHECKING:
     from pg_transport.transport import Channel, Transport
@@ -68,6 +69,7 @@ class Drain:
         self.popped = 0
         self.store = transport.store
         self.acks = AckBuffer()
+        self.undeliverable = Undeliverable(self.store)
         #: Queues whose last claim came back short (see the module docstring).
         self.exhausted: set[str] = set()
         self._next_poll = 0.0
@@ -205,26 +207,9 @@ class Drain:
 
     def dead(self, claimed: Claimed, reason: str) -> None:
         """Keep a message that cannot be delivered in dead_letter (the claim may have
-        already: ``dead_letter_id``), recover what it was and send ``message_poisoned``.
-        Never raises for the message's sake: the consumer goes on."""
-        try:
-            dead_id = claimed.dead_letter_id
-            if dead_id is None:
-                dead_id = self.store.dead_letter(claimed.token, reason)
-                if dead_id is None:
-                    return  # no longer held: its lease lapsed, another consumer has it
-            poison.handle_poisoned(
-                self.store,
-                dead_letter_id=dead_id,
-                queue=claimed.queue,
-                payload=claimed.payload or {},
-                attempts=claimed.read_ct,
-            )
-        except UNAVAILABLE as exc:
-            logger.warning("pgq: could not dead-letter message %d (%s): it is delivered "
-                           "again when its lease lapses", claimed.id, exc)
-        except Exception:  # a hook or a store call: the message is kept, go on
-            logger.exception("pgq: handling dead-lettered message %d failed", claimed.id)
+        already: ``dead_letter_id``), recover what it was and send ``message_poisoned``:
+        on a thread of its own (:mod:`~pg_transport.undeliverable`), never this one."""
+        self.undeliverable.submit(claimed, reason)
 
     def release(self, rest: Sequence[Claimed]) -> None:
         """Hand back claimed messages now rather than after their lease lapses."""
@@ -256,8 +241,10 @@ class Drain:
             )
 
     def close(self) -> None:
-        """Stop buffering acks and land those still buffered."""
+        """Stop buffering acks and land those still buffered; finish the rows handed
+        to be dead-lettered."""
         self.land_acks(self.acks.close())
+        self.undeliverable.close()
 
     def reset(self, queue: str) -> None:
         """A new consumer of ``queue``: claim it at once."""

@@ -22,12 +22,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from celery import Celery
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.asynchronous import Hub
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import pg_transport
+from barrier.backend import forget
 from pg_transport import identity
 from pg_transport.signals import message_poisoned
 from pg_transport.sql import queue_channel
@@ -128,6 +130,17 @@ class Consuming:
         if self.hub is not None:
             self.conn.transport.hub.unregister()
             self.hub.close()
+
+
+@pytest.fixture
+def app(broker_url: str, schema: str) -> Iterator[Celery]:
+    """The app of this test as Celery's current one: the handlers of message_poisoned
+    other code connected (the barrier's) look at its broker, not at a server some
+    earlier test's app named, which may be gone."""
+    current = Celery("trust", broker=broker_url, set_as_current=True)
+    current.conf.broker_transport_options = {"schema": schema}
+    yield current
+    forget(current)
 
 
 @pytest.fixture(params=["blocking", "hub"])
@@ -411,7 +424,7 @@ def hostile_rows() -> list[tuple[str, str]]:
 
 
 def test_rows_no_publisher_would_write_are_dead_lettered_and_consuming_goes_on(
-    consuming: Callable[..., Consuming], conn: Connection, rows: Peek,
+    consuming: Callable[..., Consuming], conn: Connection, rows: Peek, app: Celery,
 ) -> None:
     """Every row either reaches the consumer as a message or ends in dead_letter with
     its reason and a ``message_poisoned`` signal; the consumer never stops, and takes
@@ -430,6 +443,8 @@ def test_rows_no_publisher_would_write_are_dead_lettered_and_consuming_goes_on(
         Producer(conn.channel(), routing_key="fuzz").publish({"last": True})
         jobs.until(lambda: {"last": True} in jobs.got)
         jobs.until(lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
+        # The signals are sent off the consumer's thread: wait for every one.
+        jobs.until(lambda: len(poisoned) == rows("SELECT count(*) FROM {schema}.dead_letter")[0][0])
     finally:
         message_poisoned.disconnect(on_poison)
     dead = rows("SELECT id, reason FROM {schema}.dead_letter ORDER BY id")
@@ -447,7 +462,7 @@ def test_rows_no_publisher_would_write_are_dead_lettered_and_consuming_goes_on(
 
 @pytest.mark.parametrize("value", ["NaN", "Infinity", '"a\\u0000b"', '"\\ud800"'])
 def test_a_poisoned_identity_jsonb_refuses_is_kept_sanitised_and_signalled(
-    consuming: Callable[..., Consuming], rows: Peek, value: str
+    consuming: Callable[..., Consuming], rows: Peek, value: str, app: Celery
 ) -> None:
     """The identity jsonb would refuse (NaN, infinities, NUL, a lone surrogate) is
     stored as text it accepts; the signal carries what the message held."""

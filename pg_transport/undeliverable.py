@@ -1,0 +1,91 @@
+"""Messages a consumer cannot deliver: kept in dead_letter and told to the app, off the
+consumer's thread.
+
+A claimed row may be poisoned (past max_attempts), oversized, not a kombu message, or
+its delivery may raise. The consumer hands it here and goes on at once: a thread of
+this module's own moves it to dead_letter under its lease (if the claim did not
+already), records what the message was, and sends ``message_poisoned``, whose handlers
+are the application's code and may be slow (a barrier's hook retries for up to 30 s
+while Postgres is away) or raise. Neither may hold up the consumer, whose loop is
+Celery's event loop.
+
+A row handed here and not done when the process stops is not lost: its lease lapses
+and it is claimed again (then dead-lettered by the claim), or it is in dead_letter
+already and ``pgq dead rehook`` runs its handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from pg_transport import poison
+from pg_transport.errors import BrokerUnavailable
+
+if TYPE_CHECKING:
+    from pg_transport.store import Claimed, Store
+
+__all__ = ["Undeliverable"]
+
+logger = logging.getLogger("pg_transport.undeliverable")
+
+# Longest a closing consumer waits for the rows handed here to be done (seconds).
+CLOSE_TIMEOUT = 5.0
+
+
+class Undeliverable:
+    """One thread per consumer, started on the first row handed over."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._rows: queue.SimpleQueue[tuple[Claimed, str] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, claimed: Claimed, reason: str) -> None:
+        """Dead-letter ``claimed`` (unless the claim did) and send the signal, soon."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="pgq-undeliverable", daemon=True
+                )
+                self._thread.start()
+        self._rows.put((claimed, reason))
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Finish what was handed over (up to ``timeout``), then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._rows.put(None)
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while (item := self._rows.get()) is not None:
+            self.handle(*item)
+
+    def handle(self, claimed: Claimed, reason: str) -> None:
+        """Dead-letter ``claimed`` and tell the app; never raises for the message's sake."""
+        try:
+            dead_id = claimed.dead_letter_id
+            if dead_id is None:
+                dead_id = self.store.dead_letter(claimed.token, reason)
+                if dead_id is None:
+                    return  # no longer held: its lease lapsed, another consumer has it
+            poison.handle_poisoned(
+                self.store,
+                dead_letter_id=dead_id,
+                queue=claimed.queue,
+                payload=claimed.payload or {},
+                attempts=claimed.read_ct,
+                reason=claimed.fault or reason,
+            )
+        except (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable) as exc:
+            logger.warning("pgq: could not dead-letter message %d (%s): it is delivered "
+                           "again when its lease lapses", claimed.id, exc)
+        except Exception:  # a store call refused, or a bug: the row is kept, go on
+            logger.exception("pgq: handling undeliverable message %d failed", claimed.id)
