@@ -496,7 +496,8 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     "--file", "path", envvar="PGQ_HEALTH_FILE", show_envvar=True, metavar="PATH",
     type=click.Path(dir_okay=False), default=None,
     help="Heartbeat file the worker touches every consume-loop cycle.  "
-    "[default: pgq-worker.heartbeat in the temporary directory]",
+    "[default: pgq-<uid>/worker.heartbeat in the temporary directory, a directory "
+    "only this user may enter]",
 )
 @click.option(
     "--stale-after", envvar="PGQ_HEALTH_STALE_SECONDS", show_envvar=True, metavar="SECONDS",
@@ -513,7 +514,8 @@ def health(path: str | None, stale_after: float) -> None:
 
     from pg_transport import health as worker_health
 
-    result = worker_health.check(Path(path or worker_health.DEFAULT_FILE), stale_after)
+    result = worker_health.check(Path(path) if path else worker_health.default_file(),
+                                 stale_after)
     if not result.healthy:
         raise click.ClickException(result.message)
     click.echo(f"healthy: {result.message}")
