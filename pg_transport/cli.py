@@ -5,6 +5,11 @@ and ``PG*`` environment) and ``--schema`` (default ``$PGQ_SCHEMA``, else ``pgq``
 Errors pgq raises on purpose, and driver errors, end here as one line on stderr
 and exit code 1: a command-line user never sees a traceback for a bad URL, a
 server that does not answer, or a schema that is not there.
+
+Values read from rows (queue and task names, ids, reasons, barrier fields) were written
+by others: human-readable output shows each through
+:func:`pg_transport.terminal.printable`, so none can send control sequences to the
+operator's terminal; ``--json`` output is escaped by the JSON encoder.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pg_transport.schema import current_version, latest_version
 from pg_transport.schema import migrate as migrate_schema
 from pg_transport.secrets import mask_url
 from pg_transport.store import Store
+from pg_transport.terminal import printable, quoted
 
 __all__ = ["main"]
 
@@ -43,8 +49,9 @@ def _one_line(exc: BaseException) -> str:
         # Server errors carry a LINE/caret excerpt of the query; the primary message is the news.
         primary = exc.diag.message_primary
         if primary:
-            return f"Postgres error: {primary}"
-    return describe(exc)
+            return printable(f"Postgres error: {primary}")
+    # A server's message may quote row data; ours may hold a name from a row.
+    return printable(describe(exc))
 
 
 class _Group(click.Group):
@@ -107,7 +114,12 @@ def _plural(count: int, noun: str, plural: str | None = None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    """Plain columns, two spaces apart; the columns in ``right`` are right-aligned."""
+    """Plain columns, two spaces apart; the columns in ``right`` are right-aligned.
+
+    Every cell is escaped (it may come from a row), before the widths are measured.
+    """
+    headers = [printable(h) for h in headers]
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -190,7 +202,7 @@ def purge(url: str | None, schema: str, queue: str) -> None:
     """
     with _store(url, schema) as store:
         count = store.purge(queue)
-    click.echo(f"{_plural(count, 'waiting message')} purged from queue {queue!r}")
+    click.echo(f"{_plural(count, 'waiting message')} purged from queue {quoted(queue)}")
 
 
 @main.command()
@@ -230,7 +242,8 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         f"{_plural(clients.sessions, 'session')}"
     )
     if report.barriers:
-        click.echo("barriers: " + ", ".join(f"{b.count} {b.status}" for b in report.barriers))
+        click.echo("barriers: " + ", ".join(
+            f"{b.count} {printable(b.status)}" for b in report.barriers))
 
 
 @main.group(cls=_Group)
@@ -250,7 +263,8 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
     with _store(url, schema) as store:
         found = show(store.connector, store.schema, barrier_id)
     if found is None:
-        raise click.ClickException(f"no barrier {barrier_id!r} in pgq schema {schema!r}")
+        raise click.ClickException(
+            f"no barrier {quoted(barrier_id)} in pgq schema {quoted(schema)}")
     if as_json:
         click.echo(_json(found))
         return
@@ -258,7 +272,7 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
     for key, value in found.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
-        click.echo(f"{key + ':':<16}{'-' if value is None else value}")
+        click.echo(f"{key + ':':<16}{'-' if value is None else printable(value)}")
     if parts:
         click.echo(_table(
             ["PART", "OUTCOME", "TASK ID", "FINISHED"],
@@ -290,7 +304,7 @@ def dead_list(url: str | None, schema: str, queue: str | None, as_json: bool, li
         click.echo(_json({"total": total, "dead_letters": [r.as_json() for r in rows]}))
         return
     if not rows:
-        click.echo("no dead-letter rows" + (f" in queue {queue!r}" if queue else ""))
+        click.echo("no dead-letter rows" + (f" in queue {quoted(queue)}" if queue else ""))
         return
     click.echo(_table(
         ["ID", "QUEUE", "TASK", "TASK ID", "IDENTITY", "READS", "DEAD AT", "HOOKS", "REASON"],
@@ -329,7 +343,7 @@ def dead_requeue(
     count = sum(len(v) for v in moved.values())
     missing = sorted(set(ids) - {i for v in moved.values() for i in v})
     if count or not missing:
-        detail = ", ".join(f"{len(v)} to queue {q!r}" for q, v in moved.items())
+        detail = ", ".join(f"{len(v)} to queue {quoted(q)}" for q, v in moved.items())
         click.echo(
             f"{_plural(count, 'dead-letter row')} requeued" + (f": {detail}" if detail else "")
         )
@@ -359,14 +373,14 @@ def dead_purge(
         if seconds is None and not yes:
             click.confirm(
                 "Delete every dead-letter row"
-                + (f" of queue {queue!r}" if queue else "")
+                + (f" of queue {quoted(queue)}" if queue else "")
                 + f" in pgq schema {store.schema!r} at {store.connector.display_url}?",
                 abort=True,
             )
         count = DeadLetters(store).purge(older_than=seconds, queue=queue)
     click.echo(
         f"{_plural(count, 'dead-letter row')} purged"
-        + (f" from queue {queue!r}" if queue else "")
+        + (f" from queue {quoted(queue)}" if queue else "")
         + (f" (dead for longer than {older_than})" if older_than else "")
     )
 
@@ -389,14 +403,16 @@ def dead_rehook(url: str | None, schema: str, dead_letter_id: int, app: str | No
     with _store(url, schema) as store:
         result = DeadLetters(store).rehook(dead_letter_id)
     click.echo(
-        f"dead-letter row {result.dead_letter_id} of queue {result.queue!r}: task "
-        f"{result.task_name or '-'} {result.task_id or '-'}, identity {_identity(result.identity)}"
+        f"dead-letter row {result.dead_letter_id} of queue {quoted(result.queue)}: task "
+        + printable(f"{result.task_name or '-'} {result.task_id or '-'}, identity "
+                    f"{_identity(result.identity)}")
     )
     for outcome in result.outcomes:
         if outcome["ok"]:
-            click.echo(f"  ok      {outcome['receiver']}")
+            click.echo(f"  ok      {printable(outcome['receiver'])}")
         else:
-            click.echo(f"  FAILED  {outcome['receiver']}: {outcome['error']}")
+            click.echo(f"  FAILED  {printable(outcome['receiver'])}: "
+                       f"{printable(outcome['error'])}")
     if not result.recorded:
         raise click.ClickException(
             f"dead-letter row {dead_letter_id} was requeued or purged while the hooks ran: "
@@ -496,7 +512,8 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     "--file", "path", envvar="PGQ_HEALTH_FILE", show_envvar=True, metavar="PATH",
     type=click.Path(dir_okay=False), default=None,
     help="Heartbeat file the worker touches every consume-loop cycle.  "
-    "[default: pgq-worker.heartbeat in the temporary directory]",
+    "[default: pgq-<uid>/worker.heartbeat in the temporary directory, a directory "
+    "only this user may enter]",
 )
 @click.option(
     "--stale-after", envvar="PGQ_HEALTH_STALE_SECONDS", show_envvar=True, metavar="SECONDS",
@@ -513,10 +530,12 @@ def health(path: str | None, stale_after: float) -> None:
 
     from pg_transport import health as worker_health
 
-    result = worker_health.check(Path(path or worker_health.DEFAULT_FILE), stale_after)
+    result = worker_health.check(Path(path) if path else worker_health.default_file(),
+                                 stale_after)
+    # The message names the host read from the heartbeat file, which others may write.
     if not result.healthy:
-        raise click.ClickException(result.message)
-    click.echo(f"healthy: {result.message}")
+        raise click.ClickException(printable(result.message))
+    click.echo(f"healthy: {printable(result.message)}")
 
 
 if __name__ == "__main__":

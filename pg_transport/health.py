@@ -13,14 +13,25 @@ a heartbeat file (``PGQ_HEALTH_FILE``) after every consume-loop cycle; add it wi
 :func:`install`. ``pgq health`` compares the file's age with a threshold
 (``PGQ_HEALTH_STALE_SECONDS``). The file lives on the worker's own filesystem, so
 every replica of a scaled-out service has its own.
+
+Other users of the machine may share the directory the file is in, so the file is
+never written through a path someone else could have prepared: it is written to a new
+temporary file beside it and renamed over it (a symlink planted at the path is
+replaced, never followed), and a beat touches it only while it is still the file this
+process wrote. The default location is a directory of its own in the temporary
+directory (``pgq-<uid>``), created private (0700); one that exists but is not a real
+directory of this user's, closed to everyone else, is refused rather than used, by the
+worker and by ``pgq health`` alike (in it, someone else could fake a healthy heartbeat).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -32,14 +43,15 @@ from typing import Any
 from celery import bootsteps
 
 __all__ = [
-    "DEFAULT_FILE",
     "DEFAULT_STALE_SECONDS",
     "FILE_ENV",
     "STALE_ENV",
     "Health",
     "Heartbeat",
     "HeartbeatStep",
+    "UnsafeDirectory",
     "check",
+    "default_file",
     "heartbeat_path",
     "install",
 ]
@@ -50,7 +62,6 @@ logger = logging.getLogger("pg_transport.health")
 FILE_ENV = "PGQ_HEALTH_FILE"
 #: Seconds without a consume-loop cycle after which ``pgq health`` fails.
 STALE_ENV = "PGQ_HEALTH_STALE_SECONDS"
-DEFAULT_FILE = str(Path(tempfile.gettempdir()) / "pgq-worker.heartbeat")
 # Celery's consume loop waits at most 2 s per cycle when idle; a minute leaves room
 # for a slow claim on a loaded server without hiding a stuck worker for long.
 DEFAULT_STALE_SECONDS = 60.0
@@ -59,8 +70,67 @@ MIN_BEAT_INTERVAL = 1.0
 _WRAPPED = "_pgq_heartbeat"
 
 
+
+
+class UnsafeDirectory(OSError):
+    """The default heartbeat directory exists, but others could write (or read) in it."""
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def default_dir() -> Path:
+    """``pgq-<uid>`` in the temporary directory: one per user, so none is shared.
+
+    Not ``$XDG_RUNTIME_DIR``: it is set in login sessions only, so a worker run by
+    systemd and the ``pgq health`` a container runtime execs would look in different
+    places. ``$TMPDIR`` (read through :func:`tempfile.gettempdir`) applies to both.
+    """
+    return Path(tempfile.gettempdir()) / f"pgq-{_uid()}"
+
+
+def default_file() -> Path:
+    """Where the worker writes its heartbeat and ``pgq health`` reads it by default."""
+    return default_dir() / "worker.heartbeat"
+
+
 def heartbeat_path(environ: Mapping[str, str]) -> Path:
-    return Path(environ.get(FILE_ENV) or DEFAULT_FILE)
+    return Path(environ[FILE_ENV]) if environ.get(FILE_ENV) else default_file()
+
+
+def _check_private(directory: Path) -> None:
+    """Refuse ``directory`` unless it is a real directory of ours that only we may enter."""
+    found = os.lstat(directory)  # lstat: a symlink to a directory is not one
+    if not stat.S_ISDIR(found.st_mode):
+        raise UnsafeDirectory(
+            f"{directory} is not a directory (a symlink or a file is in its place): "
+            f"refusing it for the heartbeat; remove it, or set {FILE_ENV}"
+        )
+    if found.st_uid != _uid():
+        raise UnsafeDirectory(
+            f"{directory} belongs to uid {found.st_uid}, not to this user (uid {_uid()}): "
+            f"refusing it for the heartbeat; remove it, or set {FILE_ENV}"
+        )
+    if found.st_mode & 0o077:
+        raise UnsafeDirectory(
+            f"{directory} has mode {stat.S_IMODE(found.st_mode):04o}, open to other users "
+            f"(it must be 0700): refusing it for the heartbeat; remove it, or set {FILE_ENV}"
+        )
+
+
+def _prepare_dir(path: Path) -> None:
+    """Make the directory ``path`` is written in; the default one private, and checked."""
+    directory = path.parent
+    if directory != default_dir():
+        # The operator chose this location (PGQ_HEALTH_FILE): created if missing, and
+        # the write itself stays safe in a shared directory.
+        directory.mkdir(parents=True, exist_ok=True)
+        return
+    # Made by an earlier worker, or by someone else: checked below either way.
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    _check_private(directory)
 
 
 class Heartbeat:
@@ -77,23 +147,55 @@ class Heartbeat:
         self.min_interval = min_interval
         self.clock = clock
         self._last: float | None = None
+        #: (device, inode) of the file this process last wrote at ``path``.
+        self._written: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self._warned = False
 
     def start(self) -> None:
         """Write the file afresh (who is beating, since when) and count it as a beat."""
         info = {"pid": os.getpid(), "hostname": socket.gethostname(), "started_at": time.time()}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(info), encoding="utf-8")
-            # Atomic: the health check never reads a half-written file.
-            os.replace(tmp, self.path)
+            _prepare_dir(self.path)
+            written = self._write(json.dumps(info))
         except OSError as exc:
             self._warn(exc)
             return
         with self._lock:
+            self._written = written
             self._last = self.clock()
+
+    def _write(self, text: str) -> tuple[int, int]:
+        """Replace the file with ``text``; the (device, inode) of the file written.
+
+        mkstemp creates a new file (O_EXCL, mode 0600) under a name nobody could guess
+        in advance, and rename replaces whatever is at the path (a symlink included)
+        without following it: nothing outside the new file is ever written, and the
+        health check never reads a half-written file.
+        """
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
+                                   suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                written = os.fstat(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return written.st_dev, written.st_ino
+
+    def _ours(self) -> bool:
+        """Whether the path is still the file this process wrote (not removed, not
+        replaced by another file or a symlink)."""
+        with self._lock:
+            written = self._written
+        try:
+            found = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        return written == (found.st_dev, found.st_ino) and stat.S_ISREG(found.st_mode)
 
     def beat(self) -> None:
         """Mark the file fresh, at most once per ``min_interval``."""
@@ -102,17 +204,25 @@ class Heartbeat:
             if self._last is not None and now - self._last < self.min_interval:
                 return
             self._last = now
+        if not self._ours():
+            # Removed behind our back (a tmp cleaner), or replaced: write ours again.
+            self.start()
+            return
         try:
-            os.utime(self.path)
-        except FileNotFoundError:
-            self.start()  # removed behind our back (a tmp cleaner): write it again
+            # Not following symlinks: a swap between the check above and this call
+            # touches the planted link itself, never what it points to.
+            os.utime(self.path, follow_symlinks=False)
         except OSError as exc:
             self._warn(exc)
 
     def clear(self) -> None:
         """Remove the file: a worker that shut down is not healthy."""
+        ours = self._ours()  # someone else's file at the path is not ours to remove
         with self._lock:
             self._last = None
+            self._written = None
+        if not ours:
+            return
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -196,6 +306,13 @@ class Health:
 
 def check(path: Path, stale_after: float, *, now: float | None = None) -> Health:
     """Whether the heartbeat at ``path`` is at most ``stale_after`` seconds old."""
+    if path.parent == default_dir():
+        try:
+            _check_private(path.parent)
+        except FileNotFoundError:
+            pass  # no directory, so no file: reported as missing below
+        except OSError as exc:
+            return Health(False, str(exc), None)
     try:
         mtime = path.stat().st_mtime
     except FileNotFoundError:

@@ -4,13 +4,23 @@ One scrape is one :func:`pg_transport.status.collect` call, so the numbers are
 exactly those of ``pgq status`` at that moment. :func:`serve` answers scrapes over
 HTTP with the standard library only; every ``GET /metrics`` computes fresh figures.
 
+The server is the standard library's, made safe for a port others can reach rather than
+prometheus_client's: that would be a new dependency, and its exporter starts a thread
+per connection without bound and waits for a request as long as bytes keep trickling
+in. Here each connection gets a thread from a fixed number of slots and must deliver its
+whole request within a deadline, so one slow (or hostile) client holds one slot for a
+bounded time and scrapes keep being answered. Error bodies name nothing of the
+request or the database: the reason a scrape failed goes to the log.
+
 Format: https://prometheus.io/docs/instrumenting/exposition_formats/ (version 0.0.4).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,9 +46,20 @@ __all__ = [
 logger = logging.getLogger("pg_transport.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-#: Seconds a client may take to send its request: a stalled one must not hold the
-#: (single-threaded) server for good.
-REQUEST_TIMEOUT = 10.0
+#: Seconds a client has to send its whole request (request line and headers), however
+#: it spaces its bytes: a per-read timeout would let a byte every few seconds hold a
+#: connection for good.
+REQUEST_DEADLINE = 10.0
+#: Seconds to write an answer to a client that does not read it.
+WRITE_TIMEOUT = 10.0
+#: Connections served at once. Prometheus scrapes a target from one connection at a time;
+#: the rest is room for a few other clients, and a flood waits in the listen backlog
+#: instead of becoming a flood of threads.
+MAX_HANDLERS = 8
+#: Name of the threads that serve one connection each.
+HANDLER_THREAD = "pgq-metrics-request"
+#: What a failed scrape answers: not the error, which may name the database.
+UNAVAILABLE = "pgq metrics: database unavailable\n"
 
 
 def escape_label_value(value: str) -> str:
@@ -151,8 +172,11 @@ def render(report: Status, collect_seconds: float | None = None) -> str:
 class MetricsServer(HTTPServer):
     """Answers ``GET /metrics`` with freshly computed figures.
 
-    Single-threaded on purpose: scrapes are served one at a time, so a burst of
-    scrapers never runs the (whole-table) status queries concurrently.
+    Each connection is served in a thread of its own, at most ``max_handlers`` at once;
+    while all are busy the next connection waits in the listen backlog, and each busy
+    one is done within ``request_deadline`` plus one scrape. Scrapes themselves run one
+    at a time, so a burst of scrapers never runs the (whole-table) status queries
+    concurrently.
     """
 
     def __init__(
@@ -161,21 +185,77 @@ class MetricsServer(HTTPServer):
         scrape: Callable[[], str],
         describe_error: Callable[[BaseException], str],
         errors: tuple[type[BaseException], ...],
+        *,
+        max_handlers: int = MAX_HANDLERS,
+        request_deadline: float = REQUEST_DEADLINE,
     ) -> None:
         self.scrape = scrape
         self.describe_error = describe_error
         self.errors = errors
+        self.request_deadline = request_deadline
+        self.scraping = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_handlers)
         super().__init__(address, _Handler)
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # In the accepting thread: it accepts nothing more until a slot is free.
+        self._slots.acquire()
+        try:
+            threading.Thread(
+                target=self._serve_one, args=(request, client_address), name=HANDLER_THREAD,
+                daemon=True,  # a client still sending must not keep the process alive
+            ).start()
+        except BaseException:
+            self._slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away or ran out of time is not news; anything else is a bug.
+        logger.debug("request from %s failed", client_address, exc_info=True)
+
+
+class _UntilDeadline(io.RawIOBase):
+    """A socket's incoming bytes, readable until a deadline for all of them together:
+    every read may wait only for what is left of it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not received in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: MetricsServer
-    timeout = REQUEST_TIMEOUT
     server_version = "pgq-metrics"
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        deadline = time.monotonic() + self.server.request_deadline
+        self.rfile = io.BufferedReader(_UntilDeadline(self.connection, deadline))
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -187,24 +267,32 @@ class _Handler(BaseHTTPRequestHandler):
                        "text/plain; charset=utf-8")
             return
         try:
-            body = self.server.scrape()
+            with self.server.scraping:
+                body = self.server.scrape()
         except self.server.errors as exc:
-            # The target shows as down (Prometheus' `up` is 0) and the reason is logged;
-            # the next scrape tries again on a fresh connection.
-            message = self.server.describe_error(exc)
-            logger.warning("scrape failed: %s", message)
-            self._send(HTTPStatus.SERVICE_UNAVAILABLE, f"pgq metrics: {message}\n",
-                       "text/plain; charset=utf-8")
+            # The target shows as down (Prometheus' `up` is 0); why is logged here, not
+            # told to whoever asked: the reason may name the database and its host.
+            logger.warning("scrape failed: %s", self.server.describe_error(exc))
+            self._send(HTTPStatus.SERVICE_UNAVAILABLE, UNAVAILABLE, "text/plain; charset=utf-8")
             return
         self._send(HTTPStatus.OK, body, CONTENT_TYPE)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # The standard page quotes the request back (a bad request line, a method): say
+        # only the status.
+        status = HTTPStatus(code)
+        self.close_connection = True
+        self._send(status, f"{status.value} {status.phrase}\n", "text/plain; charset=utf-8")
+
     def _send(self, status: HTTPStatus, body: str, content_type: str) -> None:
         data = body.encode("utf-8")
+        self.connection.settimeout(WRITE_TIMEOUT)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
         # One line per scrape every few seconds is noise; failures are logged above.
@@ -218,11 +306,13 @@ def make_server(
     *,
     describe_error: Callable[[BaseException], str] = str,
     errors: tuple[type[BaseException], ...] = (Exception,),
+    max_handlers: int = MAX_HANDLERS,
+    request_deadline: float = REQUEST_DEADLINE,
 ) -> MetricsServer:
     """A server on ``host:port`` (0 picks a free port) that calls ``collect`` per scrape.
 
-    ``errors`` are the exceptions a scrape answers with 503 and the one-line
-    ``describe_error`` of the exception; anything else is a bug and propagates.
+    ``errors`` are the exceptions a scrape answers with 503 (:data:`UNAVAILABLE`) and
+    logs as their one-line ``describe_error``; anything else is a bug and propagates.
     """
 
     def scrape() -> str:
@@ -230,7 +320,8 @@ def make_server(
         report = collect()
         return render(report, time.perf_counter() - started)
 
-    return MetricsServer((host, port), scrape, describe_error, errors)
+    return MetricsServer((host, port), scrape, describe_error, errors,
+                         max_handlers=max_handlers, request_deadline=request_deadline)
 
 
 class _Stopped(BaseException):

@@ -43,9 +43,8 @@ import psycopg
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
-from kombu.transport.virtual.exchange import TopicExchange
 
-from pg_transport import envelope, identity, poison
+from pg_transport import envelope, identity, poison, topic
 from pg_transport.config import Options
 from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.drain import UNAVAILABLE, Drain
@@ -335,12 +334,23 @@ class Channel(virtual.Channel):
         arguments: Any = None, **kwargs: Any,
     ) -> None:
         exchange = exchange or "amq.direct"
-        pattern = _TOPIC.key_to_pattern(routing_key or "")
-        if not self.store.bind(exchange, check_queue_name(queue), routing_key or "", pattern):
-            raise _not_found(
-                f"cannot bind queue {queue!r}: no exchange {exchange!r} (declare it first)",
-                "Channel.queue_bind",
-            )
+        key = routing_key or ""
+        missing = f"cannot bind queue {queue!r}: no exchange {exchange!r} (declare it first)"
+        kind = self.store.exchange_type(exchange)
+        if kind is None:
+            raise _not_found(missing, "Channel.queue_bind")
+        try:
+            # Every publish to a topic exchange matches its key against each binding's
+            # pattern: one pattern Postgres cannot compile would break them all.
+            pattern = (topic.binding_pattern(key) if kind == "topic"
+                       else topic.literal_pattern(key))
+        except topic.InvalidBindingKey as exc:
+            raise ChannelError(
+                f"PRECONDITION_FAILED - cannot bind queue {queue!r} to exchange "
+                f"{exchange!r}: {exc}", (50, 20), "Channel.queue_bind", "406",
+            ) from exc
+        if not self.store.bind(exchange, check_queue_name(queue), key, pattern):
+            raise _not_found(missing, "Channel.queue_bind")  # deleted since it was looked up
 
     def queue_unbind(
         self, queue: str, exchange: str | None = None, routing_key: str = "",
@@ -466,7 +476,6 @@ class Channel(virtual.Channel):
 
 
 EXCHANGE_TYPES = frozenset({"direct", "topic", "fanout"})
-_TOPIC = TopicExchange(None)
 
 
 def _not_found(what: str, method: str) -> ChannelError:

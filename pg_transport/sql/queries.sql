@@ -328,13 +328,14 @@ WITH unbound AS (DELETE FROM {schema}.binding WHERE exchange = %(exchange)s)
 DELETE FROM {schema}.exchange WHERE name = %(exchange)s
 
 -- name: bind
--- Bind a queue to a declared exchange; true when the exchange exists.
+-- Bind a queue to a declared exchange; true when the exchange exists. Binding again
+-- rewrites the pattern (one an older pgq stored may not have been a valid regex).
 WITH found AS (
     SELECT name FROM {schema}.exchange WHERE name = %(exchange)s
 ), inserted AS (
     INSERT INTO {schema}.binding (exchange, queue, routing_key, pattern)
     SELECT found.name, %(queue)s, %(routing_key)s, %(pattern)s FROM found
-    ON CONFLICT (exchange, routing_key, queue) DO NOTHING
+    ON CONFLICT (exchange, routing_key, queue) DO UPDATE SET pattern = EXCLUDED.pattern
 )
 SELECT EXISTS (SELECT 1 FROM found)
 

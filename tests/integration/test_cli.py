@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from pg_transport.connection import mask_url
 from pg_transport.schema import latest_version
 from pg_transport.sql import load_migrations
 from pg_transport.store import Store
+from tests.integration.conftest import Peek
 
 UNREACHABLE = "pgq://postgres@127.0.0.1:1/test"
 # Tables are what migrating creates: compared with a schema built from schema.sql.
@@ -146,3 +149,67 @@ def test_demo_refuses_a_schema_that_exists(pg_url: str, broker_url: str, schema:
     with psycopg.connect(pg_url) as conn:
         row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", [schema])
         assert row.fetchone() == (1,)
+
+
+# -- values from rows, printed -------------------------------------------------------
+# What someone able to write rows could put in them for an operator's terminal: colour,
+# carriage return and backspace (overwrite what was printed), a bidi override.
+HOSTILE = "x\x1b[31mred\rover\x08\u202eevil"
+SHOWN = "x\\x1b[31mred\\rover\\x08\\u202eevil"
+
+
+def raw_controls(text: str) -> list[str]:
+    """Characters a terminal would act on, but the line feeds between output lines."""
+    return [c for c in text if c != "\n" and unicodedata.category(c) in {"Cc", "Cf", "Zl", "Zp"}]
+
+
+def hostile_rows(store: Store, peek: Peek) -> None:
+    """A queue, a dead letter and a barrier whose every text field is HOSTILE."""
+    store.publish(HOSTILE, message(0))
+    store.publish(HOSTILE, message(1))
+    [claimed] = store.claim([HOSTILE], [30.0], 1)
+    dead_id = store.dead_letter(claimed.token, HOSTILE)
+    assert dead_id is not None
+    store.identify_dead_letter(dead_id, task_id=HOSTILE, task_name=HOSTILE,
+                               identity={HOSTILE: HOSTILE}, reasons=[])
+    callback = json.dumps({"task": HOSTILE, "options": {"task_id": HOSTILE}})
+    peek("INSERT INTO {schema}.barrier (id, total, remaining, callback, metadata, reason,"
+         " expires_at, stuck_timeout) VALUES (%s, 2, 1, %s, %s, %s, now() + interval '1 hour',"
+         " interval '1 hour')", HOSTILE, callback, json.dumps({HOSTILE: HOSTILE}), HOSTILE)
+    peek("INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome)"
+         " VALUES (%s, 0, %s, 'succeeded')", HOSTILE, HOSTILE)
+
+
+@pytest.mark.parametrize("command", [
+    ["status"], ["dead", "list"], ["barrier", "show", HOSTILE],
+    ["dead", "list", "--queue", "nothing-here" + HOSTILE], ["purge", HOSTILE],
+    ["dead", "requeue", "--all"],
+])
+def test_row_values_are_escaped_in_human_output(
+    broker_url: str, schema: str, store: Store, peek: Peek, command: list[str]
+) -> None:
+    hostile_rows(store, peek)
+    result = invoke(*command, "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 0, result.output
+    assert raw_controls(result.stdout) == []
+    assert SHOWN in result.stdout
+
+
+@pytest.mark.parametrize("command", [["status"], ["dead", "list"], ["barrier", "show", HOSTILE]])
+def test_json_output_escapes_them_and_keeps_them_exact(
+    broker_url: str, schema: str, store: Store, peek: Peek, command: list[str]
+) -> None:
+    hostile_rows(store, peek)
+    result = invoke(*command, "--json", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 0, result.output
+    assert raw_controls(result.stdout) == [] and result.stdout.isascii()
+    found = json.loads(result.stdout)
+    if command == ["status"]:
+        assert HOSTILE in [q["queue"] for q in found["queues"]]
+    elif command == ["dead", "list"]:
+        [row] = found["dead_letters"]
+        assert (row["queue"], row["task_name"], row["reason"]) == (HOSTILE,) * 3
+        assert row["identity"] == {HOSTILE: HOSTILE}
+    else:
+        assert (found["id"], found["reason"], found["callback"]["task"]) == (HOSTILE,) * 3
+        assert found["parts"][0]["task_id"] == HOSTILE

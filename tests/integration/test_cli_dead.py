@@ -18,7 +18,16 @@ from pg_transport.connection import Connector, mask_url
 from pg_transport.dead import DeadLetters
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
-from tests.integration.test_cli import UNREACHABLE, clean_env, invoke, pgq_command, run_pgq
+from tests.integration.test_cli import (
+    HOSTILE,
+    SHOWN,
+    UNREACHABLE,
+    clean_env,
+    invoke,
+    pgq_command,
+    raw_controls,
+    run_pgq,
+)
 
 TASK = "tests.app.run_pipeline"
 
@@ -377,6 +386,21 @@ def test_rehook_runs_the_apps_handlers_and_records_each_outcome(
         == (2, 0)
     # The row stays dead-lettered: rehook tells the app again, it does not redeliver.
     assert dead_ids(peek) == [target]
+
+
+def test_rehook_escapes_what_it_prints_of_the_row(
+    pg_url: str, broker_url: str, schema: str, store: Store, peek: Peek, app_dir: Path
+) -> None:
+    payload = task_message(5)
+    payload["headers"] = {"id": HOSTILE, "task": HOSTILE}
+    target = poison(store, peek, HOSTILE, payload)
+    result = rehook(str(target), "-A", "poison_hooks", "--url", broker_url, "--schema", schema,
+                    cwd=app_dir, pg_url=pg_url, schema=schema)
+    assert result.returncode == 1, result.stderr
+    assert raw_controls(result.stdout + result.stderr) == []
+    assert result.stdout.splitlines()[0] == (
+        f"dead-letter row {target} of queue '{SHOWN}': task {SHOWN} {SHOWN}, identity -"
+    )
 
 
 def test_rehook_without_handlers_changes_nothing(

@@ -8,19 +8,26 @@ label fails here the way it would fail a Prometheus scrape.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 import pytest
 
 from pg_transport import metrics
+from pg_transport import status as status_report
+from pg_transport.connection import Connector, describe, mask_url, url_to_conninfo
+from pg_transport.errors import PgqError
 from pg_transport.status import Clients, QueueStatus, Status
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
@@ -280,8 +287,11 @@ def test_serve_answers_503_while_the_figures_cannot_be_read(
     drop_schema(pg_url, schema)
     status, _, body = served.get()
     assert status == 503
-    assert body.startswith("pgq metrics: Postgres error: relation") and body.count("\n") == 1
+    assert body == metrics.UNAVAILABLE
     assert served.proc.poll() is None  # still serving: the next scrape tries again
+    served.proc.terminate()
+    _, stderr = served.proc.communicate(timeout=10)
+    assert "scrape failed: Postgres error: relation" in stderr  # the reason is logged
 
 
 def test_serve_on_a_port_in_use_is_one_line(broker_url: str, schema: str, store: Store) -> None:
@@ -298,3 +308,163 @@ def test_serve_on_a_port_in_use_is_one_line(broker_url: str, schema: str, store:
     assert result.stderr.splitlines() == [
         f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
     ]
+
+
+# -- clients that are slow, hostile, or both ---------------------------------------------
+
+
+class Trickler:
+    """A client that sends a request one byte at a time, ``every`` seconds apart, and
+    keeps going (the request never ends) until stopped or cut off."""
+
+    REQUEST = b"GET /metrics HTTP/1.1\r\nHost: pgq\r\nX-Slow: " + b"y" * 100_000
+
+    def __init__(self, port: int, every: float) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.sendall(self.REQUEST[:1])  # the request has begun before we return
+        self.every = every
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+        self.thread.start()
+
+    def _trickle(self) -> None:
+        for byte in self.REQUEST[1:]:
+            if self.stopped.wait(self.every):  # the pace of a slow client, not an ordering
+                return
+            try:
+                self.sock.sendall(bytes([byte]))
+            except OSError:
+                return  # cut off by the server
+
+    def answer(self) -> bytes:
+        """Everything the server sends before it closes the connection."""
+        received = b""
+        try:
+            while chunk := self.sock.recv(4096):
+                received += chunk
+        except ConnectionResetError:
+            pass  # closed while our bytes were still arriving: a reset, not a FIN
+        return received
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+        self.sock.close()
+
+
+def scrape(url: str, timeout: float = 10) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_trickling_client_does_not_hold_up_scrapes(served: Served) -> None:
+    port = int(served.url.rsplit(":", 1)[1])
+    trickler = Trickler(port, every=0.5)  # each byte well within any per-read timeout
+    try:
+        started = time.monotonic()
+        status, body = scrape(served.url, timeout=5)
+        assert status == 200 and "pgq_queue_ready_messages" in body
+        assert time.monotonic() - started < 5
+        assert trickler.thread.is_alive()  # still trickling all along
+    finally:
+        trickler.close()
+
+
+@contextmanager
+def running(server: metrics.MetricsServer) -> Iterator[str]:
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.shutdown()
+        thread.join(10)
+        server.server_close()
+
+
+def handler_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == metrics.HANDLER_THREAD)
+
+
+def test_a_request_not_complete_by_the_deadline_is_cut_off_unanswered(store: Store) -> None:
+    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store),
+                                 request_deadline=0.5)
+    with running(server):
+        trickler = Trickler(server.port, every=0.05)
+        started = time.monotonic()
+        try:
+            assert trickler.answer() == b""
+            elapsed = time.monotonic() - started
+        finally:
+            trickler.close()
+    assert 0.4 <= elapsed < 3, elapsed
+
+
+def test_connections_beyond_the_bound_wait_for_a_free_handler(store: Store) -> None:
+    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store),
+                                 max_handlers=2, request_deadline=1.0)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            seen.append(handler_threads())
+
+    sampler = threading.Thread(target=sample)
+    with running(server) as url:
+        sampler.start()
+        tricklers = [Trickler(server.port, every=0.05) for _ in range(3)]
+        try:
+            deadline = time.monotonic() + 5
+            while handler_threads() < 2:
+                assert time.monotonic() < deadline, "the first two were never served"
+            # The third trickler, then this scrape, wait for a trickler's deadline.
+            status, _ = scrape(url)
+            assert status == 200
+        finally:
+            done.set()
+            sampler.join(10)
+            for t in tricklers:
+                t.close()
+    assert max(seen) == 2
+
+
+def test_a_failed_scrape_names_no_url_and_logs_why_without_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = "pgq://scraper:s3cret-pw@127.0.0.1:1/metricsdb"
+    connector = Connector(url_to_conninfo(url), display_url=mask_url(url))
+    down = Store(connector, "pgq")
+    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(down),
+                                 describe_error=describe, errors=(PgqError, psycopg.Error))
+    try:
+        with running(server) as served_at, caplog.at_level(logging.WARNING):
+            status, body = scrape(served_at)
+    finally:
+        connector.close()
+    assert (status, body) == (503, metrics.UNAVAILABLE)
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "pg_transport.metrics"]
+    assert logged.startswith("scrape failed: cannot connect to Postgres at ")
+    assert "127.0.0.1" in logged and "s3cret-pw" not in logged
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /secret-path?token=abc HTTP/9.9\r\n\r\n",
+    b"POST /secret-path?token=abc HTTP/1.0\r\n\r\n",
+    b"GET /secret path?token=abc junk HTTP/1.0\r\n\r\n",
+])
+def test_error_answers_do_not_quote_the_request(store: Store, request_bytes: bytes) -> None:
+    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store))
+    with running(server), socket.create_connection(("127.0.0.1", server.port), timeout=10) as c:
+        c.sendall(request_bytes)
+        answer = b""
+        while chunk := c.recv(4096):
+            answer += chunk
+    assert b"secret" not in answer and b"token" not in answer
+    # A request in no HTTP version it knows gets an HTTP/0.9 answer: the body alone.
+    head, _, body = answer.rpartition(b"\r\n\r\n")
+    assert re.fullmatch(rb"(400|501|505) [A-Za-z ]+\n", body), answer
+    assert not head or head.split()[1] == body[:3]

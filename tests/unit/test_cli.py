@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from pg_transport.cli import main
+from pg_transport.terminal import printable, quoted
 
 
 def invoke(*args: str) -> Result:
@@ -52,3 +53,24 @@ def test_password_never_printed() -> None:
     result = invoke("migrate", "--url", "pgq://u:s3cret@h/db?bogus=1")
     assert result.exit_code == 1
     assert "s3cret" not in result.stderr
+
+
+# -- values from rows, printed -------------------------------------------------------
+HOSTILE = "a\x1b[31mred\x1b]0;title\x07\rover\x08\u202eevil\u2066\x9b\u2028\ud800\tb\nc"
+
+
+def test_printable_escapes_every_control_format_and_separator_character() -> None:
+    shown = printable(HOSTILE)
+    assert shown == (
+        "a\\x1b[31mred\\x1b]0;title\\x07\\rover\\x08\\u202eevil\\u2066\\x9b\\u2028"
+        "\\ud800\\tb\\nc"
+    )
+    assert shown.isprintable()
+    assert printable(shown) == shown  # escaping twice changes nothing
+
+
+@pytest.mark.parametrize("text", ["jobs", "reports.daily", "ünï cödé", "日本語 queue", "a\\x1b",
+                                  "emoji \U0001f600", 'say "hi"'])
+def test_printable_leaves_ordinary_text_alone(text: str) -> None:
+    assert printable(text) == text
+    assert quoted(text) == f"'{text}'"

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -72,6 +76,126 @@ def test_unwritable_location_warns_once_and_does_not_raise(
     beat.start()
     warnings = [r for r in caplog.records if "cannot write the pgq heartbeat" in r.message]
     assert len(warnings) == 1
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    """A file of someone else's that a symlink at the heartbeat path points to."""
+    target = tmp_path / "victim"
+    target.write_text("precious")
+    age_file(target, 1000)
+    return target
+
+
+def untouched(victim: Path) -> bool:
+    return victim.read_text() == "precious" and time.time() - victim.stat().st_mtime > 900
+
+
+def test_a_symlink_planted_at_the_path_is_replaced_not_written_through(
+    tmp_path: Path, victim: Path
+) -> None:
+    path = tmp_path / "hb"
+    path.symlink_to(victim)
+    clock = Clock()
+    beat = health.Heartbeat(path, clock=clock)
+    beat.start()
+    assert untouched(victim)
+    assert not path.is_symlink()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hb", "victim"]  # no temp file left
+
+
+def test_a_symlink_swapped_in_later_is_never_followed_nor_removed(
+    tmp_path: Path, victim: Path
+) -> None:
+    path = tmp_path / "hb"
+    clock = Clock()
+    beat = health.Heartbeat(path, clock=clock)
+    beat.start()
+    path.unlink()
+    path.symlink_to(victim)  # between two beats
+    clock.now += 5
+    beat.beat()
+    assert untouched(victim)
+    assert not path.is_symlink() and json.loads(path.read_text())["pid"] == os.getpid()
+
+    path.unlink()
+    path.symlink_to(victim)
+    beat.clear()  # not the file it wrote: left alone, and its target too
+    assert path.is_symlink() and untouched(victim)
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The temporary directory, as $TMPDIR would set it: the default location is in it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(health.FILE_ENV, raising=False)
+    return tmp_path
+
+
+def test_the_default_location_is_a_private_directory_pgq_health_reads(
+    private_tmp: Path,
+) -> None:
+    default = health.default_file()
+    assert default.parent == private_tmp / f"pgq-{os.getuid()}"
+    health.Heartbeat(health.heartbeat_path(os.environ)).start()
+    found = default.parent.lstat()
+    assert stat.S_ISDIR(found.st_mode) and stat.S_IMODE(found.st_mode) == 0o700
+    assert found.st_uid == os.getuid()
+    assert json.loads(default.read_text())["pid"] == os.getpid()
+    ok = invoke_health()  # no --file, no PGQ_HEALTH_FILE: the same default
+    assert ok.exit_code == 0, ok.output
+    # And so does the command run as a process of its own, given the same $TMPDIR.
+    result = subprocess.run(
+        [sys.executable, "-m", "pg_transport.cli", "health"], capture_output=True, text=True,
+        timeout=60, env={**os.environ, "TMPDIR": str(private_tmp)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"healthy: worker pid {os.getpid()}")
+
+
+def make_unsafe(directory: Path, how: str) -> str:
+    """Prepare ``directory`` as someone else could have; the refusal expected."""
+    if how == "world-writable":
+        directory.mkdir()
+        directory.chmod(0o777)  # after mkdir: the umask would have narrowed it
+        return "has mode 0777, open to other users (it must be 0700)"
+    if how == "group-readable":
+        directory.mkdir()
+        directory.chmod(0o750)
+        return "has mode 0750, open to other users"
+    if how == "symlink":
+        elsewhere = directory.with_name("elsewhere")
+        elsewhere.mkdir(mode=0o700)
+        directory.symlink_to(elsewhere)
+        return "is not a directory (a symlink or a file is in its place)"
+    assert how == "someone else's"
+    if os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    return "belongs to uid 65534, not to this user"
+
+
+@pytest.mark.parametrize("how", ["world-writable", "group-readable", "symlink",
+                                 "someone else's"])
+def test_an_unsafe_default_directory_is_refused_by_worker_and_check(
+    private_tmp: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = health.default_dir()
+    refusal = make_unsafe(directory, how)
+    health.Heartbeat(health.default_file()).start()
+    [warning] = [r.getMessage() for r in caplog.records
+                 if "cannot write the pgq heartbeat" in r.getMessage()]
+    assert refusal in warning and health.FILE_ENV in warning
+    assert not health.default_file().exists()
+
+    # A fresh heartbeat planted in it must not pass for a live worker.
+    planted = directory / health.default_file().name
+    planted.write_text("{}")
+    result = invoke_health()
+    assert result.exit_code == 1
+    assert refusal in result.stderr and "refusing it for the heartbeat" in result.stderr
 
 
 def test_check_fresh_stale_and_missing(tmp_path: Path) -> None:

@@ -49,6 +49,52 @@ class ExchangeTypes:
         assert drain(connection, everything) == [{"k": "stock.usd"}, {"k": "news.x"}]
         assert drain(connection, stock) == [{"k": "stock.usd"}]
 
+    def test_topic_wildcards_stand_for_words_and_other_words_for_themselves(
+        self, connection: Connection, other_connection: Connection
+    ) -> None:
+        exchange = Exchange("ex.topic.words", "topic")
+        keys = {"topic-a-any": "a.#", "topic-dollar": "price.$", "topic-alt": "x|y.*",
+                "topic-class": "[ab]+.#", "topic-one": "*"}
+        queues = {name: Queue(name, exchange, key) for name, key in keys.items()}
+        for q in queues.values():
+            q(connection.default_channel).declare()
+        producer = Producer(other_connection)
+        for key in ["a", "a.b.c", "ab", "price.$", "price.x", "x|y.z", "x.z", "[ab]+",
+                    "aa.b"]:
+            producer.publish({"k": key}, exchange=exchange, routing_key=key)
+        got = {name: [m["k"] for m in drain(connection, q)] for name, q in queues.items()}
+        assert got == {
+            "topic-a-any": ["a", "a.b.c"],  # '#' is zero or more words
+            "topic-dollar": ["price.$"],  # '$', '|', '[ab]+' are plain characters
+            "topic-alt": ["x|y.z"],
+            "topic-class": ["[ab]+"],
+            "topic-one": ["a", "ab", "[ab]+"],
+        }
+
+    def test_a_topic_key_that_is_no_amqp_pattern_is_refused_and_routing_goes_on(
+        self, connection: Connection, other_connection: Connection
+    ) -> None:
+        exchange = Exchange("ex.topic.bad", "topic")
+        good = Queue("topic-good", exchange, "stock.*")
+        good(connection.default_channel).declare()
+        bad = Queue("topic-bad", exchange, "stock.a**")
+        with pytest.raises(ChannelError) as info:
+            bad(connection.default_channel).declare()
+        message = str(info.value)
+        assert "PRECONDITION_FAILED" in message and "'stock.a**'" in message
+        assert "word 'a**' mixes a wildcard with other characters" in message
+        # Refused, not stored: publishing to the exchange still routes.
+        Producer(other_connection).publish({"k": 1}, exchange=exchange, routing_key="stock.a")
+        assert drain(connection, good) == [{"k": 1}]
+        # The same key means nothing special to a direct exchange: bound, matched exactly.
+        direct = Exchange("ex.direct.stars", "direct")
+        stars = Queue("direct-stars", direct, "a**")
+        stars(connection.default_channel).declare()
+        producer = Producer(other_connection)
+        producer.publish({"k": "aaa"}, exchange=direct, routing_key="aaa")
+        producer.publish({"k": "a**"}, exchange=direct, routing_key="a**")
+        assert drain(connection, stars) == [{"k": "a**"}]
+
     def test_fanout(self, connection: Connection, other_connection: Connection) -> None:
         exchange = Exchange("ex.fanout", "fanout")
         queues = [Queue(f"fan-{n}", exchange) for n in range(3)]
