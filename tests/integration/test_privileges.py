@@ -39,6 +39,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 import pg_transport
 from pg_transport.connection import Connector
+from pg_transport.errors import NotPermitted
 from pg_transport.store import Lease, Store
 from pg_transport.vacuum import Vacuumer
 from tests.acceptance.harness import Worker, wait_for
@@ -537,9 +538,6 @@ def test_publisher_may_not_read_take_or_reroute(granted: Roles) -> None:
             lambda: store.purge("jobs"),
             lambda: store.size("jobs"),
             lambda: store.get_dead_letter(1),
-            lambda: store.declare_queue("jobs", expires_ms=1, message_ttl_ms=None),
-            lambda: store.declare_exchange("events", "fanout"),
-            lambda: store.bind("events", "stolen", "#", ".*"),
             lambda: store.unbind("events", "audit", "user.*"),
             lambda: store.delete_queue("audit"),
             lambda: store.delete_exchange("events"),
@@ -547,6 +545,15 @@ def test_publisher_may_not_read_take_or_reroute(granted: Roles) -> None:
         ):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 attempt()
+        # Declaring, too: refused, with what to do instead.
+        for declaring in (
+            lambda: store.declare_queue("jobs", expires_ms=1, message_ttl_ms=None),
+            lambda: store.declare_exchange("events", "fanout"),
+            lambda: store.bind("events", "stolen", "#", ".*"),
+        ):
+            with pytest.raises(NotPermitted) as raised:
+                declaring()
+            assert isinstance(raised.value.__cause__, psycopg.errors.InsufficientPrivilege)
     finally:
         connector.close()
     # The commands an operator runs as the worker.
@@ -575,21 +582,32 @@ def test_a_publisher_that_declares_is_told_so_and_stores_nothing(granted: Roles)
     """kombu's and Celery's defaults declare before publishing: the page says to turn
     that off, and what the error is when it was not."""
     declared_by_the_worker(granted)
-    app = Celery("web", broker=granted.url(granted.publisher))
+    role, schema = granted.publisher, granted.schema
+    app = Celery("web", broker=granted.url(role))
     app.conf.broker_transport_options = options(granted)
-    with pytest.raises(psycopg.errors.InsufficientPrivilege,
-                       match="permission denied for table exchange"):
+    remedy = (r"declare it as a role that may \(the workers do when they start\), or publish"
+              r" without declaring \(no_declare=True on the queue or exchange; see"
+              r" docs/least-privilege.md\)")
+    with pytest.raises(NotPermitted, match=(
+        f"^role '{role}' may not declare exchange 'jobs' in pgq schema '{schema}' "
+        rf"\(permission denied for table exchange\): {remedy}$"
+    )) as raised:
         app.send_task("t.any", queue="jobs")
+    assert isinstance(raised.value.__cause__, psycopg.errors.InsufficientPrivilege)
     app.close()
-    with Connection(granted.url(granted.publisher), transport_options=options(granted)) as conn:
-        with pytest.raises(psycopg.errors.InsufficientPrivilege,
-                           match="permission denied for table queue"):
+    with Connection(granted.url(role), transport_options=options(granted)) as conn:
+        with pytest.raises(NotPermitted, match=(
+            f"^role '{role}' may not declare queue 'jobs' .*permission denied for table queue"
+        )):
             Producer(conn.channel()).publish({"n": 1}, routing_key="jobs",
                                              declare=[Queue("jobs", Exchange(""))])
-        with pytest.raises(psycopg.errors.InsufficientPrivilege,
-                           match="permission denied for table exchange"):
+        with pytest.raises(NotPermitted, match="may not declare exchange 'events'"):
             Producer(conn.channel(), exchange=Exchange("events", type="topic")).publish(
                 {"n": 2}, routing_key="user.created")
+        with pytest.raises(NotPermitted, match=(
+            r"may not declare a binding of queue 'audit' to 'events' .*table binding"
+        )):
+            conn.default_channel.queue_bind("audit", "events", "user.#")
     # A queue not listed (task_create_missing_queues off) is refused before any SQL.
     listed = publisher_app(granted, ["jobs"])
     with pytest.raises(KeyError, match="elsewhere"):
