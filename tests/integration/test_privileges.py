@@ -338,6 +338,21 @@ def test_each_role_uses_exactly_the_columns_the_page_grants(granted: Roles, kind
                 sql.Identifier(granted.schema), sql.Identifier(table))), table
 
 
+def statements(block: str) -> list[str]:
+    """The statements of an SQL block, comments dropped and whitespace normalised."""
+    code = "\n".join(line.split("--", 1)[0] for line in block.splitlines())
+    return [" ".join(s.split()) for s in code.split(";") if s.strip()]
+
+
+def test_the_security_page_shows_only_statements_run_here() -> None:
+    """docs/security.md quotes grants; each is one of this page's, which run above."""
+    run_here = {s for _, block in page_sql().values() for s in statements(block)}
+    quoted = [s for block in sql_blocks(DOCS / "security.md") for s in statements(block)]
+    assert quoted
+    for statement in quoted:
+        assert statement in run_here, statement
+
+
 def test_the_rights_hold_no_content_for_the_publisher_and_monitor() -> None:
     """The table above is the spec: no one but the worker reads what messages carry."""
     for kind in ("publisher", "monitor", "nobody"):
