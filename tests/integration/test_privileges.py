@@ -391,7 +391,7 @@ def test_worker_role_round_trips_and_handles_dead_letters(granted: Roles) -> Non
     assert status.exit_code == 0, status.output
 
 
-def test_worker_role_cannot_change_the_schema(granted: Roles) -> None:
+def test_no_role_but_the_owner_changes_the_schema(granted: Roles) -> None:
     s = sql.Identifier(granted.schema)
     attempts = [
         sql.SQL("DROP TABLE {}.message").format(s),
