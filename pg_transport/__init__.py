@@ -17,6 +17,7 @@ from pg_transport.errors import (
     BrokerUnreachable,
     ConfigurationError,
     MessageTooLarge,
+    NotPermitted,
     PgqError,
     SchemaError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "BrokerUnreachable",
     "ConfigurationError",
     "MessageTooLarge",
+    "NotPermitted",
     "Options",
     "PgqError",
     "SchemaError",

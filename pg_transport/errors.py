@@ -8,6 +8,7 @@ __all__ = [
     "BrokerUnreachable",
     "ConfigurationError",
     "MessageTooLarge",
+    "NotPermitted",
     "PgqError",
     "SchemaError",
 ]
@@ -40,3 +41,8 @@ class SchemaError(PgqError):
 
 class MessageTooLarge(PgqError, ValueError):
     """A message is larger than ``max_message_bytes``: it was not published."""
+
+
+class NotPermitted(PgqError, PermissionError):
+    """The role may not do this (a publisher-only role declaring a queue, say): the
+    message says which role may, or how to do without."""

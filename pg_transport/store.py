@@ -26,7 +26,7 @@ from psycopg.types.json import Json
 
 from pg_transport import batching
 from pg_transport.connection import Connector
-from pg_transport.errors import MessageTooLarge
+from pg_transport.errors import MessageTooLarge, NotPermitted
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
 from pg_transport.wire import Row, Statement, run_apart
 
@@ -454,11 +454,33 @@ class Store:
         # Not retried: a lost answer would make the retry report 0.
         return int(self._scalar("purge", {"queue": queue}, idempotent=False))
 
+    def _declaring(self, what: str, name: str, params: dict[str, Any]) -> Any:
+        """Run a statement that writes queues, exchanges or bindings. A role that may
+        not (a publisher-only role: docs/least-privilege.md) meets it at its first
+        publish, as kombu and Celery declare by default: it is told what to do. Returns
+        the statement's first column, if it returns one."""
+
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            try:
+                cur = conn.execute(self.q[name], params)
+                row = cur.fetchone() if cur.description else None
+                return row[0] if row else None
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise NotPermitted(
+                    f"role {conn.info.user!r} may not declare {what} in pgq schema "
+                    f"{self.schema!r} ({exc.diag.message_primary or exc}): declare it as a "
+                    "role that may (the workers do when they start), or publish without "
+                    "declaring (no_declare=True on the queue or exchange; see "
+                    "docs/least-privilege.md)"
+                ) from exc
+
+        return self.connector.run(work, idempotent=True)
+
     def declare_queue(
         self, queue: str, *, expires_ms: int | None = None, message_ttl_ms: int | None = None
     ) -> None:
-        self._command(
-            "declare_queue",
+        self._declaring(
+            f"queue {queue!r}", "declare_queue",
             {"queue": queue, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms},
         )
 
@@ -471,7 +493,8 @@ class Store:
     # -- routing -------------------------------------------------------------
     def declare_exchange(self, exchange: str, type_: str) -> str:
         """Record an exchange; the type it has (an existing one keeps its own)."""
-        return str(self._scalar("declare_exchange", {"exchange": exchange, "type": type_}))
+        return str(self._declaring(f"exchange {exchange!r}", "declare_exchange",
+                                   {"exchange": exchange, "type": type_}))
 
     def exchange_type(self, exchange: str) -> str | None:
         found = self._scalar("exchange_type", {"exchange": exchange})
@@ -484,7 +507,8 @@ class Store:
         """Bind; False when the exchange was never declared (nothing is bound)."""
         params = {"exchange": exchange, "queue": queue, "routing_key": routing_key,
                   "pattern": pattern}
-        return bool(self._scalar("bind", params))
+        return bool(self._declaring(f"a binding of queue {queue!r} to {exchange!r}", "bind",
+                                    params))
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
         self._command("unbind", {"exchange": exchange, "queue": queue,

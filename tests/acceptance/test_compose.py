@@ -1,37 +1,57 @@
 """Every service of docker/docker-compose.yaml, run for real without Docker.
 
 Each service's `command:` and `environment:` become a local subprocess: the same argv
-(with `celery` and `pgq` resolved to this checkout's), the same variables, with the
-broker URL pointed at the test Postgres, a test schema, and a short health threshold.
-The migrate service must exit 0; each worker must become ready, run a task the
-example app routes to its queue, with its queue's visibility timeout; its healthcheck
-must pass while it consumes, stay green while it idles past the threshold, and fail
-once the worker is stopped (SIGSTOP) or killed (SIGKILL) for longer than that.
+(with `celery` and `pgq` resolved to this checkout's, psql as installed), the same
+variables and files (bind mounts), each URL pointed at a database of the test's own on
+the test Postgres, with throwaway names for the compose file's roles, and a short
+health threshold.
+
+The postgres image's init script creates the roles in that database; the migrate
+service must exit 0 as the owner, the grants service too; each worker, connected as the
+worker role, must become ready, run a task the example app routes to its queue (sent
+as the publisher role), with its queue's visibility timeout; its healthcheck must pass
+while it consumes, stay green while it idles past the threshold, and fail once the
+worker is stopped (SIGSTOP) or killed (SIGKILL) for longer than that. The metrics
+service, connected as the monitor role, serves every queue's figures and may not read
+a payload.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import psycopg
 import pytest
+from celery import Celery
+from kombu import Queue
+from psycopg.conninfo import conninfo_to_dict
 
 from pg_transport import health
+from pg_transport.connection import url_to_conninfo
 from tests.acceptance.harness import Env, Worker, wait_for
 from tests.integration.test_cli import pgq_command
 from tests.integration.test_metrics import by_queue, parse_exposition
+from tests.integration.test_privileges import throwaway_database
 from tests.unit.test_compose import (
+    COMPOSE,
     EXAMPLES,
+    PASSWORD_OF,
+    SECRETS,
     command_of,
     environment_of,
     load_compose,
@@ -52,22 +72,124 @@ TASKS = {
 }
 
 
-def argv(command: list[str]) -> list[str]:
-    """The compose command, run with this checkout's interpreter and console script."""
+@dataclass(frozen=True)
+class Local:
+    """Where the compose file's services run here: a database of the test's own (a
+    superuser's URL to it), with throwaway names for the compose file's roles, and a
+    directory holding the files the services mount."""
+
+    db_url: str
+    tag: str
+    mounts: Path
+
+    def role(self, name: str) -> str:
+        assert name in PASSWORD_OF, name
+        return f"pgq_t_{name.removeprefix('pgq_')}_{self.tag}"
+
+    def substitute(self, text: str) -> str:
+        replaced = re.sub(r"\b(pgq_owner|pgq_worker|pgq_publisher|pgq_monitor)\b",
+                          lambda m: self.role(m.group(1)), text)
+        assert not re.search(r"\bpgq_(owner|worker|publisher|monitor)\b", replaced)
+        return replaced
+
+    @property
+    def server(self) -> dict[str, str]:
+        params = conninfo_to_dict(self.db_url)
+        return {"host": str(params.get("host") or "127.0.0.1"),
+                "port": str(params.get("port") or 5432), "dbname": str(params["dbname"]),
+                "user": str(params.get("user") or "postgres")}
+
+    def url(self, compose_url: str) -> str:
+        """A compose service's pgq:// URL, pointed here: the test server and database,
+        the role's throwaway name, its password as given."""
+        params = conninfo_to_dict(url_to_conninfo(compose_url))
+        server = self.server
+        return (f"pgq://{self.role(str(params['user']))}:{quote(str(params['password']))}"
+                f"@{server['host']}:{server['port']}/{server['dbname']}")
+
+    def libpq(self, role: str) -> str:
+        server = self.server
+        return (f"postgresql://{self.role(role)}@{server['host']}:{server['port']}"
+                f"/{server['dbname']}")
+
+    def mount(self, service: dict[str, Any]) -> dict[str, str]:
+        """The service's bind mounts: container path -> a copy here, role names replaced."""
+        found = {}
+        for volume in service.get("volumes") or []:
+            source, target, *_ = str(volume).split(":")
+            if not source.startswith("."):
+                continue  # a named volume: Postgres' data
+            origin = (COMPOSE.parent / source).resolve()
+            copy = self.mounts / origin.name
+            if origin.is_dir():
+                shutil.copytree(origin, copy, dirs_exist_ok=True)
+                files = [f for f in copy.iterdir() if f.is_file()]
+            else:
+                shutil.copy2(origin, copy)
+                files = [copy]
+            for file in files:
+                file.write_text(self.substitute(file.read_text(encoding="utf-8")),
+                                encoding="utf-8")
+            found[target] = str(copy)
+        return found
+
+
+def argv(command: list[str], mounts: dict[str, str] | None = None) -> list[str]:
+    """The compose command, run with this checkout's interpreter and console script (or
+    the installed psql), its container paths replaced by the files mounted there."""
+    for target, copy in (mounts or {}).items():
+        command = [copy + word[len(target):] if word.startswith(target) else word
+                   for word in command]
     if command[0] == "celery":
         return [sys.executable, "-m", "celery", *command[1:]]
     if command[0] == "pgq":
         return [*pgq_command(), *command[1:]]
+    if command[0] == "psql":
+        return command
     raise AssertionError(f"unexpected program in a compose command: {command}")
 
 
-def service_env(env: Env, service: dict[str, Any], heartbeat: Path | None = None) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
-    environ.update(environment_of(service))
-    environ.update(PGQ_URL=env.broker_url, PGQ_SCHEMA=env.schema, PYTHONUNBUFFERED="1")
+def service_env(
+    local: Local, service: dict[str, Any], heartbeat: Path | None = None
+) -> dict[str, str]:
+    """The service's environment as compose gives it (its passwords set on the host),
+    pointed here."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PGQ_", "PG"))}
+    compose = environment_of(service, SECRETS)
+    environ.update(compose, PYTHONUNBUFFERED="1")
+    if "PGQ_URL" in compose:
+        environ["PGQ_URL"] = local.url(compose["PGQ_URL"])
+    if "PGUSER" in compose:  # psql, as libpq's variables say
+        server = local.server
+        environ.update(PGHOST=server["host"], PGPORT=server["port"],
+                       PGDATABASE=server["dbname"], PGUSER=local.role(compose["PGUSER"]))
     if heartbeat is not None:
         environ.update({health.FILE_ENV: str(heartbeat), health.STALE_ENV: str(STALE)})
     return environ
+
+
+def run_service(local: Local, service: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """A one-shot service, to its end."""
+    return subprocess.run(
+        argv(command_of(service), local.mount(service)), env=service_env(local, service),
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def init_postgres(local: Local, postgres: dict[str, Any]) -> None:
+    """What the postgres image does with a new data volume: run every script mounted at
+    /docker-entrypoint-initdb.d as its superuser, with the service's environment, on
+    the database it created (POSTGRES_DB: here, the test's)."""
+    server = local.server
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    environ.update(environment_of(postgres, SECRETS), POSTGRES_USER=server["user"],
+                   POSTGRES_DB=server["dbname"], PGHOST=server["host"], PGPORT=server["port"])
+    initdb = Path(local.mount(postgres)["/docker-entrypoint-initdb.d"])
+    for script in sorted(initdb.iterdir()):
+        assert script.suffix == ".sh", script
+        done = subprocess.run(["sh", str(script)], env=environ, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
 
 
 def start(name: str, command: list[str], environ: dict[str, str]) -> Worker:
@@ -101,24 +223,51 @@ def healthchecks(
 
 
 @pytest.fixture
-def env(pg_url: str, schema: str) -> Env:
-    """A schema that does not exist yet: creating it is the migrate service's job."""
-    return Env(pg_url, schema)
+def local(pg_url: str, tmp_path: Path) -> Iterator[Local]:
+    """A database of the test's own, as the compose file's is when Postgres first
+    starts: no role of pgq's yet (creating them is the init script's job), and no
+    schema (the migrate service's). Its roles are dropped with it."""
+    mounts = tmp_path / "mounts"
+    mounts.mkdir()
+    with throwaway_database(pg_url) as db_url:
+        made = Local(db_url, uuid.uuid4().hex[:8], mounts)
+        yield made
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        for name in PASSWORD_OF:
+            role = psycopg.sql.Identifier(made.role(name))
+            admin.execute(psycopg.sql.SQL("DROP ROLE IF EXISTS {}").format(role))
 
 
 @pytest.fixture
-def fleet_client(env: Env, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A publisher with the example app's routing, on the test schema."""
+def env(local: Local) -> Env:
+    """The compose file's database and schema, here (the superuser's view)."""
+    return Env(local.db_url, "pgq")
+
+
+@pytest.fixture
+def fleet_client(local: Local, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A web front end publishing to the fleet as the publisher role, configured as
+    docs/least-privilege.md says: the example app's routing, and queues it finds
+    declared (by the workers) instead of declaring them."""
     for name in list(os.environ):
         if name.startswith("PGQ_"):
             monkeypatch.delenv(name)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import fleet
 
-    return env.client(
+    compose_url = environment_of(load_compose()["services"]["migrate"], SECRETS)["PGQ_URL"]
+    url = local.url(compose_url.replace("pgq_owner:", "pgq_publisher:", 1).replace(
+        SECRETS["OWNER_PASSWORD"], SECRETS["PUBLISHER_PASSWORD"]))
+    queues = {q for svc in workers(load_compose()).values() for q in worker_queues(svc)}
+    app = Celery("web", broker=url)
+    app.conf.update(
+        broker_transport_options={"auto_migrate": False},
         task_routes=fleet.app.conf.task_routes,
         task_default_queue=fleet.app.conf.task_default_queue,
+        task_queues=[Queue(q, no_declare=True) for q in sorted(queues)],
+        task_create_missing_queues=False,
     )
+    return app
 
 
 @pytest.fixture
@@ -134,18 +283,43 @@ def running() -> Iterator[list[Worker]]:
         worker.stop(timeout=15)
 
 
+def sessions_by_role(env: Env) -> dict[str, set[str]]:
+    """The roles connected to the compose database, with their application names."""
+    with psycopg.connect(env.pg_url) as admin:
+        rows = admin.execute(
+            "SELECT usename, application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    found: dict[str, set[str]] = {}
+    for role, application in rows:
+        found.setdefault(role, set()).add(application)
+    return found
+
+
 def test_the_fleet_runs_scales_and_reports_stuck_workers(
-    env: Env, fleet_client: Any, running: list[Worker], tmp_path: Path
+    local: Local, env: Env, fleet_client: Any, running: list[Worker], tmp_path: Path
 ) -> None:
     services = load_compose()["services"]
 
-    # -- migrate: a one-shot that succeeds --
-    done = subprocess.run(
-        argv(command_of(services["migrate"])), env=service_env(env, services["migrate"]),
-        capture_output=True, text=True, timeout=60,
-    )
+    # -- postgres: a new data volume runs the init script, which creates the roles --
+    init_postgres(local, services["postgres"])
+    with psycopg.connect(env.pg_url) as admin:
+        created = dict(admin.execute(
+            "SELECT rolname, rolpassword FROM pg_authid WHERE rolname = ANY(%s)",
+            [[local.role(name) for name in PASSWORD_OF]]).fetchall())
+    # Each with the password compose gave the postgres service (stored as a verifier).
+    assert sorted(created) == sorted(local.role(name) for name in PASSWORD_OF)
+    assert all(str(verifier).startswith("SCRAM-SHA-256$") for verifier in created.values())
+
+    # -- migrate, then grants: one-shots that succeed, as the owner --
+    done = run_service(local, services["migrate"])
     assert done.returncode == 0, done.stderr
     assert "now at version" in done.stdout
+    assert env.scalar("SELECT nspowner::regrole::text FROM pg_namespace"
+                      " WHERE nspname = 'pgq'") == local.role("pgq_owner")
+    for _ in range(2):  # `docker compose up` runs it again every time: nothing changes
+        done = run_service(local, services["grants"])
+        assert done.returncode == 0, done.stderr
 
     # -- every worker service, all at once, as `docker compose up` starts them --
     fleet = workers(load_compose())
@@ -153,7 +327,7 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     started: dict[str, Worker] = {}
     service_of: dict[str, str] = {}
     for name, svc in fleet.items():
-        envs[name] = service_env(env, svc, tmp_path / f"{name}.heartbeat")
+        envs[name] = service_env(local, svc, tmp_path / f"{name}.heartbeat")
         started[name] = start(name, command_of(svc), envs[name])
         running.append(started[name])
         service_of.update(dict.fromkeys(worker_queues(svc), name))
@@ -165,6 +339,11 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
         return all(" ready." in w.output() for w in running)
 
     wait_for(all_ready, 90, "every worker service to be ready")
+    # Every worker is connected as the worker role, and nothing else is connected.
+    pids = {f"pgq:{w.proc.pid}" for w in running}
+    connected = sessions_by_role(env)
+    assert set(connected) == {local.role("pgq_worker")}, connected
+    assert pids <= connected[local.role("pgq_worker")]
 
     def heartbeat_fresh(name: str) -> bool:
         return health.check(tmp_path / f"{name}.heartbeat", STALE).healthy
@@ -238,7 +417,7 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     port_at = metrics_cmd.index("--serve") + 1
     metrics_cmd[port_at] = "0"  # any free port; the compose file's is fixed in a container
     metrics_cmd[metrics_cmd.index("--host") + 1] = "127.0.0.1"
-    exporter = start("metrics", metrics_cmd, service_env(env, services["metrics"]))
+    exporter = start("metrics", metrics_cmd, service_env(local, services["metrics"]))
     running.append(exporter)
     url = wait_for(lambda: re.search(r"on (http://\S+/metrics)", exporter.output()), 30,
                    "the metrics service to listen").group(1)
@@ -247,3 +426,9 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     ready = by_queue(parsed, "pgq_queue_ready_messages")
     assert set(TASKS) <= set(ready)
     assert parsed["pgq_client_processes"].samples[()] >= 3
+    # It serves them as the monitor role, which reads no payload.
+    assert sessions_by_role(env)[local.role("pgq_monitor")] == {
+        f"pgq-metrics:{exporter.proc.pid}"}
+    with (psycopg.connect(local.libpq("pgq_monitor")) as monitor,
+          pytest.raises(psycopg.errors.InsufficientPrivilege)):
+        monitor.execute("SELECT payload FROM pgq.message")

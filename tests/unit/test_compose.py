@@ -10,6 +10,7 @@ error, not a silent misreading, and where PyYAML is installed both must agree.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
 from collections.abc import Mapping
@@ -184,13 +185,36 @@ def _block(lines: list[tuple[int, str, int]], i: int, indent: int) -> tuple[Any,
 
 # -- the compose file as data -------------------------------------------------------
 
-_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+# What the compose file needs set, each a password (docker.md: `.env`), here any value.
+SECRETS = {
+    name: f"{name.lower().replace('_', '-')}-value"
+    for name in ("POSTGRES_PASSWORD", "OWNER_PASSWORD", "WORKER_PASSWORD",
+                 "PUBLISHER_PASSWORD", "MONITOR_PASSWORD")
+}
+
+
+class MissingVariable(KeyError):
+    """A ``${VAR:?message}`` whose variable is unset or empty: compose refuses to start."""
 
 
 def interpolate(value: str, environ: Mapping[str, str] | None = None) -> str:
-    """Compose's ``${VAR}`` and ``${VAR:-default}``, from ``environ`` (default: none)."""
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``, ``${VAR:?message}``
+    and ``${VAR?message}``, from ``environ`` (default: none set)."""
     env = environ or {}
-    return _INTERPOLATION.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        value = env.get(name)
+        missing = value is None or (op.startswith(":") and value == "")
+        if not missing:
+            return str(value)
+        if op.endswith("?"):
+            raise MissingVariable(f"{name}: {arg}")
+        return arg if op else ""
+
+    return _INTERPOLATION.sub(one, value)
 
 
 def load_compose() -> dict[str, Any]:
@@ -204,10 +228,13 @@ def command_of(service: Mapping[str, Any]) -> list[str]:
     return [str(c) for c in (shlex.split(command) if isinstance(command, str) else command)]
 
 
-def environment_of(service: Mapping[str, Any]) -> dict[str, str]:
+def environment_of(
+    service: Mapping[str, Any], environ: Mapping[str, str] = SECRETS
+) -> dict[str, str]:
+    """A service's environment as compose gives it, with ``environ`` set on the host."""
     env = service.get("environment") or {}
     assert isinstance(env, dict), "environment as a mapping (KEY: value), not a list"
-    return {str(k): interpolate(str(v)) for k, v in env.items()}
+    return {str(k): interpolate(str(v), environ) for k, v in env.items()}
 
 
 def is_worker(service: Mapping[str, Any]) -> bool:
@@ -273,7 +300,7 @@ def test_parser_reads_the_subset() -> None:
         "f: \"no\"\n"
         "g: no\n"
         "h: 2s\n"
-        "i: pgq://u:${P:-x}@h:5432/db\n"
+        "i: pgq://u:${P:?set P, see x.md}@h:5432/db\n"
     )
     assert parse_yaml(text) == {
         "a": 1,
@@ -284,7 +311,7 @@ def test_parser_reads_the_subset() -> None:
         "f": "no",
         "g": False,
         "h": "2s",
-        "i": "pgq://u:${P:-x}@h:5432/db",
+        "i": "pgq://u:${P:?set P, see x.md}@h:5432/db",
     }
 
 
@@ -307,10 +334,10 @@ def test_parser_agrees_with_pyyaml_on_the_compose_file() -> None:
 # -- the fleet ------------------------------------------------------------------------
 
 
-def test_fleet_has_postgres_migrate_metrics_and_four_queue_workers() -> None:
+def test_fleet_has_postgres_migrate_grants_metrics_and_four_queue_workers() -> None:
     compose = load_compose()
     services = compose["services"]
-    assert {"postgres", "migrate", "metrics"} <= set(services)
+    assert {"postgres", "migrate", "grants", "metrics"} <= set(services)
     queues = sorted(q for svc in workers(compose).values() for q in worker_queues(svc))
     assert queues == ["callback", "default", "orchestrator", "scheduler"]
 
@@ -320,17 +347,30 @@ def test_migrate_is_one_shot_after_postgres_is_healthy() -> None:
     assert command_of(migrate) == ["pgq", "migrate"]
     assert migrate["restart"] == "no"
     assert migrate["depends_on"] == {"postgres": {"condition": "service_healthy"}}
-    assert load_compose()["services"]["postgres"]["healthcheck"]["test"][0] == "CMD-SHELL"
+    check = load_compose()["services"]["postgres"]["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL"
+    # Ready only once the image's init scripts ran: its temporary server meanwhile
+    # listens on a socket only, so the check goes over TCP.
+    assert " -h 127.0.0.1 " in check[1]
 
 
-def test_every_worker_scales_and_waits_for_the_migration() -> None:
+def test_grants_are_one_shot_after_every_migration() -> None:
+    grants = load_compose()["services"]["grants"]
+    assert grants["restart"] == "no"
+    assert grants["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
+    command = command_of(grants)
+    assert command[0] == "psql" and "ON_ERROR_STOP=1" in command
+    assert mounted(grants, command[command.index("-f") + 1]) == GRANTS
+
+
+def test_every_worker_scales_and_waits_for_the_migration_and_grants() -> None:
     for name, svc in workers(load_compose()).items():
         # `docker compose up --scale NAME=N` refuses a fixed container name, and a fixed
         # host port can be bound by one replica only.
         assert "container_name" not in svc, name
         assert "ports" not in svc, name
         assert svc["depends_on"] == {
-            "migrate": {"condition": "service_completed_successfully"}
+            "grants": {"condition": "service_completed_successfully"}
         }, name
         assert svc.get("restart") == "unless-stopped", name
         assert command_of(svc)[:4] == ["celery", "-A", "fleet", "worker"], name
@@ -399,7 +439,7 @@ def test_urls_parse_and_point_at_the_postgres_service() -> None:
         if "PGQ_URL" in env:
             params = conninfo_to_dict(url_to_conninfo(env["PGQ_URL"]))
             assert params["host"] == "postgres", name
-            assert params["password"] == "pgq", name  # ${POSTGRES_PASSWORD:-pgq}
+            assert params["password"] == SECRETS[PASSWORD_OF[params["user"]]], name
             assert params["dbname"] == compose_db, name
 
 
@@ -443,10 +483,102 @@ def test_dockerfile_copies_what_the_fleet_runs() -> None:
         assert any(k == src or k.startswith(src.rstrip("/") + "/") for k in kept), src
 
 
-def test_no_password_but_the_overridable_local_default() -> None:
-    # Passwords come from ${POSTGRES_PASSWORD:-pgq}: set the variable for anything
-    # but a laptop; no literal password is in the file.
+# -- roles and passwords -----------------------------------------------------------------
+
+# The role of docs/least-privilege.md each service runs as, and the variable holding
+# its password.
+ROLE_OF = {"migrate": "pgq_owner", "grants": "pgq_owner", "metrics": "pgq_monitor"}
+PASSWORD_OF = {"pgq_owner": "OWNER_PASSWORD", "pgq_worker": "WORKER_PASSWORD",
+               "pgq_publisher": "PUBLISHER_PASSWORD", "pgq_monitor": "MONITOR_PASSWORD"}
+INITDB = COMPOSE.parent / "initdb"
+GRANTS = COMPOSE.parent / "grants.sql"
+
+
+def mounted(service: Mapping[str, Any], target: str) -> Path:
+    """The host file or directory a service mounts at ``target`` (a bind mount)."""
+    for volume in service.get("volumes") or []:
+        source, at, *_ = str(volume).split(":")
+        if at == target:
+            return (COMPOSE.parent / source).resolve()
+    raise AssertionError(f"nothing mounted at {target}")
+
+
+def role_of(service: Mapping[str, Any]) -> str:
+    """The role a service connects as (its URL's user, or libpq's PGUSER)."""
+    env = environment_of(service)
+    if "PGQ_URL" in env:
+        return str(conninfo_to_dict(url_to_conninfo(env["PGQ_URL"]))["user"])
+    return env["PGUSER"]
+
+
+def test_each_service_runs_as_the_role_its_job_needs() -> None:
+    services = load_compose()["services"]
+    expected = {name: ROLE_OF.get(name, "pgq_worker") for name in services if name != "postgres"}
+    assert set(workers(load_compose())) | set(ROLE_OF) == set(expected)
+    for name, role in expected.items():
+        assert role_of(services[name]) == role, name
+        # Its password, and no other: nobody but Postgres knows the superuser's.
+        env = environment_of(services[name])
+        known = {secret for secret in SECRETS.values() if secret in " ".join(env.values())}
+        assert known == {SECRETS[PASSWORD_OF[role]]}, name
+    postgres = environment_of(services["postgres"])
+    assert postgres["POSTGRES_USER"] not in PASSWORD_OF
+    # The superuser's container knows every role's password: its init script sets them.
+    assert {k: postgres[k] for k in SECRETS} == SECRETS
+
+
+def test_no_password_has_a_default_and_compose_refuses_to_start_without_them() -> None:
     text = COMPOSE.read_text(encoding="utf-8")
-    passwords = re.findall(r"pgq://pgq:([^@]*)@", text)
-    assert passwords and set(passwords) == {"${POSTGRES_PASSWORD:-pgq}"}
-    assert "POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:-pgq}" in text
+    uses = _INTERPOLATION.findall(text)
+    assert {name for name, _, _ in uses} == set(SECRETS)
+    for name, op, message in uses:
+        assert op == ":?", f"${{{name}{op}{message}}}: a variable with a default"
+        assert name in message and "docs/docker.md" in message
+    urls = [str(v) for svc in load_compose()["services"].values()
+            for v in (svc.get("environment") or {}).values() if "://" in str(v)]
+    assert len(urls) == len(load_compose()["services"]) - 2  # all but postgres and grants
+    for url in urls:  # the password part is a variable, always
+        assert re.fullmatch(r"pgq://\w+:\$\{\w+:\?[^}]*\}@postgres:5432/pgq", url), url
+    # Compose interpolates every service's environment when it starts: without any one
+    # of the variables, it stops there, naming it.
+    for missing in SECRETS:
+        environ = {k: v for k, v in SECRETS.items() if k != missing}
+        with pytest.raises(MissingVariable, match=rf"^'{missing}: set {missing}, see"):
+            for service in load_compose()["services"].values():
+                environment_of(service, environ)
+        with pytest.raises(MissingVariable):  # set but empty is missing too
+            for service in load_compose()["services"].values():
+                environment_of(service, {**environ, missing: ""})
+
+
+def test_interpolation_follows_compose() -> None:
+    env = {"SET": "v", "EMPTY": ""}
+    assert interpolate("${SET}|${UNSET}|${UNSET:-d}|${EMPTY:-d}|${EMPTY-d}", env) == "v||d|d|"
+    assert interpolate("${EMPTY?m}", env) == ""
+    with pytest.raises(MissingVariable, match="EMPTY: m"):
+        interpolate("${EMPTY:?m}", env)
+    with pytest.raises(MissingVariable, match="UNSET: m"):
+        interpolate("${UNSET?m}", env)
+
+
+def test_the_roles_are_created_and_granted_as_the_least_privilege_page_says() -> None:
+    """initdb/ runs the page's superuser blocks, grants.sql its owner blocks: the same
+    statements, the passwords and database name given to psql as variables."""
+    # Imported here: that module imports this one (its compose and example paths).
+    from tests.integration.test_privileges import page_sql, statements
+
+    postgres = load_compose()["services"]["postgres"]
+    assert mounted(postgres, "/docker-entrypoint-initdb.d") == INITDB
+    [script] = INITDB.iterdir()  # the image runs every file there
+    assert script.suffix == ".sh" and os.access(script, os.X_OK)
+    shell = script.read_text(encoding="utf-8")
+    heredoc = re.search(r"<<'SQL'\n(.*?)^SQL$", shell, re.MULTILINE | re.DOTALL)
+    assert heredoc, "the SQL as a quoted here-document (psql interpolates, the shell not)"
+    for kind in ("owner", "worker", "publisher", "monitor"):
+        assert f'--set {kind}_password="${kind.upper()}_PASSWORD"' in shell
+    as_page = re.sub(r":'(\w+)_password'", lambda m: f"'{m.group(1)}-secret'", heredoc.group(1))
+    as_page = as_page.replace(':"DBNAME"', "app")
+    blocks = page_sql()
+    assert statements(as_page) == [s for n in ("1", "2") for s in statements(blocks[n][1])]
+    grants = GRANTS.read_text(encoding="utf-8")
+    assert statements(grants) == [s for n in ("4", "5", "6") for s in statements(blocks[n][1])]

@@ -1,0 +1,49 @@
+-- The workers', publishers' and monitor's rights: blocks 4, 5 and 6 of
+-- docs/least-privilege.md, run by the compose file's `grants` service as the owner
+-- after every `pgq migrate` (a column a new version adds is granted to no one until
+-- they run again; running them again changes nothing else).
+-- tests/unit/test_compose.py checks the statements are the page's;
+-- tests/acceptance/test_compose.py runs this file.
+
+-- 4. worker rights, as pgq_owner
+GRANT USAGE ON SCHEMA pgq TO pgq_worker;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgq TO pgq_worker;
+ALTER DEFAULT PRIVILEGES FOR ROLE pgq_owner IN SCHEMA pgq
+    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO pgq_worker;
+
+-- 5. monitor rights, as pgq_owner
+BEGIN;
+-- Start from nothing: a table-wide SELECT (what this page granted before) reads payloads.
+REVOKE ALL ON ALL TABLES IN SCHEMA pgq FROM pgq_monitor;
+ALTER DEFAULT PRIVILEGES FOR ROLE pgq_owner IN SCHEMA pgq REVOKE ALL ON TABLES FROM pgq_monitor;
+GRANT USAGE ON SCHEMA pgq TO pgq_monitor;
+GRANT SELECT ON pgq.schema_version, pgq.queue TO pgq_monitor;
+GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at)
+    ON pgq.message TO pgq_monitor;
+GRANT SELECT (id, queue, priority, read_ct, enqueued_at, dead_at)
+    ON pgq.dead_letter TO pgq_monitor;
+GRANT SELECT (id, status, total, remaining, created_at, progressed_at, expires_at,
+              stuck_timeout, fired_at, finished_at)
+    ON pgq.barrier TO pgq_monitor;
+COMMIT;
+
+-- 6. publisher rights, as pgq_owner
+BEGIN;
+REVOKE ALL ON ALL TABLES IN SCHEMA pgq FROM pgq_publisher;
+ALTER DEFAULT PRIVILEGES FOR ROLE pgq_owner IN SCHEMA pgq REVOKE ALL ON TABLES FROM pgq_publisher;
+GRANT USAGE ON SCHEMA pgq TO pgq_publisher;
+-- The schema's version, checked at connect.
+GRANT SELECT (version) ON pgq.schema_version TO pgq_publisher;
+-- A message; its publish key is read by ON CONFLICT, so a resent publish inserts nothing.
+GRANT INSERT (queue, priority, visible_at, publish_key, payload, expires_at),
+      SELECT (publish_key)
+    ON pgq.message TO pgq_publisher;
+-- Routing, read only: a routed publish finds its queues in one statement.
+GRANT SELECT (name, type) ON pgq.exchange TO pgq_publisher;
+GRANT SELECT (exchange, queue, routing_key, pattern) ON pgq.binding TO pgq_publisher;
+GRANT SELECT (name, message_ttl_ms) ON pgq.queue TO pgq_publisher;
+-- A direct message no queue is bound to receive is kept as a dead letter.
+GRANT INSERT (message_id, queue, priority, read_ct, enqueued_at, reason, payload),
+      SELECT (id)
+    ON pgq.dead_letter TO pgq_publisher;
+COMMIT;
