@@ -81,3 +81,39 @@ def test_an_undecodable_body_is_dead_lettered_not_dropped(env: Env) -> None:
     reason = env.scalar("SELECT reason FROM {schema}.dead_letter")
     assert reason.startswith("undecodable body: DecodeError")
     assert env.scalar("SELECT task_id FROM {schema}.dead_letter") == "bad-body"
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_worker_dead_letters_every_row_it_cannot_run_and_goes_on(env: Env, pool: str) -> None:
+    """Rows no pgq publisher writes (random JSON shapes, wrong types, NUL escapes, a
+    payload nested past Python's recursion limit, one over max_message_bytes) in the
+    queue of a real worker, before and after real tasks: the worker runs the tasks, keeps
+    every bad row in dead_letter with a reason, and is still running."""
+    import psycopg
+
+    from tests.integration.test_trust import hostile_rows
+
+    shapes = hostile_rows()
+    client = env.client()
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        insert = sql.SQL("INSERT INTO {}.message (queue, payload) VALUES ('celery', %s::json)"
+                         ).format(sql.Identifier(env.schema))
+        client.send_task("tests.acceptance.app.mark", args=["first"])
+        for _, text in shapes:
+            conn.execute(insert, [text])
+        client.send_task("tests.acceptance.app.mark", args=["last"])
+    worker = start_worker(env, f"fuzz-{pool}", pool=pool, concurrency=2,
+                          environ={"PGQ_MAX_MESSAGE_BYTES": "4096"})
+    try:
+        wait_for(lambda: sorted(r[1] for r in env.runs()) == ["first", "last"], 60,
+                 "both real tasks")
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 60,
+                 "every row to leave the queue")
+        client.send_task("tests.acceptance.app.mark", args=["after"])
+        wait_for(lambda: len(env.runs()) == 3, 30, "a task sent after them")
+        assert worker.proc.poll() is None, "the worker stopped"
+    finally:
+        worker.stop()
+    assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == len(shapes), (
+        "every bad row is kept: none lost, none run")
+    assert env.scalar("SELECT count(*) FROM {schema}.dead_letter WHERE reason = ''") == 0
