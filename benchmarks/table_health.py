@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from benchmarks.scratch import Scratch, scratch
-from pg_transport.vacuum import Vacuumer
+from pg_transport.consume.vacuum import Vacuumer
 
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/test"
 QUEUE = "health"

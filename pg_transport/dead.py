@@ -21,7 +21,7 @@ import psycopg
 from psycopg.types.json import Json
 
 from pg_transport import identity as identity_registry
-from pg_transport import poison
+from pg_transport.consume import poison
 from pg_transport.errors import ConfigurationError, PgqError
 from pg_transport.signals import message_poisoned
 from pg_transport.sql import load_named

@@ -34,10 +34,9 @@ from celery import Celery, Task
 from pg_transport.config import Options
 from pg_transport.connection import Connector, url_to_conninfo
 from pg_transport.errors import PgqError
-from pg_transport.notify import Listener
 from pg_transport.schema import migrate
 from pg_transport.secrets import mask_url
-from pg_transport.sql import load_queries
+from pg_transport.sql import compose_channel, load_queries
 from pg_transport.store import Store
 
 __all__ = ["QUEUE", "RESULTS", "DemoError", "app", "run"]
@@ -223,7 +222,7 @@ class Demo:
         self.schema = schema
         self.connector = Connector(url_to_conninfo(url), display_url=mask_url(url))
         self.store = Store(self.connector, schema)
-        self.listener = Listener(self.connector, schema, use_notify=True)
+        self._listening: psycopg.Connection[Any] | None = None
         self.worker: Worker | None = None
         self.reports: dict[str, list[Report]] = {}
 
@@ -276,8 +275,24 @@ class Demo:
                     f"still waiting for {calls}"
                 )
             # A report's publish NOTIFYs its queue's channel: no need to poll fast.
-            self.listener.listen([self.store.channel(RESULTS)])
-            self.listener.wait(min(remaining, 1.0))
+            self.wait_for_reports(min(remaining, 1.0))
+
+    def listen_for_reports(self) -> None:
+        """LISTEN on the report queue's channel (before any task is sent)."""
+        conn = self._listening = self.connector.connect()
+        conn.execute(compose_channel(load_queries(self.schema)["listen"],
+                                     self.store.channel(RESULTS)))
+
+    def wait_for_reports(self, timeout: float) -> None:
+        """Until a report's publish wakes us, or ``timeout``."""
+        if self._listening is not None:
+            for _ in self._listening.notifies(timeout=timeout, stop_after=1):
+                pass
+
+    def stop_listening(self) -> None:
+        conn, self._listening = self._listening, None
+        if conn is not None:
+            conn.close()
 
     def drain_reports(self) -> None:
         claimed = self.store.claim([RESULTS], [60.0], 100)
@@ -401,7 +416,7 @@ def run(url: str | None, schema: str | None, echo: Callable[..., None] = click.e
             where = mask_url(url)
         demo = Demo(echo, url, schema)
         stack.callback(demo.connector.close)
-        stack.callback(demo.listener.close)
+        stack.callback(demo.stop_listening)
         version = demo.server_version()
         demo.create_schema()
 
@@ -420,7 +435,7 @@ def run(url: str | None, schema: str | None, echo: Callable[..., None] = click.e
         echo(f"  postgres   PostgreSQL {version} ({where})")
         echo(f"  schema     {schema!r} (throwaway, dropped at the end)")
         echo(f"  migrated   {', '.join(applied)}")
-        demo.listener.listen([demo.store.channel(RESULTS)])
+        demo.listen_for_reports()
 
         def stop_worker() -> None:
             if demo.worker is not None:

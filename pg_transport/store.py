@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -74,6 +74,8 @@ class Claimed:
     payload: dict[str, Any] | None
     dead_letter_id: int | None = None
     fault: str | None = None
+    #: The payload's JSON text, kept only when it did not decode.
+    raw: str | None = None
 
     @property
     def token(self) -> Lease:
@@ -341,18 +343,15 @@ class Store:
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
             return conn.execute(self.q["pop"], params).fetchall()
 
-        popped = []
-        for row in self.relaxed.run(work, idempotent=False):
-            claimed = _claimed(*row)
-            if claimed.fault is not None and claimed.dead_letter_id is None:
-                # Deleted already and undecodable here: kept from its text, not dropped.
-                dead = self._scalar("dead_letter_unroutable", {
-                    "queue": claimed.queue, "payload": row[5], "priority": claimed.priority,
-                    "reason": _text(claimed.fault),
-                }, idempotent=False)
-                claimed = replace(claimed, dead_letter_id=int(dead))
-            popped.append(claimed)
-        return popped
+        return [_claimed(*row) for row in self.relaxed.run(work, idempotent=False)]
+
+    def keep_popped(self, claimed: Claimed, reason: str) -> int:
+        """Keep in dead_letter a popped message (gone from its queue already) that could
+        not be decoded, from its text; the dead-letter id."""
+        return int(self._scalar("dead_letter_unroutable", {
+            "queue": claimed.queue, "payload": claimed.raw or "null",
+            "priority": claimed.priority, "reason": _text(reason),
+        }, idempotent=False))
 
     def ack(self, tokens: Sequence[Lease]) -> int:
         """Delete delivered messages still held under ``tokens``; how many were."""
@@ -594,6 +593,7 @@ def _claimed(
     """A Claimed row, its payload decoded and checked (``payload``: JSON text or bytes,
     or what psycopg already decoded)."""
     decoded: dict[str, Any] | None = None
+    raw: str | None = None
     if payload is not None:
         try:
             value = json.loads(payload) if isinstance(payload, (bytes, str)) else payload
@@ -601,9 +601,11 @@ def _claimed(
             value, fault = None, fault or f"payload does not decode: {type(exc).__name__}"
         if isinstance(value, dict):
             decoded = value
-        elif value is not None:
+        else:
             fault = fault or f"payload is a JSON {type(value).__name__}, not an object"
-    return Claimed(ident, queue, priority, read_ct, lease, decoded, dead, fault)
+            if isinstance(payload, (bytes, str)):
+                raw = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+    return Claimed(ident, queue, priority, read_ct, lease, decoded, dead, fault, raw)
 
 
 def _text(value: str) -> str:

@@ -88,22 +88,17 @@ def idle_consumer(broker_url: str, options: dict[str, Any], queue: Queue) -> Ite
     poll, ``options['polling_interval']``) brings it a message. Yields the monotonic
     times its messages arrived; on the way out, waits for the thread to end."""
     got: list[float] = []
-    waiting = threading.Event()
     with Connection(broker_url, transport_options=options) as consumer_conn:
         consumer = Consumer(consumer_conn, [queue], accept=["json"],
                             callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
         consumer.consume()
-        listener = consumer_conn.transport.listener
-        real_wait = listener.wait
-
-        def signalling_wait(timeout: float) -> Any:
-            waiting.set()  # the claim found nothing: from here only a wake-up helps
-            return real_wait(timeout)
-
-        listener.wait = signalling_wait
         thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
         thread.start()
-        assert waiting.wait(10)
+        engine = consumer_conn.transport.engine
+        deadline = time.monotonic() + 10
+        while not engine.waiting:  # its claim found nothing: from here only a wake-up helps
+            assert time.monotonic() < deadline, "the consumer never came to wait"
+            time.sleep(0.005)
         try:
             yield got
         finally:

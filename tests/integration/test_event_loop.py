@@ -18,6 +18,7 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
+from pg_transport.consume.engine import Engine, Statements
 from pg_transport.store import Lease
 from tests.integration.conftest import Peek
 
@@ -44,28 +45,20 @@ def consume(conn: Connection, queue: str, prefetch: int) -> list[Any]:
     return got
 
 
-def sent_statements(conn: Connection, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """(query name, ack ids) of every statement the consumer session sends."""
-    session = conn.transport.hub.session
-    sent: list[tuple[str, Any]] = []
-    real_send = session.send
-
-    def send(name: str, params: dict[str, Any]) -> None:
-        sent.append((name, params.get("ack_ids", params.get("ids"))))
-        real_send(name, params)
-
-    monkeypatch.setattr(session, "send", send)
-    return sent
+def engine(conn: Connection) -> Engine:
+    """The connection's consumer engine (what every pool's consumer runs)."""
+    found: Engine = conn.transport.engine
+    return found
 
 
 def started(
     conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch, queue: str, prefetch: int,
     messages: int,
-) -> tuple[list[tuple[str, Any]], list[Any]]:
+) -> tuple[Statements, list[Any]]:
     """A consumer of ``queue`` with ``messages`` published, registered with the loop,
     no housekeeping thread (only the loop lands acks): (statements sent, deliveries)."""
     monkeypatch.setattr(conn.transport, "_ensure_renewer", lambda: None)
-    sent = sent_statements(conn, monkeypatch)
+    sent = engine(conn).statements
     got = consume(conn, queue, prefetch)
     producer = Producer(conn.channel(), routing_key=queue)
     for n in range(messages):
@@ -86,9 +79,7 @@ def test_an_ack_rides_on_the_next_claim(
     turn_until(hub, lambda: len(got) == 2)
     assert [m.payload for m in got] == [{"n": 0}, {"n": 1}]
     # The claim of the second message deleted the first: no statement of its own.
-    first_id = first.delivery_info["pgq_token"][0]
-    assert ("claim", [first_id]) in sent
-    assert [name for name, _ in sent].count("ack") == 0
+    assert (sent.claim, sent.acks_riding, sent.ack) == (2, 1, 0)
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
@@ -99,24 +90,25 @@ def test_after_a_short_claim_acks_land_alone_and_a_publish_wakes_a_claim(
     monkeypatch.setattr(conn.transport, "polling_interval", 600)
     sent, got = started(conn, hub, monkeypatch, "short", prefetch=4, messages=2)
     turn_until(hub, lambda: len(got) == 2)
-    # The claim came back short (2 of 4): the queue is known to be empty.
-    assert "short" in conn.transport.drain.exhausted
-    first, second = (m.delivery_info["pgq_token"][0] for m in got)
+    # The claim came back short (2 of 4): the queue is known to be empty, and the
+    # consumer waits for a wake-up.
+    turn_until(hub, lambda: engine(conn).waiting)
+    claims = sent.claim
+    second = got[1].delivery_info["pgq_token"][0]
     got[0].ack()
     turn_until(hub, lambda: rows("SELECT id FROM {schema}.message") == [(second,)])
     # Nothing to claim: the ack went alone.
-    assert sent[-1] == ("ack", [first])
+    assert (sent.claim, sent.ack, sent.acks_alone) == (claims, 1, 1)
     got[1].ack()
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
-    assert sent[-1] == ("ack", [second])
+    assert (sent.claim, sent.ack, sent.acks_alone) == (claims, 2, 2)
     # The next publish's wake-up (a NOTIFY on the queue's channel, with nothing in it)
     # brings a claim, and the claim the message.
-    turn_until(hub, lambda: not conn.transport.hub.session.busy)
-    claims = [name for name, _ in sent].count("claim")
+    turn_until(hub, lambda: engine(conn).waiting)
     Producer(conn.channel(), routing_key="short").publish({"n": 2})
     turn_until(hub, lambda: len(got) == 3)
     assert got[2].payload == {"n": 2}
-    assert [name for name, _ in sent].count("claim") == claims + 1
+    assert sent.claim == claims + 1
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
 
 
@@ -160,8 +152,7 @@ def test_a_notify_wakes_the_loop_not_the_poll(broker_url: str, schema: str, hub:
         c.connect()
         got = consume(c, "woken", prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
-        turn_until(hub, lambda: not c.transport.hub.session.busy and "woken" in
-                   c.transport.drain.exhausted)
+        turn_until(hub, lambda: engine(c).waiting)
         with Connection(broker_url, transport_options=options) as other:
             Producer(other.channel(), routing_key="woken").publish({"n": 1})
         started = time.monotonic()
@@ -177,7 +168,7 @@ def test_the_poll_finds_a_delayed_message_that_fell_due(
         c.connect()
         got = consume(c, "due", prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
-        turn_until(hub, lambda: "due" in c.transport.drain.exhausted)
+        turn_until(hub, lambda: engine(c).waiting)
         rows("INSERT INTO {schema}.message (queue, visible_at, payload) VALUES"
              " ('due', now() + interval '300 ms', %s)",
              '{"body": "{}", "content-type": "application/json", "headers": {},'
@@ -191,7 +182,7 @@ def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
     transport = conn.transport
     _, got = started(conn, hub, monkeypatch, "cut", prefetch=1, messages=2)
     turn_until(hub, lambda: len(got) == 1)
-    backend = transport.hub.session._conn.info.backend_pid
+    backend = engine(conn).session.backend_pid
     # The server drops the consumer's session (a restart, a pooler reaping it).
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s, 5000)", [backend])
@@ -219,35 +210,32 @@ def test_many_acks_from_pool_threads_land_in_few_statements(
             t.join()
     turn_until(hub, lambda: rows("SELECT count(*) FROM {schema}.message") == [(0,)])
     assert [m.payload["n"] for m in got] == list(range(200))
-    claims = [ids for name, ids in sent if name == "claim"]
     # Each claim took every ack buffered since the one before.
-    assert sum(len(ids) for ids in claims) + sum(
-        len(ids) for name, ids in sent if name == "ack") == 200
-    assert len(claims) < 20
+    assert sent.acks_riding + sent.acks_alone == 200
+    assert sent.claim < 20
 
 
 def test_acks_on_the_loop_s_thread_land_before_it_polls_with_no_wake_up_pipe(
     conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sent, got = started(conn, hub, monkeypatch, "inline", prefetch=2, messages=6)
-    turn_until(hub, lambda: len(got) == 2 and not conn.transport.hub.session.busy)
-    listener = conn.transport.listener
+    turn_until(hub, lambda: len(got) == 2 and not engine(conn).busy)
+    pipe = engine(conn).pipe
     pipe_wakes: list[int] = []
-    real_wake = listener.wake
-    monkeypatch.setattr(listener, "wake", lambda: pipe_wakes.append(1) or real_wake())
-    claims = len(sent)
-    acked = [m.delivery_info["pgq_token"][0] for m in got]
+    real_wake = pipe.wake
+    monkeypatch.setattr(pipe, "wake", lambda: pipe_wakes.append(1) or real_wake())
+    claims, riding = sent.claim, sent.acks_riding
     # As Celery's prefork and solo pools ack: in callbacks the loop runs, on its thread.
     hub.call_soon(got[0].ack)
     hub.call_soon(got[1].ack)
     hub.run_once()  # runs both (in no set order), then claims before it polls
-    assert [(name, sorted(ids)) for name, ids in sent[claims:]] == [("claim", acked)]
+    assert (sent.claim, sent.acks_riding, sent.ack) == (claims + 1, riding + 2, 0)
     assert pipe_wakes == []
-    turn_until(hub, lambda: len(got) == 4 and not conn.transport.hub.session.busy)
+    turn_until(hub, lambda: len(got) == 4 and not engine(conn).busy)
     # An ack on the loop's thread between two turns: the next turn claims.
     got[2].ack()
     hub.run_once()
-    assert sent[-1] == ("claim", [got[2].delivery_info["pgq_token"][0]])
+    assert (sent.claim, sent.acks_riding, sent.ack) == (claims + 2, riding + 3, 0)
     assert pipe_wakes == []
     turn_until(hub, lambda: len(got) == 5)
     # From any other thread an ack wakes the loop through the pipe.
@@ -264,11 +252,10 @@ def test_a_claim_out_when_the_connection_closes_is_handed_back(
         c.connect()
         got = consume(c, "out", prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
-        turn_until(hub, lambda: "out" in c.transport.drain.exhausted)
+        turn_until(hub, lambda: engine(c).waiting)
         Producer(c.channel(), routing_key="out").publish({"n": 1})
-        c.transport.drain.exhausted.clear()
-        c.transport.hub.kick()  # the claim goes out; the loop never reads its answer
-        assert c.transport.hub.session.busy
+        engine(c).on_poll()  # the claim goes out; the loop never reads its answer
+        assert engine(c).busy
     assert got == []
     # Claimed (read_ct 1) and handed back at once, not after its lease.
     assert rows("SELECT read_ct, visible_at <= now() FROM {schema}.message") == [(1, True)]
@@ -297,20 +284,18 @@ def test_a_refill_waits_a_moment_for_more_free_slots(
 ) -> None:
     sent, got = started(conn, hub, monkeypatch, "refill", prefetch=8, messages=40)
     turn_until(hub, lambda: len(got) == 8)  # an idle consumer claims its whole window
-    assert next(ids for name, ids in sent if name == "claim") == []
-    claims_before = len(sent)
+    assert (sent.claim, sent.acks_riding) == (1, 0)
     got[0].ack()
     hub.run_once()  # the ack's wake-up: one slot of eight free, seven still held
-    assert len(sent) == claims_before, "a single free slot is not worth a claim yet"
-    turn_until(hub, lambda: len(sent) > claims_before)  # ...a moment later it is
-    assert sent[-1] == ("claim", [got[0].delivery_info["pgq_token"][0]])
-    turn_until(hub, lambda: len(got) == 9)
+    assert sent.claim == 1, "a single free slot is not worth a claim yet"
+    turn_until(hub, lambda: sent.claim > 1)  # ...a moment later it is
+    assert (sent.claim, sent.acks_riding) == (2, 1)
+    turn_until(hub, lambda: len(got) == 9 and not engine(conn).busy)
     # Half the window free: no waiting.
     for message in got[1:5]:
         message.ack()
-    claims_before = len(sent)
     hub.run_once()
-    assert len(sent) == claims_before + 1 and len(sent[-1][1]) == 4
+    assert (sent.claim, sent.acks_riding) == (3, 5)
 
 
 def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg.Connection[Any]
@@ -322,17 +307,16 @@ def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg
                       " VALUES ('elsewhere', 1, 1, '{{}}') RETURNING id")
     admin.execute("BEGIN")
     admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
-    transport.drain.acks.add(Lease(ident, 1, "elsewhere"))
-    transport.drain.exhausted.clear()
-    transport.hub.kick()
-    assert transport.hub.session.busy
-    rows.wait_for_lock(transport.hub.session._conn.info.backend_pid,
+    transport.engine.acks.add(Lease(ident, 1, "elsewhere"))
+    transport.engine.on_poll()
+    assert transport.engine.busy
+    rows.wait_for_lock(transport.engine.session.backend_pid,
                        "the claim never waited for the lock")
 
 
 def _wait_on_socket(conn: Connection, needle: bytes) -> None:
     """Until ``needle`` (a channel name) is in the consumer session's unread bytes."""
-    with socket.socket(fileno=os.dup(conn.transport.hub.session.fileno())) as sock:
+    with socket.socket(fileno=os.dup(engine(conn).session.fileno())) as sock:
         sock.settimeout(10)
         deadline = time.monotonic() + 10
         while needle not in sock.recv(1 << 16, socket.MSG_PEEK):
@@ -353,8 +337,7 @@ def test_a_publish_behind_a_claim_in_flight_is_not_missed(
         for n in range(2):  # the first claim comes back full
             producer.publish({"n": n})
         c.transport.register_with_event_loop(c.connection, hub)
-        session = c.transport.hub.session
-        turn_until(hub, lambda: len(got) == 2 and not session.busy)
+        turn_until(hub, lambda: len(got) == 2 and not engine(c).busy)
         for message in got:
             message.ack()
         with psycopg.connect(pg_url, autocommit=True) as admin:

@@ -39,9 +39,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 import pg_transport
 from pg_transport.connection import Connector
+from pg_transport.consume.vacuum import Vacuumer
 from pg_transport.errors import NotPermitted
 from pg_transport.store import Lease, Store
-from pg_transport.vacuum import Vacuumer
 from tests.acceptance.harness import Worker, wait_for
 from tests.integration.test_cli import clean_env, invoke
 from tests.integration.test_docs import DOCS, autoscaling_queries, for_queue, sql_blocks

@@ -18,7 +18,6 @@ import pytest
 from kombu import Connection, Exchange, Producer, Queue
 from psycopg import sql
 
-from pg_transport.sql import queue_channel
 from tests.acceptance.harness import wait_for
 
 SCHEMA_PLACEHOLDER = "<schema>"
@@ -211,15 +210,6 @@ def test_direct_exchange_with_odd_names(
     assert peek.messages() == []
 
 
-def _listening(peek: Peek, schema: str, name: str) -> bool:
-    rows = peek.rows(
-        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %%' "
-        "AND position(%s in query) > 0",
-        queue_channel(schema, name),
-    )
-    return bool(rows[0][0])
-
-
 @pytest.mark.parametrize("key", ["drop-table", "unicode", "long", "double-quote"])
 def test_waiting_consumer_is_woken_by_a_publish(
     broker_url: str, peek: Peek, schema: str, key: str
@@ -230,26 +220,30 @@ def test_waiting_consumer_is_woken_by_a_publish(
     received: list[Any] = []
     failed: list[BaseException] = []
     options = {"schema": schema, "polling_interval": 120}
+    connection = Connection(broker_url, transport_options=options)
 
     def consume() -> None:
         try:
-            with Connection(broker_url, transport_options=options) as connection:
-                queue = connection.SimpleQueue(name)
-                message = queue.get(timeout=60)
-                received.append(body(message))
-                message.ack()
-                queue.close()
+            queue = connection.SimpleQueue(name)
+            message = queue.get(timeout=60)
+            received.append(body(message))
+            message.ack()
+            queue.close()
         except BaseException as exc:
             failed.append(exc)
 
     thread = threading.Thread(target=consume, daemon=True)
     thread.start()
-    # The consumer LISTENs before its first claim, which finds nothing: from here on,
-    # only a NOTIFY (or the 120 s poll) can deliver the message.
-    wait_for(lambda: _listening(peek, schema, name) or not thread.is_alive(), 30, "LISTEN")
-    with Connection(broker_url, transport_options=options) as publisher:
-        publisher.SimpleQueue(name).put({"woke": name})
-    thread.join(30)
+    try:
+        # The consumer LISTENs before its first claim, which finds nothing: from here
+        # on, only a wake-up (or the 120 s poll) can deliver the message.
+        wait_for(lambda: connection.transport.engine.waiting or not thread.is_alive(), 30,
+                 "the consumer to wait")
+        with Connection(broker_url, transport_options=options) as publisher:
+            publisher.SimpleQueue(name).put({"woke": name})
+        thread.join(30)
+    finally:
+        connection.release()
     assert not thread.is_alive(), "the consumer was not woken within 30 s"
     assert failed == []
     assert received == [{"woke": name}]

@@ -177,7 +177,7 @@ def test_notifications_of_a_role_without_grants_run_nothing_and_stop_nothing(
     intruder can name: the consumer delivers, acks and releases none of it, keeps
     consuming, and says it saw notifications pgq does not send."""
     jobs = consuming("jobs")
-    jobs.until(lambda: "jobs" in jobs.conn.transport.drain.exhausted)
+    jobs.until(lambda: jobs.conn.transport.engine.waiting)
     # A real message in flight on another queue: the old hand-off's forged ack deleted it.
     Producer(conn.channel(), routing_key="other").publish({"real": True})
     [held] = conn.transport.store.claim(["other"], [300.0], 1)
@@ -192,7 +192,7 @@ def test_notifications_of_a_role_without_grants_run_nothing_and_stop_nothing(
             for payload in ("not json", forged, "x" * 7999, "\\u0000", "[]", "{}", "null"):
                 evil.execute("SELECT pg_notify(%s, %s)", [channel, payload])
             evil.execute("SELECT pg_notify(%s, '')", [channel])  # a bare wake-up, too
-    with caplog.at_level("WARNING", logger="pg_transport.notify"):
+    with caplog.at_level("WARNING", logger="pg_transport.consume"):
         # A real publish after the flood: delivered, so the consumer is alive and well.
         Producer(conn.channel(), routing_key="jobs").publish({"n": 1})
         jobs.until(lambda: jobs.got == [{"n": 1}])

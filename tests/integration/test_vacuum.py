@@ -11,8 +11,8 @@ import pytest
 from psycopg import sql
 
 from pg_transport.connection import Connector
+from pg_transport.consume.vacuum import Vacuumer
 from pg_transport.store import Store
-from pg_transport.vacuum import Vacuumer
 from tests.integration.conftest import Peek
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pg_transport import poison
+from pg_transport.consume import poison
 from pg_transport.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
@@ -42,19 +42,21 @@ class Undeliverable:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._rows: queue.SimpleQueue[tuple[Claimed, str] | None] = queue.SimpleQueue()
+        self._rows: queue.SimpleQueue[tuple[Claimed, str, bool] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, claimed: Claimed, reason: str) -> None:
-        """Dead-letter ``claimed`` (unless the claim did) and send the signal, soon."""
+    def submit(self, claimed: Claimed, reason: str, *, held: bool = True) -> None:
+        """Dead-letter ``claimed`` (unless the claim did) and send the signal, soon.
+        ``held``: under its lease (claimed); otherwise popped, gone from the queue, and
+        kept from its text."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="pgq-undeliverable", daemon=True
                 )
                 self._thread.start()
-        self._rows.put((claimed, reason))
+        self._rows.put((claimed, reason, held))
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Finish what was handed over (up to ``timeout``), then stop the thread."""
@@ -68,11 +70,13 @@ class Undeliverable:
         while (item := self._rows.get()) is not None:
             self.handle(*item)
 
-    def handle(self, claimed: Claimed, reason: str) -> None:
+    def handle(self, claimed: Claimed, reason: str, held: bool = True) -> None:
         """Dead-letter ``claimed`` and tell the app; never raises for the message's sake."""
         try:
             dead_id = claimed.dead_letter_id
-            if dead_id is None:
+            if dead_id is None and not held:
+                dead_id = self.store.keep_popped(claimed, reason)
+            elif dead_id is None:
                 dead_id = self.store.dead_letter(claimed.token, reason)
                 if dead_id is None:
                     return  # no longer held: its lease lapsed, another consumer has it

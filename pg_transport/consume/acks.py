@@ -7,11 +7,13 @@ that ran are ever buffered, so at-least-once delivery is kept: a process that di
 with acks in the buffer has those messages delivered again, exactly as if it had died
 just before acking.
 
-Acks wait here only while Celery's event loop runs the consumer (``hub.py``): there
-every ack wakes the loop, which lands it within a loop iteration. Elsewhere (kombu's
-blocking ``drain_events``, ``basic_get``) and once the consumer stops (connection
-closed or lost), ``add`` refuses and the caller acks on its own, so an ack has landed
-when ``message.ack()`` returns.
+Acks wait here only while a driver runs the consumer engine: always under Celery's
+event loop (``hub.py``), and during a blocking ``drain_events`` call
+(``blocking.py``: a gevent or eventlet pool's acks, made while the consumer waits). There
+every ack wakes the driver, which lands it within a turn of its loop. Outside a blocking
+call (a plain kombu consumer acking after ``drain_events`` returned), and once the
+consumer stops (connection closed or lost), ``add`` refuses and the caller acks on its
+own, so an ack has landed when ``message.ack()`` returns.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class AckBuffer:
         """A consumer loop now takes buffered acks (no effect once closed)."""
         with self._lock:
             self._open = not self._closed
+
+    def pause(self) -> None:
+        """No loop takes buffered acks for now: ``add`` refuses until :meth:`start`."""
+        with self._lock:
+            self._open = False
 
     def add(self, token: Token) -> bool:
         """Buffer an ack; False when the buffer is closed and the caller must ack now."""

@@ -11,51 +11,57 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 
 from pg_transport.errors import BrokerUnavailable
-
-if TYPE_CHECKING:
-    from pg_transport.transport import Transport
+from pg_transport.store import Lease
 
 __all__ = ["MAINTAIN_INTERVAL", "Housekeeper"]
 
-logger = logging.getLogger("pg_transport.housekeeping")
+logger = logging.getLogger("pg_transport.consume")
 
 # Seconds between marking consumed queues as used and reaping expired ones.
 MAINTAIN_INTERVAL = 2.0
 
 
 class Housekeeper(threading.Thread):
-    def __init__(self, transport: Transport) -> None:
+    def __init__(
+        self,
+        *,
+        flush_acks: Callable[[], None],
+        held: Callable[[], Sequence[tuple[Lease, float]]],
+        renew: Callable[[Sequence[tuple[Lease, float]]], object] | None,
+        maintain: Callable[[], None],
+        default_vt: float,
+    ) -> None:
+        """``renew``: None when lease renewal is off."""
         super().__init__(name="pgq-housekeeping", daemon=True)
-        self.transport = transport
+        self._flush_acks, self._held, self._renew = flush_acks, held, renew
+        self._maintain, self._default_vt = maintain, default_vt
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
         self._stop_event.set()
 
     def run(self) -> None:
-        transport = self.transport
-        default = transport.options.visibility_timeout
         renew_due = maintain_due = monotonic()
         while not self._stop_event.is_set():
             now = monotonic()
             # Acks normally ride on the consumer's next claim within milliseconds; a
             # consumer busy elsewhere must not let them wait past a lease. Landed
             # before renewing, at least every vt/3.
-            self._guard("acks", transport.drain.flush_acks)
+            self._guard("acks", self._flush_acks)
             if now >= renew_due:
-                held = transport.held()
-                if held and transport.options.lease_renewal:
-                    self._guard("lease renewal", transport.store.renew, held)
-                renew_due = now + min((vt for _, vt in held), default=default) / 3
+                held = self._held()
+                if held and self._renew is not None:
+                    self._guard("lease renewal", self._renew, held)
+                renew_due = now + min((vt for _, vt in held), default=self._default_vt) / 3
             if now >= maintain_due:
-                self._guard("queue maintenance", transport.maintain)
+                self._guard("queue maintenance", self._maintain)
                 maintain_due = now + MAINTAIN_INTERVAL
             if self._stop_event.wait(max(min(renew_due, maintain_due) - monotonic(), 0.05)):
                 return

@@ -7,9 +7,12 @@ collects notifications and, once the server has answered, the statement's rows. 
 event loop never waits for a round trip, so it goes on feeding the pool and reading
 results while a claim is out.
 
-A notification is only ever a channel name: pgq's publishes send none with a payload,
-so one that has a payload was sent by someone else and is reported, then dropped. The
-session listens on the channels of the queues it consumes (:meth:`Session.send_listen`).
+A notification is only ever a channel name. Postgres lets every role that can connect
+LISTEN and NOTIFY on any channel, so all a consumer takes from one is its channel's name,
+as a reason to claim the queue it names; what it then delivers comes from the rows it
+claims. pgq's publishes send no payload: one with a payload was sent by someone else,
+and is reported (at most once a minute) and dropped (:class:`Notifications`). The session
+listens on the channels of the queues it consumes (:meth:`Session.send_listen`).
 
 Rows come back as libpq's text values; the caller decodes the few columns it asked for.
 """
@@ -24,15 +27,49 @@ from time import monotonic
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from pg_transport.connection import Connector
-from pg_transport.notify import Notifications
 from pg_transport.sql import compose_channel, load_queries
 from pg_transport.wire import Row, Statement, rows, send_buffered
 
-__all__ = ["Reply", "Row", "Session"]
+__all__ = ["Notifications", "Reply", "Row", "Session"]
 
-logger = logging.getLogger("pg_transport.session")
+logger = logging.getLogger("pg_transport.consume")
+
+# Seconds between two warnings about notifications pgq did not send.
+FOREIGN_WARN_INTERVAL = 60.0
+
+
+class Notifications:
+    """Takes the channel names out of a session's notifications, and reports the ones
+    pgq cannot have sent (a payload)."""
+
+    def __init__(self) -> None:
+        self.foreign = 0
+        self._reported = 0
+        self._next_warning = 0.0
+
+    def collect(self, pgconn: pq.abc.PGconn, into: set[str]) -> None:
+        """Move what libpq has parsed so far into ``into`` (channel names)."""
+        while (note := pgconn.notifies()) is not None:
+            if note.extra:
+                self._foreign(note.relname)
+                continue
+            into.add(note.relname.decode("utf-8", "replace"))
+
+    def _foreign(self, channel: bytes) -> None:
+        self.foreign += 1
+        now = monotonic()
+        if now >= self._next_warning:
+            self._next_warning = now + FOREIGN_WARN_INTERVAL
+            logger.warning(
+                "pgq: dropped %d notification(s) with a payload on channel %r: pgq sends "
+                "none, so some other session is notifying its channels (any role that can "
+                "connect may); they are ignored", self.foreign - self._reported,
+                channel.decode("utf-8", "replace")[:63],
+            )
+            self._reported = self.foreign
 
 
 @dataclass
@@ -80,6 +117,11 @@ class Session:
         self.busy = False
         self.listening = set()
         self._listen_sent = set()
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of this session (for pg_terminate_backend), if open."""
+        return self._conn.info.backend_pid if self.is_open and self._conn else None
 
     def fileno(self) -> int:
         assert self._conn is not None, "session not open"

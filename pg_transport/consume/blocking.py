@@ -1,0 +1,98 @@
+"""Driving the consumer engine from kombu's blocking ``drain_events``.
+
+Consumers that run no event loop (Celery's gevent and eventlet pools, plain kombu
+consumers, ``SimpleQueue``) call ``drain_events(timeout)``: deliver what comes, or wait
+for it. This driver runs the same engine Celery's event loop runs, so they claim, ack,
+wake and dead-letter alike: it kicks the engine, then waits with ``select()`` on the
+engine's descriptors and on its own timers (the poll, a refill's short wait) until a
+message has been handed to kombu or the timeout is up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import select
+from collections.abc import Callable
+from time import monotonic
+
+from pg_transport.consume.engine import Engine
+
+__all__ = ["BlockingDriver"]
+
+
+class _Timer:
+    def __init__(self, due: float, fn: Callable[[], None]) -> None:
+        self.due, self.fn, self.cancelled = due, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class BlockingDriver:
+    def __init__(self, engine: Engine, polling_interval: float) -> None:
+        self.engine = engine
+        self.polling_interval = polling_interval or 1.0
+        self._timers: list[tuple[float, int, _Timer]] = []
+        self._order = itertools.count()
+        self._fds: list[int] = []
+        self._next_poll = 0.0
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
+        timer = _Timer(monotonic() + delay, fn)
+        heapq.heappush(self._timers, (timer.due, next(self._order), timer))
+        return timer
+
+    def drain(self, timeout: float | None) -> None:
+        """Deliver what the engine claims, else wait for a wake-up, a timer or the
+        timeout (:class:`TimeoutError`)."""
+        engine = self.engine
+        if engine.timers is not self or not self._fds:
+            self._fds = engine.start(self)
+            self._next_poll = 0.0
+        engine.acks.start()
+        try:
+            self._drain(timeout)
+        finally:
+            # Past this call nothing lands a buffered ack soon: the caller lands its own.
+            engine.acks.pause()
+
+    def _drain(self, timeout: float | None) -> None:
+        engine = self.engine
+        start = monotonic()
+        seen = engine.delivered
+        while True:
+            now = monotonic()
+            if now >= self._next_poll:
+                self._next_poll = now + self.polling_interval
+                engine.on_poll()
+            self._run_due(now)
+            engine.on_tick()
+            engine.kick()
+            if engine.delivered != seen:
+                return
+            now = monotonic()
+            if timeout is not None and now - start >= timeout:
+                raise TimeoutError()
+            wait = min(self._next_poll, self._timers[0][0] if self._timers else self._next_poll)
+            wait -= now
+            if timeout is not None:
+                wait = min(wait, timeout - (now - start))
+            ready, _, _ = select.select(self._fds, [], [], max(wait, 0.0))
+            if self._fds[1] in ready:
+                engine.on_wake()
+            if self._fds[0] in ready:
+                engine.on_readable()
+            if engine.delivered != seen:
+                return
+
+    def _run_due(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, _, timer = heapq.heappop(self._timers)
+            if not timer.cancelled:
+                timer.fn()
+
+    def stop(self) -> None:
+        self._timers.clear()
+        self._fds = []
+        self.engine.stop()

@@ -1,0 +1,444 @@
+"""The consumer: one engine, whichever pool or loop drives it.
+
+One non-blocking Postgres session (:class:`~pg_transport.consume.session.Session`)
+carries a consumer's LISTENs and its statements, one at a time: a LISTEN for queues newly
+consumed, a pop for queues consumed without acks, a claim (the acks buffered since the
+last one riding on it), or those acks alone. The engine decides what to send next
+(:meth:`Engine.kick`) and takes what comes back (:meth:`Engine.on_readable`), handing
+messages to kombu. It never waits and never runs the application's code beyond kombu's
+delivery callback: a driver waits for it — Celery's event loop
+(:mod:`~pg_transport.consume.hub`) or a ``select()`` loop for kombu's blocking
+``drain_events`` (:mod:`~pg_transport.consume.blocking`) — and calls it when the session's
+socket or the wake-up pipe is readable, or a timer is due.
+
+Three things keep it cheap:
+
+* Acks ride on claims: a finished task's ack waits in an
+  :class:`~pg_transport.consume.acks.AckBuffer` and the next claim deletes it.
+* Queues known to be empty are not asked again: a claim that comes back short marks its
+  queues exhausted until a notification names them (a publish) or the poll (delayed
+  messages falling due and lapsed leases send none). LISTEN comes before a queue's first
+  claim, and a notification read with a claim's answer is taken after it, so no wake-up
+  is lost.
+* A refill waits a moment (``REFILL_DELAY``) for more prefetch slots to free up while the
+  worker still holds a good part of its window, so claims grow with the load instead of
+  costing a statement per task; an idle consumer, or one running low, claims at once.
+
+Claimed messages not handed to kombu yet are leased like delivered ones (:meth:`held`).
+A message that cannot be delivered goes to :mod:`~pg_transport.consume.undeliverable`,
+which dead-letters it and sends ``message_poisoned`` on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import psycopg
+
+from pg_transport.consume import envelope
+from pg_transport.consume.acks import AckBuffer
+from pg_transport.consume.session import Row, Session
+from pg_transport.consume.undeliverable import Undeliverable
+from pg_transport.consume.wakeup import WakePipe
+from pg_transport.errors import BrokerUnavailable
+from pg_transport.store import Claimed, Lease, Store, claim_params, decode_claimed
+
+__all__ = ["UNLIMITED_BATCH", "Engine", "Source", "Statements", "Timers", "Want"]
+
+logger = logging.getLogger("pg_transport.consume")
+
+# Claim batch when the consumer set no prefetch limit; the pop batch of no-ack queues.
+UNLIMITED_BATCH = 100
+# Longest a refill claim waits for more prefetch slots to free up (seconds).
+REFILL_DELAY = 0.002
+# Longest a stopping consumer waits for the answer of a statement it has out (seconds).
+RETIRE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one consuming channel wants: its queues, and room for how many messages.
+
+    ``window``: its prefetch window (0: unlimited); ``room``: slots free now (None: no
+    limit)."""
+
+    acked: Sequence[str]
+    unacked: Sequence[str]
+    room: int | None
+    window: int
+
+
+class Source(Protocol):
+    """What the engine needs of the kombu layer."""
+
+    def wants(self) -> list[Want]:
+        """Every consuming channel's queues and free room."""
+
+    def deliver(self, claimed: Claimed) -> None:
+        """Hand a message to kombu (raises: the engine dead-letters it)."""
+
+    def visibility_timeout(self, queue: str) -> float: ...
+
+    def max_attempts(self, queue: str) -> int: ...
+
+
+class Handle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timers(Protocol):
+    """The driver's timers: call ``fn`` once after ``delay`` seconds, on its loop."""
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Handle: ...
+
+
+@dataclass
+class Statements:
+    """How many statements of each kind the engine has sent (for operators and tests:
+    a claim carrying acks counts as a claim, with its acks in ``acks_riding``)."""
+
+    listen: int = 0
+    pop: int = 0
+    claim: int = 0
+    ack: int = 0
+    acks_riding: int = 0
+    acks_alone: int = 0
+
+
+@dataclass
+class _InFlight:
+    """The statement on the wire."""
+
+    kind: str
+    acks: list[Lease] = field(default_factory=list)
+    queues: Sequence[str] = ()
+    limit: int = 0
+
+
+class Engine:
+    def __init__(self, source: Source, store: Store, session: Session, *,
+                 max_message_bytes: int) -> None:
+        self.source = source
+        self.store = store
+        self.session = session
+        self.max_message_bytes = max_message_bytes
+        self.acks = AckBuffer()
+        self.undeliverable = Undeliverable(store)
+        self.pipe = WakePipe()
+        #: Queues whose last claim (or pop) came back short.
+        self.exhausted: set[str] = set()
+        #: Messages handed to kombu so far (a blocking driver returns once this grows).
+        self.delivered = 0
+        self.statements = Statements()
+        self._timers: Timers | None = None
+        self._in_flight: _InFlight | None = None
+        self._refill: Handle | None = None
+        self._refill_due = False
+        self._loop_thread = 0
+        self._kick_due = False
+        # Claimed, not yet handed to kombu: id -> (lease, vt). Renewed too.
+        self._undelivered: dict[int, tuple[Lease, float]] = {}
+        self._undelivered_lock = threading.Lock()
+        # Wake-up channel -> queue, for every queue consumed so far.
+        self._channels: dict[str, str] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def timers(self) -> Timers | None:
+        """The driver running the engine (None: stopped)."""
+        return self._timers
+
+    def start(self, timers: Timers) -> list[int]:
+        """Open the session (if need be) under a driver's ``timers``; the descriptors
+        the driver must watch: the session's socket, then the wake-up pipe."""
+        if self._timers is not timers:
+            self.stop()
+        self.session.open()
+        self._timers = timers
+        self._loop_thread = threading.get_ident()
+        self._kick_due = False
+        self.acks.start()
+        return [self.session.fileno(), self.pipe.fileno()]
+
+    def stop(self) -> None:
+        """Leave the driver and close the session. A statement out is finished first: a
+        claim's messages are handed back now rather than when their lease lapses (a dead
+        session gives no answer: they lapse, and the acks it carried are landed on
+        another connection)."""
+        self._timers = None
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+        self._refill_due = False
+        flight = self._in_flight
+        if flight is not None:
+            reply = self.session.finish(timeout=RETIRE_TIMEOUT)
+            if reply is not None and reply.rows is not None:
+                flight.acks = []  # landed with the statement
+                if flight.kind == "claim":
+                    self.release([decode_claimed(row) for row in reply.rows])
+        self._abandon_in_flight()
+        self.session.close()
+
+    def close(self) -> None:
+        """Stop, land the acks still buffered, finish the rows handed to be
+        dead-lettered, and close the wake-up pipe."""
+        self.stop()
+        self.land_acks(self.acks.close())
+        self.undeliverable.close()
+        self.pipe.close()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a statement is on the wire (its answer not read yet)."""
+        return self.session.busy
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the engine waits for a wake-up: running, no statement out, and every
+        queue it consumes known to be empty (until a publish, an ack or the poll)."""
+        if self._timers is None or self.session.busy:
+            return False
+        wants = self.source.wants()
+        queues = {q for w in wants for q in (*w.acked, *w.unacked)}
+        return bool(queues) and queues <= frozenset(self.exhausted)  # (one step: atomic)
+
+    # -- events ------------------------------------------------------------------------
+    def wake(self) -> None:
+        """A prefetch slot is free (an ack): claim soon. On the driver's own thread (the
+        prefork and solo pools ack there, in callbacks the loop runs) the next tick
+        kicks, every ack of that turn riding on one statement; from any other thread
+        the wake-up pipe wakes the driver."""
+        if self._timers is not None and threading.get_ident() == self._loop_thread:
+            self._kick_due = True
+        else:
+            self.pipe.wake()
+
+    def on_tick(self) -> None:
+        """Once per turn of the driver's loop, before it waits."""
+        if self._kick_due:
+            self._kick_due = False
+            self.kick()
+
+    def on_wake(self) -> None:
+        self.pipe.clear()
+        self.kick()
+
+    def on_poll(self) -> None:
+        """The polling interval: every queue may hold something again."""
+        self.exhausted.clear()
+        self.kick()
+
+    def reset(self, queue: str) -> None:
+        """A new consumer of ``queue``: claim it at once."""
+        self.exhausted.discard(queue)
+        self.wake()
+
+    def on_readable(self) -> None:
+        try:
+            reply = self.session.read()
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+        # The statement's answer first: a notification read with a claim's empty
+        # answer is for a publish that claim did not see.
+        if reply.rows is not None:
+            self._finished(reply.rows)
+        self.notified(reply.notified)
+        self.kick()
+
+    def notified(self, channels: set[str]) -> None:
+        """Channels notified: their queues are worth a claim again. A channel of no queue
+        consumed here is ignored (a notification is only ever a hint)."""
+        for channel in channels:
+            queue = self._channels.get(channel)
+            if queue is not None:
+                self.exhausted.discard(queue)
+
+    # -- what to send next -------------------------------------------------------------
+    def kick(self) -> None:
+        """Send the next statement if none is out: a LISTEN for queues newly consumed, a
+        pop for no-ack queues that may hold messages, a claim where slots are free and
+        queues may hold messages, else the buffered acks alone."""
+        if self._timers is None or self.session.busy:
+            return
+        try:
+            self._send_next()
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+
+    def _send_next(self) -> None:
+        session = self.session
+        wants = self.source.wants()
+        if session.listen:
+            missing = {self.channel(q) for w in wants for q in (*w.acked, *w.unacked)}
+            missing -= session.listening
+            if missing:
+                self._in_flight = _InFlight("listen")
+                session.send_listen(missing)
+                self.statements.listen += 1
+                return
+        unacked = sorted({q for w in wants for q in w.unacked} - self.exhausted)
+        if unacked:
+            self._in_flight = _InFlight("pop", queues=unacked, limit=UNLIMITED_BATCH)
+            session.send("pop", {
+                "queues": unacked, "limit": UNLIMITED_BATCH,
+                "max_bytes": self.max_message_bytes,
+                "max_message_bytes": self.max_message_bytes,
+            })
+            self.statements.pop += 1
+            return
+        want = next((w for w in wants if w.acked and w.room != 0
+                     and any(q not in self.exhausted for q in w.acked)), None)
+        if want is not None and not self._worth_claiming(want):
+            return  # the acks wait too: they ride on that claim, a moment later
+        acks = self.acks.take()
+        if want is not None:
+            queues = [q for q in want.acked if q not in self.exhausted]
+            limit = want.room if want.room is not None else UNLIMITED_BATCH
+            self._in_flight = _InFlight("claim", acks, queues, limit)
+            session.send("claim", claim_params(
+                queues, [self.source.visibility_timeout(q) for q in queues], limit,
+                [self.source.max_attempts(q) for q in queues], acks,
+                max_bytes=self.max_message_bytes,
+            ))
+            self.statements.claim += 1
+            self.statements.acks_riding += len(acks)
+            self._refill_due = False
+            if self._refill is not None:
+                self._refill.cancel()
+                self._refill = None
+        elif acks:
+            self._in_flight = _InFlight("ack", acks)
+            session.send("ack", {
+                "ids": [t.id for t in acks], "leases": [t.lease for t in acks],
+                "queues": [t.queue for t in acks],
+            })
+            self.statements.ack += 1
+            self.statements.acks_alone += len(acks)
+
+    def _worth_claiming(self, want: Want) -> bool:
+        """Claim now, or let more slots free up first (up to REFILL_DELAY)?
+
+        A claim per freed slot costs a statement per task. While the consumer still
+        holds a good part of its prefetch window (running or queued in the pool) a
+        refill can wait for a few more acks; a consumer running low, or all but idle,
+        claims at once."""
+        window, room = want.window, want.room
+        if self._refill_due or window <= 1 or room is None:
+            return True
+        held = window - room
+        if room * 2 >= window or held * 4 <= window:
+            return True
+        if self._refill is None and self._timers is not None:
+            self._refill = self._timers.call_later(REFILL_DELAY, self._refill_now)
+        return False
+
+    def _refill_now(self) -> None:
+        self._refill = None
+        self._refill_due = True
+        self.kick()
+
+    def channel(self, queue: str) -> str:
+        """The wake-up channel of ``queue`` (remembered, to map notifications back)."""
+        for channel, known in self._channels.items():
+            if known == queue:
+                return channel
+        channel = self.store.channel(queue)
+        self._channels[channel] = queue
+        return channel
+
+    # -- what came back ----------------------------------------------------------------
+    def _finished(self, rows: list[Row]) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None or flight.kind in ("listen", "ack"):
+            return
+        batch = [decode_claimed(row) for row in rows]
+        if len(batch) < flight.limit:
+            self.exhausted.update(flight.queues)
+        leased = flight.kind == "claim"
+        if leased:
+            self.track(batch)
+        self.deliver_all(batch, leased=leased)
+
+    def track(self, batch: Sequence[Claimed]) -> None:
+        """Lease a claimed batch until kombu takes each message (see :meth:`held`)."""
+        with self._undelivered_lock:
+            for c in batch:
+                if c.dead_letter_id is None:
+                    self._undelivered[c.id] = (c.token, self.source.visibility_timeout(c.queue))
+
+    def deliver_all(self, batch: Sequence[Claimed], *, leased: bool) -> None:
+        """Hand a batch to kombu in order; should that stop (the worker shutting down),
+        release the rest now rather than after their lease lapses. A message that cannot
+        be delivered is dead-lettered, and the batch goes on."""
+        for n, claimed in enumerate(batch):
+            try:
+                self._deliver_one(claimed, leased=leased)
+            except BaseException:
+                if leased:
+                    self.release(batch[n + 1 :])
+                raise
+
+    def _deliver_one(self, claimed: Claimed, *, leased: bool) -> None:
+        with self._undelivered_lock:
+            self._undelivered.pop(claimed.id, None)
+        why = claimed.fault if claimed.payload is None else envelope.fault(claimed.payload)
+        if claimed.dead_letter_id is not None or why is not None:
+            self.undeliverable.submit(claimed, claimed.fault or why or "undecodable payload",
+                                      held=leased)
+            return
+        try:
+            self.source.deliver(claimed)
+        except Exception as exc:  # any fault of one message: dead-letter it, go on
+            logger.exception("pgq: delivering message %d of queue %r failed",
+                             claimed.id, claimed.queue)
+            if leased:
+                self.undeliverable.submit(
+                    claimed, f"delivery failed: {type(exc).__name__}: {exc}", held=True)
+            return
+        self.delivered += 1
+
+    def release(self, rest: Sequence[Claimed]) -> None:
+        """Hand back claimed messages now rather than after their lease lapses."""
+        tokens = [c.token for c in rest if c.dead_letter_id is None]
+        with self._undelivered_lock:
+            for token in tokens:
+                self._undelivered.pop(token.id, None)
+        try:
+            self.store.release(tokens)
+        except (BrokerUnavailable, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            logger.warning("pgq: could not release %d messages (%s): their leases lapse",
+                           len(tokens), exc)
+
+    # -- acks and leases ---------------------------------------------------------------
+    def held(self) -> list[tuple[Lease, float]]:
+        """Claimed messages not handed over yet: leased, so renewed like delivered ones."""
+        with self._undelivered_lock:
+            return list(self._undelivered.values())
+
+    def flush_acks(self) -> None:
+        """Land every buffered ack now (housekeeping: the driver may be busy)."""
+        self.land_acks(self.acks.take())
+
+    def land_acks(self, tokens: list[Lease]) -> None:
+        if not tokens:
+            return
+        try:
+            self.store.ack(tokens)
+        except (BrokerUnavailable, psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            logger.warning(
+                "pgq: ack of %d messages failed (%s); they will be delivered again when "
+                "their visibility timeout lapses", len(tokens), exc,
+            )
+
+    def _abandon_in_flight(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None and flight.acks:
+            self.land_acks(self.acks.put_back(flight.acks))
+

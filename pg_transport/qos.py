@@ -1,0 +1,167 @@
+"""kombu's QoS for pgq: acks, rejects and the leases of unacked deliveries.
+
+A delivered message carries its fencing token in its delivery info (row id and lease in
+``pgq_token``, queue in ``pgq_queue``). An ack rides on the consumer's next claim when a
+consumer engine runs (and is landed here otherwise); a reject with requeue releases the
+message; one without, and an ack of a body that could not be decoded, move it to the
+dead letters. Every action is fenced by the token: a delivery whose lease lapsed, or was
+released, touches nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import psycopg
+from kombu.transport import virtual
+
+from pg_transport.errors import BrokerUnavailable
+from pg_transport.store import Lease
+
+__all__ = ["TOKEN", "Message", "QoS", "lease_of"]
+
+logger = logging.getLogger("pg_transport.transport")
+
+#: Where a delivery's row id and lease are, in its delivery info.
+TOKEN = "pgq_token"
+
+# Errors that mean "Postgres is not there right now" (after the retries).
+UNAVAILABLE = (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable)
+
+
+def lease_of(message: Any) -> Lease:
+    """The fencing token of a delivered kombu message."""
+    info = message.delivery_info
+    ident, lease = info[TOKEN]
+    return Lease(int(ident), int(lease), str(info["pgq_queue"]))
+
+
+class Message(virtual.Message):
+    """Remembers why its body could not be decoded.
+
+    Celery logs an undecodable body and acks it, which would delete it; QoS.ack
+    sees this mark and dead-letters the message with the reason instead.
+    """
+
+    undecodable: str | None = None
+
+    def _decode(self) -> Any:
+        try:
+            return super()._decode()
+        except Exception as exc:  # whatever the decoder raised is the reason kept
+            self.undecodable = f"{type(exc).__name__}: {exc}"
+            raise
+
+
+class QoS(virtual.QoS):
+    """Acks and rejects go straight to Postgres, fenced by the delivery's token.
+
+    ``_held`` mirrors the unacked deliveries as (lease, vt) under a lock so the
+    lease-renewal thread can read it while other threads ack.
+    """
+
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        self._held: dict[str, tuple[Lease, float]] = {}
+        self._held_lock = threading.Lock()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        token = lease_of(message)
+        vt = self.channel.visibility_timeout(token.queue)
+        with self._held_lock:
+            self._held[delivery_tag] = (token, vt)
+        super().append(message, delivery_tag)
+
+    def _forget(self, delivery_tag: str) -> None:
+        with self._held_lock:
+            self._held.pop(delivery_tag, None)
+        self._quick_ack(delivery_tag)
+        transport = self.channel.connection
+        if transport is not None:
+            transport.wake()
+
+    def forget(self, delivery_tag: str) -> None:
+        """Drop a delivery Celery never took (its delivery raised): the consumer
+        dead-letters it under its lease; its prefetch slot is free again."""
+        if delivery_tag in self._delivered or delivery_tag in self._held:
+            self._forget(delivery_tag)
+
+    def held(self) -> list[tuple[Lease, float]]:
+        with self._held_lock:
+            return list(self._held.values())
+
+    def ack(self, delivery_tag: str) -> None:
+        with self._held_lock:
+            held = self._held.get(delivery_tag)
+        message = self._delivered.get(delivery_tag)
+        undecodable = getattr(message, "undecodable", None)
+        try:
+            if held is not None and undecodable:
+                self.channel.dead_letter(held[0], f"undecodable body: {undecodable}", message)
+            elif held is not None:
+                token = held[0]
+                transport = self.channel.connection
+                # Rides on the consumer's next claim (woken by _forget below); once
+                # the consumer has stopped, the ack is landed here and now.
+                if transport is None or not transport.engine.acks.add(token):
+                    self.channel.store.ack([token])
+        except UNAVAILABLE as exc:
+            self._lapse("ack", held, exc)
+        finally:
+            # Forgotten either way: a delivery whose ack failed must not keep its
+            # lease renewed forever; it lapses and the message is delivered again.
+            self._forget(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        with self._held_lock:
+            held = self._held.get(delivery_tag)
+        try:
+            if held is not None:
+                token = held[0]
+                if requeue:
+                    self.channel.store.release([token])
+                else:
+                    message = self._delivered.get(delivery_tag)
+                    self.channel.dead_letter(token, "rejected without requeue", message)
+        except UNAVAILABLE as exc:
+            self._lapse("reject" if not requeue else "requeue", held, exc)
+        finally:
+            self._forget(delivery_tag)
+
+    @staticmethod
+    def _lapse(what: str, held: tuple[Lease, float] | None, exc: BaseException) -> None:
+        """Postgres stayed out of reach through the retries: say what happens next."""
+        ident = held[0].id if held else "?"
+        logger.warning(
+            "%s of message %s failed (%s); it will be delivered again when its "
+            "visibility timeout lapses", what, ident, exc,
+        )
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Release every unacked delivery in one statement (shutdown, recover).
+
+        Not after a lost connection: tasks may still be running and will ack
+        through this QoS; their leases lapse on their own after the vt.
+        """
+        transport = self.channel.connection
+        if transport is not None and transport.lost:
+            logger.info(
+                "connection lost: %d unacked messages keep their lease until they are "
+                "acked or it lapses", len(self._held),
+            )
+            return []
+        self._flush()
+        with self._held_lock:
+            held, self._held = self._held, {}
+        self._delivered.clear()
+        tokens = [h[0] for h in held.values()]
+        try:
+            self.channel.store.release(tokens)
+        except (psycopg.Error, BrokerUnavailable) as exc:
+            # The leases expire on their own: nothing is lost, only delayed.
+            logger.warning("could not release %d unacked messages: %s", len(tokens), exc)
+        return []
+
+
