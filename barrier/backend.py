@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from barrier.settings import BarrierSettings
 from pg_transport.config import Options
-from pg_transport.connection import Connector, is_dead_connection, url_to_conninfo
-from pg_transport.errors import BrokerUnavailable, ConfigurationError
-from pg_transport.schema import ensure_schema
-from pg_transport.secrets import mask_url, scheme_of
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector, url_to_conninfo
+from pg_transport.db.retry import TRANSIENT, attempt
+from pg_transport.db.url import mask_url, scheme_of
+from pg_transport.errors import ConfigurationError
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
@@ -32,9 +32,6 @@ logger = logging.getLogger("barrier.backend")
 
 T = TypeVar("T")
 
-# How long a worker hook keeps retrying a transient failure (server restart,
-# reaped connection) before it gives the barrier up to the stuck sweep.
-TRANSIENT_RETRY_SECONDS = 30.0
 
 
 def broker_url(app: Any) -> str:
@@ -48,7 +45,8 @@ def uses_pgq(app: Any) -> bool:
 
 
 def is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, BrokerUnavailable) or is_dead_connection(exc)
+    """A failure worth retrying in a worker hook (see pg_transport.db.retry.TRANSIENT)."""
+    return TRANSIENT.retries(exc)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,17 +61,14 @@ class Backend:
 
     def run(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run idempotent ``work`` on a pooled connection, retrying transient failures
-        with backoff for a while: worker hooks have no caller to report to."""
-        retrying = Retrying(
-            retry=retry_if_exception(is_transient),
-            stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
-            wait=wait_exponential(multiplier=0.1, max=2.0),
-            reraise=True,
-        )
-        for attempt in retrying:
-            with attempt, self.connector.connection() as conn:
+        with backoff for a while (the TRANSIENT policy, up to 30 s: worker hooks have no
+        caller to report to; past it the stuck sweep gives the barrier up)."""
+
+        def once() -> T:
+            with self.connector.connection() as conn:
                 return work(conn)
-        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+        return attempt(TRANSIENT, once)
 
     def close(self) -> None:
         self.connector.close()

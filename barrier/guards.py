@@ -32,8 +32,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pg_transport.connection import Connector
-from pg_transport.locks import advisory_key
+from pg_transport.db.locks import advisory_key
+from pg_transport.db.pool import Connector
 from pg_transport.sql import load_named
 from pg_transport.sql.loader import parse_named
 
@@ -163,7 +163,7 @@ class Guards:
         """Give the claim up so a peer may take it now.
 
         Idempotent (a second release deletes nothing), so it runs through
-        ``Connector.run(idempotent=True)``: :func:`pg_transport.connection.retry_idempotent`
+        ``Connector.run(idempotent=True)``: :data:`pg_transport.db.retry.ONCE`
         retries it once on a fresh connection when the pooled one was reaped.
         """
         params = {"key": claim.key, "holder": claim.holder, "token": claim.token}

@@ -9,7 +9,7 @@ import psycopg
 
 from barrier.codec import loads as json_loads
 from barrier.protocol import STATUSES
-from pg_transport.connection import Connector
+from pg_transport.db.pool import Connector
 from pg_transport.sql import load_named
 
 __all__ = ["show", "status_counts"]

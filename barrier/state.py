@@ -76,7 +76,7 @@ class Stranded:
 def _publish(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, *key: str) -> None:
     # As the transport's _put: an ETA message waits in Postgres unless that is off.
     delay = out.delay if db.native_delayed_delivery else 0.0
-    db.store.publish_on(
+    db.store.publisher.publish_on(
         conn, out.queue, out.payload, priority=out.priority, delay=delay,
         publish_key=publish_key(*key),
     )

@@ -17,8 +17,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pg_transport.connection import Connector
-from pg_transport.schema import ensure_schema
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Store
 

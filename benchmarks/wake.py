@@ -27,11 +27,11 @@ import psycopg
 from psycopg import sql
 
 from benchmarks.brokers import default_pg_url
-from pg_transport.connection import Connector
-from pg_transport.schema import ensure_schema
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
+from pg_transport.db.wire import Statement
 from pg_transport.sql import load_queries
 from pg_transport.store import Store, claim_params, decode_claimed
-from pg_transport.wire import Statement
 
 __all__ = ["main", "measure"]
 
@@ -55,7 +55,7 @@ def measure(pg_url: str, probes: int, *, durable: bool) -> dict[str, dict[str, f
         params = claim_params(["q"], [30.0], 4, [5], [])
         for n in range(probes + 5):
             started = time.perf_counter()
-            store.publish("q", PAYLOAD)
+            store.publisher.publish("q", PAYLOAD)
             returned = time.perf_counter()
             if not list(consumer.notifies(timeout=5.0, stop_after=1)):
                 raise AssertionError("no wake-up in 5 s")

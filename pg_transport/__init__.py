@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from pg_transport.batching import batch
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -21,6 +20,7 @@ from pg_transport.errors import (
     PgqError,
     SchemaError,
 )
+from pg_transport.publish.batching import batch
 
 __all__ = [
     "TRANSPORT",

@@ -127,7 +127,7 @@ class Channel(virtual.Channel):
         tag = props.get("delivery_tag")
         # The same key the routed publish computes in SQL: md5(tag || queue).
         key = md5(f"{tag}{queue}".encode()).hexdigest() if tag else None
-        self.store.publish(
+        self.store.publisher.publish(
             queue,
             message,
             priority=self._get_message_priority(message),
@@ -203,7 +203,7 @@ class Channel(virtual.Channel):
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
-        kind, matched = self.store.publish_routed(
+        kind, matched = self.store.publisher.publish_routed(
             exchange, routing_key or "", message,
             priority=self._get_message_priority(message),
             delay=self._delay(message),
@@ -222,7 +222,7 @@ class Channel(virtual.Channel):
             # Broadcasts with no listener and replies to a client that left.
             logger.debug("no queue bound for %s: dropped", what)
             return
-        dead_id = self.store.dead_letter_unroutable(
+        dead_id = self.store.publisher.dead_letter_unroutable(
             check_queue_name(routing_key), message,
             priority=self._get_message_priority(message),
             reason=f"unroutable: no queue bound for {what}",

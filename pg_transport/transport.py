@@ -41,13 +41,16 @@ from kombu.transport import virtual
 from pg_transport.channel import EXCHANGE_TYPES
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options
-from pg_transport.connection import Connector, mask_url, url_to_conninfo
 from pg_transport.consume.blocking import BlockingDriver
-from pg_transport.consume.engine import UNLIMITED_BATCH, Engine, Want
+from pg_transport.consume.engine import UNLIMITED_BATCH, Engine
 from pg_transport.consume.housekeeping import Housekeeper
 from pg_transport.consume.hub import HubDriver
 from pg_transport.consume.session import Session
+from pg_transport.consume.source import Want
 from pg_transport.consume.vacuum import Vacuumer
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector, mask_url, url_to_conninfo
+from pg_transport.db.url import seal, unseal
 from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
@@ -55,8 +58,6 @@ from pg_transport.errors import (
     SchemaError,
 )
 from pg_transport.qos import TOKEN
-from pg_transport.schema import ensure_schema
-from pg_transport.secrets import seal, unseal
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 

@@ -33,21 +33,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import psycopg
 
 from pg_transport.consume import envelope
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.session import Row, Session
+from pg_transport.consume.source import Handle, Source, Statements, Timers, Want
 from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.store import Claimed, Lease, Store, claim_params, decode_claimed
+from pg_transport.rows import Claimed, Lease, decode_claimed
+from pg_transport.store import Store, claim_params
 
-__all__ = ["UNLIMITED_BATCH", "Engine", "Source", "Statements", "Timers", "Want"]
+__all__ = ["UNLIMITED_BATCH", "Engine"]
 
 logger = logging.getLogger("pg_transport.consume")
 
@@ -57,56 +58,6 @@ UNLIMITED_BATCH = 100
 REFILL_DELAY = 0.002
 # Longest a stopping consumer waits for the answer of a statement it has out (seconds).
 RETIRE_TIMEOUT = 5.0
-
-
-@dataclass(frozen=True)
-class Want:
-    """What one consuming channel wants: its queues, and room for how many messages.
-
-    ``window``: its prefetch window (0: unlimited); ``room``: slots free now (None: no
-    limit)."""
-
-    acked: Sequence[str]
-    unacked: Sequence[str]
-    room: int | None
-    window: int
-
-
-class Source(Protocol):
-    """What the engine needs of the kombu layer."""
-
-    def wants(self) -> list[Want]:
-        """Every consuming channel's queues and free room."""
-
-    def deliver(self, claimed: Claimed) -> None:
-        """Hand a message to kombu (raises: the engine dead-letters it)."""
-
-    def visibility_timeout(self, queue: str) -> float: ...
-
-    def max_attempts(self, queue: str) -> int: ...
-
-
-class Handle(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Timers(Protocol):
-    """The driver's timers: call ``fn`` once after ``delay`` seconds, on its loop."""
-
-    def call_later(self, delay: float, fn: Callable[[], None]) -> Handle: ...
-
-
-@dataclass
-class Statements:
-    """How many statements of each kind the engine has sent (for operators and tests:
-    a claim carrying acks counts as a claim, with its acks in ``acks_riding``)."""
-
-    listen: int = 0
-    pop: int = 0
-    claim: int = 0
-    ack: int = 0
-    acks_riding: int = 0
-    acks_alone: int = 0
 
 
 @dataclass

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pg_transport.consume.engine import Engine, Handle
+from pg_transport.consume.engine import Engine
+from pg_transport.consume.source import Handle
 
 __all__ = ["HubDriver"]
 

@@ -29,9 +29,9 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from pg_transport.connection import Connector
+from pg_transport.db.pool import Connector
+from pg_transport.db.wire import Row, Statement, rows, send_buffered
 from pg_transport.sql import compose_channel, load_queries
-from pg_transport.wire import Row, Statement, rows, send_buffered
 
 __all__ = ["Notifications", "Reply", "Row", "Session"]
 

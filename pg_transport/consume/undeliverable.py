@@ -27,7 +27,8 @@ from pg_transport.consume import poison
 from pg_transport.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
-    from pg_transport.store import Claimed, Store
+    from pg_transport.rows import Claimed
+    from pg_transport.store import Store
 
 __all__ = ["Undeliverable"]
 

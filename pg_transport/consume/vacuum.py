@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.connection import Connector
+from pg_transport.db.pool import Connector
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.sql import load_queries
 

@@ -70,8 +70,8 @@ class Env:
 
 def prepare(pg_url: str, schema: str) -> Env:
     """Migrate the schema and add the table the test tasks record runs in."""
-    from pg_transport.connection import Connector
-    from pg_transport.schema import ensure_schema
+    from pg_transport.db.migrate import ensure_schema
+    from pg_transport.db.pool import Connector
 
     connector = Connector(pg_url)
     ensure_schema(connector, schema, auto_migrate=True)

@@ -42,7 +42,7 @@ from kombu import Queue
 from psycopg.conninfo import conninfo_to_dict
 
 from pg_transport import health
-from pg_transport.connection import url_to_conninfo
+from pg_transport.db.pool import url_to_conninfo
 from tests.acceptance.harness import Env, Worker, wait_for
 from tests.integration.test_cli import pgq_command
 from tests.integration.test_metrics import by_queue, parse_exposition

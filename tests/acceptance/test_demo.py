@@ -13,8 +13,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pg_transport.connection import Connector
-from pg_transport.schema import ensure_schema
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 from tests.pg import drop_schema, new_schema_name
 
@@ -26,7 +26,7 @@ BUDGET = 60.0
 
 def run_demo(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
     script = Path(sys.executable).parent / "pgq"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "pg_transport.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pg_transport.ops.cli"]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     environ.update(env)
     started = time.monotonic()
@@ -68,7 +68,7 @@ def decoy(pg_url: str) -> Iterator[Store]:
     connector = Connector(pg_url)
     ensure_schema(connector, name, auto_migrate=True)
     store = Store(connector, name)
-    store.publish("pgq-demo", {"body": "not the demo's", "properties": {}, "headers": {}})
+    store.publisher.publish("pgq-demo", {"body": "not the demo's", "properties": {}, "headers": {}})
     yield store
     connector.close()
     drop_schema(pg_url, name)

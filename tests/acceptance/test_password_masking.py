@@ -37,7 +37,7 @@ from celery import Celery
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from pg_transport.secrets import MASK, mask_url, parse_url
+from pg_transport.db.url import MASK, mask_url, parse_url
 from tests.acceptance.harness import APP, ROOT, Env, start_worker, wait_for
 from tests.integration.test_cli import pgq_command
 

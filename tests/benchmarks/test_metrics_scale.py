@@ -29,10 +29,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pg_transport.connection import Connector
-from pg_transport.schema import ensure_schema
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
+from pg_transport.ops.status import collect
 from pg_transport.sql import load_named
-from pg_transport.status import collect
 from pg_transport.store import Store
 from tests.integration.test_docs import autoscaling_queries, for_queue
 

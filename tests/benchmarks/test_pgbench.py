@@ -10,7 +10,7 @@ import pytest
 from psycopg import sql
 
 from benchmarks.pgbench import find_pgbench, pgbench_script, run_pgq_insert
-from pg_transport.schema import migrate
+from pg_transport.db.migrate import migrate
 
 PAYLOAD = json.dumps({"body": "W1tdLCB7fSwge31d", "headers": {"id": "a b", "quote": "it's"}})
 

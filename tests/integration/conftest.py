@@ -11,8 +11,8 @@ import pytest
 from kombu import Connection, Consumer, Queue
 from psycopg import sql
 
-from pg_transport.connection import Connector
-from pg_transport.schema import ensure_schema
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 
 

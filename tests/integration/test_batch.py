@@ -14,8 +14,8 @@ from celery import Celery, group
 from kombu import Connection, Exchange, Producer, Queue
 
 import pg_transport
-from pg_transport import batching
-from pg_transport.batching import BatchFailed
+from pg_transport.publish import batching
+from pg_transport.publish.batching import BatchFailed
 from pg_transport.store import Store
 from tests.integration.conftest import Peek, idle_consumer
 
@@ -69,32 +69,32 @@ def test_a_block_left_by_an_exception_publishes_nothing(queue: Any, rows: Peek) 
 
 def test_a_failing_statement_fails_the_whole_batch(store: Store, peek: Peek) -> None:
     with pytest.raises(psycopg.errors.DatetimeFieldOverflow), pg_transport.batch():
-        store.publish("q", {"n": 1}, publish_key="k1")
+        store.publisher.publish("q", {"n": 1}, publish_key="k1")
         # An interval no timestamp can hold: the server refuses this insert. Pipelined,
         # its error arrives with a later statement or with the commit.
-        store.publish("q", {"n": 2}, publish_key="k2", delay=1e300)
-        store.publish("q", {"n": 3}, publish_key="k3")
+        store.publisher.publish("q", {"n": 2}, publish_key="k2", delay=1e300)
+        store.publisher.publish("q", {"n": 3}, publish_key="k3")
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
-    store.publish("q", {"n": 4}, publish_key="k4")  # the pool's connection is usable
+    store.publisher.publish("q", {"n": 4}, publish_key="k4")  # the pool's connection is usable
     assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
 
 
 def test_a_failed_batch_takes_no_more_statements(store: Store, peek: Peek) -> None:
     with pytest.raises(BatchFailed), pg_transport.batch():
         with pytest.raises(psycopg.errors.DatetimeFieldOverflow):
-            store.publish("q", {"n": 1}, publish_key="k1", delay=1e300)
+            store.publisher.publish("q", {"n": 1}, publish_key="k1", delay=1e300)
             # A routed publish waits for its answer: the error has arrived by then.
-            store.publish_routed("ex", "rk", {"n": 2}, publish_tag="t2")
+            store.publisher.publish_routed("ex", "rk", {"n": 2}, publish_tag="t2")
         with pytest.raises(BatchFailed, match="an earlier statement of this batch failed"):
-            store.publish("q", {"n": 3}, publish_key="k3")
+            store.publisher.publish("q", {"n": 3}, publish_key="k3")
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
 
 
 def test_a_batch_keeps_each_message_s_priority_and_delay(store: Store, peek: Peek) -> None:
     with pg_transport.batch():
-        store.publish("q", {"n": "later"}, publish_key="a", delay=60)
-        store.publish("q", {"n": "low"}, publish_key="b", priority=1)
-        store.publish("q", {"n": "high"}, publish_key="c", priority=9)
+        store.publisher.publish("q", {"n": "later"}, publish_key="a", delay=60)
+        store.publisher.publish("q", {"n": "low"}, publish_key="b", priority=1)
+        store.publisher.publish("q", {"n": "high"}, publish_key="c", priority=9)
     assert peek("SELECT payload->>'n', priority, visible_at > now() + interval '50 seconds'"
                 " FROM {schema}.message ORDER BY id") == [
         ("later", 0, True), ("low", 1, False), ("high", 9, False)
@@ -109,7 +109,7 @@ def test_a_batch_resent_after_its_commit_landed_inserts_nothing_twice(
     for _ in range(2):
         with pg_transport.batch():
             for n in range(3):
-                store.publish("q", {"n": n}, publish_key=f"key-{n}")
+                store.publisher.publish("q", {"n": n}, publish_key=f"key-{n}")
     assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [
         (3, 1)
     ]
@@ -136,7 +136,7 @@ def test_a_batch_starts_on_a_fresh_session_when_the_pooled_one_was_reaped(
 ) -> None:
     queue.put({"n": 0})
     # The session the next publish takes from the pool (the last one given back).
-    with conn.transport.store.publisher.connection() as pooled:
+    with conn.transport.store.publisher.connector.connection() as pooled:
         pid = pooled.info.backend_pid
     assert rows("SELECT pg_terminate_backend(%s, 10000)", pid) == [(True,)]
     with pg_transport.batch():
@@ -293,7 +293,7 @@ def test_a_batch_behind_a_transaction_pooler(broker_url: str, schema: str, rows:
     # use_notify off, as behind PgBouncer: nothing prepared, one transaction all the same.
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as c:
-        assert c.transport.store.publisher.prepare_threshold is None
+        assert c.transport.store.publisher.connector.prepare_threshold is None
         q = c.SimpleQueue("pooled")
         with pg_transport.batch():
             for n in range(5):

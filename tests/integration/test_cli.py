@@ -14,9 +14,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from pg_transport.cli import main
-from pg_transport.connection import mask_url
-from pg_transport.schema import latest_version
+from pg_transport.db.migrate import latest_version
+from pg_transport.db.pool import mask_url
+from pg_transport.ops.cli import main
 from pg_transport.sql import load_migrations
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
@@ -29,7 +29,7 @@ QUEUE_TABLES = {"schema_version", "queue", "message", "dead_letter"}
 def pgq_command() -> list[str]:
     """The installed console script, else the module (a checkout without scripts)."""
     script = Path(sys.executable).parent / "pgq"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "pg_transport.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pg_transport.ops.cli"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -94,9 +94,9 @@ def test_purge_deletes_waiting_messages_and_prints_the_count(
     broker_url: str, schema: str, store: Store  # the store fixture migrates the schema
 ) -> None:
     for n in range(4):
-        store.publish("jobs", message(n))
-    store.publish("jobs", message(9), delay=3600)  # delayed: still waiting, so purged
-    store.publish("other", message(5))
+        store.publisher.publish("jobs", message(n))
+    store.publisher.publish("jobs", message(9), delay=3600)  # delayed: still waiting, so purged
+    store.publisher.publish("other", message(5))
     [held] = store.claim(["jobs"], [30.0], 1)  # in flight: its worker keeps it
 
     result = invoke("purge", "jobs", "--url", broker_url, "--schema", schema)
@@ -165,8 +165,8 @@ def raw_controls(text: str) -> list[str]:
 
 def hostile_rows(store: Store, peek: Peek) -> None:
     """A queue, a dead letter and a barrier whose every text field is HOSTILE."""
-    store.publish(HOSTILE, message(0))
-    store.publish(HOSTILE, message(1))
+    store.publisher.publish(HOSTILE, message(0))
+    store.publisher.publish(HOSTILE, message(1))
     [claimed] = store.claim([HOSTILE], [30.0], 1)
     dead_id = store.dead_letter(claimed.token, HOSTILE)
     assert dead_id is not None

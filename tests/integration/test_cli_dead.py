@@ -13,9 +13,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from pg_transport.cli import main
-from pg_transport.connection import Connector, mask_url
-from pg_transport.dead import DeadLetters
+from pg_transport.db.pool import Connector, mask_url
+from pg_transport.ops.cli import main
+from pg_transport.ops.dead import DeadLetters
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import (
@@ -48,7 +48,7 @@ def poison(store: Store, peek: Peek, queue: str, payload: dict[str, Any], priori
 
     Must run while ``queue`` holds no other visible message (it claims whatever is first).
     """
-    store.publish(queue, payload, priority=priority)
+    store.publisher.publish(queue, payload, priority=priority)
     [first] = store.claim([queue], [30.0], 1, [1])
     assert first.dead_letter_id is None
     peek.expire_leases()

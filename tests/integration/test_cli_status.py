@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pg_transport.connection import mask_url
+from pg_transport.db.pool import mask_url
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import UNREACHABLE, invoke, run_pgq
@@ -35,18 +35,18 @@ def test_counts_each_state_per_queue(
     broker_url: str, schema: str, store: Store, peek: Peek
 ) -> None:
     # jobs: 1 dead, 1 in flight, 1 delayed, 2 ready (one of them deliverable for 2 minutes).
-    store.publish("jobs", message(0))
+    store.publisher.publish("jobs", message(0))
     [doomed] = store.claim(["jobs"], [30.0], 1)
     assert store.dead_letter(doomed.token, "rejected") is not None
-    store.publish("jobs", message(1))
+    store.publisher.publish("jobs", message(1))
     [held] = store.claim(["jobs"], [300.0], 1)
-    store.publish("jobs", message(2), delay=3600)
-    store.publish("jobs", message(3))
-    store.publish("jobs", message(4))
+    store.publisher.publish("jobs", message(2), delay=3600)
+    store.publisher.publish("jobs", message(3))
+    store.publisher.publish("jobs", message(4))
     peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
          " WHERE payload->>'body' = 'm3'")
     # other: only a dead letter; idle: declared, empty.
-    store.publish("other", message(5))
+    store.publisher.publish("other", message(5))
     [other] = store.claim(["other"], [30.0], 1)
     assert store.dead_letter(other.token, "rejected") is not None
     store.declare_queue("idle")

@@ -30,9 +30,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pg_transport.cli import main
 from pg_transport.config import KOMBU_KEYS, Options
 from pg_transport.errors import ConfigurationError
+from pg_transport.ops.cli import main
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import invoke
@@ -247,10 +247,10 @@ def test_autoscaling_queries_agree_with_pgq_status(
     broker_url: str, schema: str, store: Store, peek: Peek, pg_url: str
 ) -> None:
     for n in range(3):
-        store.publish("default", message(n))
-    store.publish("default", message(3), delay=3600)  # delayed: not ready
+        store.publisher.publish("default", message(n))
+    store.publisher.publish("default", message(3), delay=3600)  # delayed: not ready
     store.claim(["default"], [300.0], 1)  # m0 in flight: not ready
-    store.publish("other", message(4))
+    store.publisher.publish("other", message(4))
 
     def ready_since(body: str, seconds: int) -> None:
         peek("UPDATE {schema}.message SET visible_at = now() - make_interval(secs => %s)"
@@ -284,7 +284,7 @@ def test_autoscaling_queries_agree_with_pgq_status(
         assert 90 <= age < 150
         assert abs(age - status()["default"]["oldest_ready_age_s"]) < 2
         # A higher priority goes first.
-        store.publish("default", message(5), priority=9)
+        store.publisher.publish("default", message(5), priority=9)
         assert scalar("age", "default") <= 1
         assert scalar("depth", "default") == 3
         assert (scalar("depth", "idle"), scalar("age", "idle")) == (0, 0)
@@ -294,7 +294,7 @@ def test_autoscaling_queries_agree_with_pgq_status(
 def test_the_depth_query_stops_at_its_cap(schema: str, store: Store, pg_url: str) -> None:
     depth = autoscaling_queries()["depth"].replace("LIMIT 10000", "LIMIT 3")
     for n in range(5):
-        store.publish("default", message(n))
+        store.publisher.publish("default", message(n))
     with psycopg.connect(pg_url) as conn:
         assert conn.execute(for_queue(depth, schema, "default")).fetchone() == (3,)
 

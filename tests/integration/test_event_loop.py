@@ -18,7 +18,8 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 from kombu.asynchronous import Hub
 
-from pg_transport.consume.engine import Engine, Statements
+from pg_transport.consume.engine import Engine
+from pg_transport.consume.source import Statements
 from pg_transport.store import Lease
 from tests.integration.conftest import Peek
 

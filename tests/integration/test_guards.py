@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from barrier.guards import Claim, Guards, lock_id, transition, try_lock_id
-from pg_transport.connection import Connector
-from pg_transport.locks import advisory_key
+from pg_transport.db.locks import advisory_key
+from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek
@@ -236,7 +236,7 @@ def test_guard_checks_outside_a_transaction_are_refused(
 def test_advisory_key_is_the_same_in_another_process() -> None:
     ids = ["exec-42", "ünïcode-id", ""]
     code = (
-        "import sys; from pg_transport.locks import advisory_key; "
+        "import sys; from pg_transport.db.locks import advisory_key; "
         "print(*(advisory_key('pgq:barrier-callback', 'pgq', i) for i in sys.argv[1:]))"
     )
     keys = []

@@ -24,11 +24,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from pg_transport import metrics
-from pg_transport import status as status_report
-from pg_transport.connection import Connector, describe, mask_url, url_to_conninfo
+from pg_transport.db.pool import Connector, describe, mask_url, url_to_conninfo
 from pg_transport.errors import PgqError
-from pg_transport.status import Clients, QueueStatus, Status
+from pg_transport.ops import metrics
+from pg_transport.ops import status as status_report
+from pg_transport.ops.status import Clients, QueueStatus, Status
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import clean_env, invoke, pgq_command
@@ -140,14 +140,14 @@ def message(n: int) -> dict[str, Any]:
 
 def known_state(store: Store, peek: Peek) -> None:
     """jobs: 2 ready (the oldest for 2 minutes), 1 in flight, 1 delayed, 1 dead; idle: empty."""
-    store.publish("jobs", message(0))
+    store.publisher.publish("jobs", message(0))
     [doomed] = store.claim(["jobs"], [30.0], 1)
     assert store.dead_letter(doomed.token, "rejected") is not None
-    store.publish("jobs", message(1))
+    store.publisher.publish("jobs", message(1))
     store.claim(["jobs"], [300.0], 1)
-    store.publish("jobs", message(2), delay=3600)
-    store.publish("jobs", message(3))
-    store.publish("jobs", message(4))
+    store.publisher.publish("jobs", message(2), delay=3600)
+    store.publisher.publish("jobs", message(3))
+    store.publisher.publish("jobs", message(4))
     peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
          " WHERE payload->>'body' = 'm3'")
     store.declare_queue("idle")
@@ -183,7 +183,7 @@ def test_odd_queue_names_round_trip_through_postgres(
 ) -> None:
     for n, name in enumerate(ODD_NAMES):
         for i in range(n + 1):
-            store.publish(name, message(i))
+            store.publisher.publish(name, message(i))
     result = invoke("metrics", "--url", broker_url, "--schema", schema)
     assert result.exit_code == 0, result.output
     ready = by_queue(parse_exposition(result.stdout), "pgq_queue_ready_messages")
@@ -268,8 +268,8 @@ def test_serve_answers_each_scrape_with_fresh_figures(
     assert content_type == metrics.CONTENT_TYPE
     assert by_queue(parse_exposition(body), "pgq_queue_ready_messages") == {"idle": 0, "jobs": 2}
 
-    store.publish("jobs", message(9))
-    store.publish("later", message(10))
+    store.publisher.publish("jobs", message(9))
+    store.publisher.publish("later", message(10))
     _, _, body = served.get()
     assert by_queue(parse_exposition(body), "pgq_queue_ready_messages") == {
         "idle": 0, "jobs": 3, "later": 1,

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.adapt import PyFormat, Transformer
 
-from pg_transport.params import Text, render
-from pg_transport.wire import Statement
+from pg_transport.db.params import Text, render
+from pg_transport.db.wire import Statement
 
 BIGINT = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 FLOAT = st.floats(allow_nan=False, allow_infinity=False)

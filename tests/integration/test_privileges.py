@@ -38,8 +38,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import pg_transport
-from pg_transport.connection import Connector
 from pg_transport.consume.vacuum import Vacuumer
+from pg_transport.db.pool import Connector
 from pg_transport.errors import NotPermitted
 from pg_transport.store import Lease, Store
 from tests.acceptance.harness import Worker, wait_for
@@ -486,7 +486,8 @@ def test_publisher_publishes_every_way_and_the_worker_gets_it(granted: Roles) ->
                                          "utf-8", {}, {"delivery_tag": "tag-1"})
         resent["properties"]["delivery_info"].update(exchange="", routing_key="jobs")
         for _ in range(2):
-            channel.connection.store.publish("jobs", resent, publish_key=f"k-{granted.tag}")
+            channel.connection.store.publisher.publish(
+                "jobs", resent, publish_key=f"k-{granted.tag}")
     app = publisher_app(granted, ["jobs"])
     eta_id = app.send_task("t.later", queue="jobs", countdown=3600, priority=3).id
     app.close()
@@ -642,9 +643,9 @@ def a_busy_schema(roles: Roles, secret: str) -> None:
     with Connection(roles.url(roles.worker), transport_options=options(roles)) as conn:
         store = conn.transport.store
         for n in range(3):
-            store.publish("jobs", {"secret": secret, "n": n})
-        store.publish("jobs", {"secret": secret}, delay=3600)
-        store.publish("reports", {"secret": secret}, priority=5)
+            store.publisher.publish("jobs", {"secret": secret, "n": n})
+        store.publisher.publish("jobs", {"secret": secret}, delay=3600)
+        store.publisher.publish("reports", {"secret": secret}, priority=5)
         store.claim(["jobs"], [300.0], 1)
         [doomed] = store.claim(["reports"], [300.0], 1)
         store.dead_letter(doomed.token, f"failed: {secret}")

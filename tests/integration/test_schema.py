@@ -9,8 +9,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from pg_transport.connection import Connector
-from pg_transport.schema import current_version, ensure_schema, latest_version, migrate
+from pg_transport.db.migrate import current_version, ensure_schema, latest_version, migrate
+from pg_transport.db.pool import Connector
 from pg_transport.sql import load_schema
 from tests.pg import drop_schema, new_schema_name
 

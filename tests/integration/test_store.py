@@ -7,7 +7,7 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.connection import Connector
+from pg_transport.db.pool import Connector
 from pg_transport.store import Lease, Store
 from tests.integration.conftest import Peek
 
@@ -21,7 +21,7 @@ def claim_all(store: Store, queue: str, vt: float = 30.0, limit: int = 100) -> l
 
 
 def test_claim_marks_rows_invisible_and_counts_deliveries(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [claimed] = claim_all(store, "q")
     assert claimed.read_ct == 1 and claimed.payload["body"] == "m1"
     assert claim_all(store, "q") == []  # invisible while leased
@@ -30,7 +30,7 @@ def test_claim_marks_rows_invisible_and_counts_deliveries(store: Store, peek: Pe
 
 
 def test_expired_lease_is_redelivered_without_a_reaper(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [first] = claim_all(store, "q")
     peek.expire_leases()
     [second] = claim_all(store, "q")
@@ -38,7 +38,7 @@ def test_expired_lease_is_redelivered_without_a_reaper(store: Store, peek: Peek)
 
 
 def test_ack_is_fenced_by_the_lease(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [first] = claim_all(store, "q")
     peek.expire_leases()
     [second] = claim_all(store, "q")
@@ -52,7 +52,7 @@ def test_ack_is_fenced_by_the_lease(store: Store, peek: Peek) -> None:
 
 
 def test_release_makes_visible_now(store: Store) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [first] = claim_all(store, "q")
     assert store.release([first.token]) == 1
     [again] = claim_all(store, "q")
@@ -62,7 +62,7 @@ def test_release_makes_visible_now(store: Store) -> None:
 def test_a_release_ends_the_holder_s_lease(store: Store, peek: Peek) -> None:
     """Between a release and the next claim the message waits, visible: its releaser (or
     any earlier holder) can no more hide it by renewing, nor delete it unrun by acking."""
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [held] = claim_all(store, "q")
     assert store.release([held.token]) == 1
     assert store.renew([(held.token, 600)]) == 0
@@ -77,7 +77,7 @@ def test_a_release_ends_the_holder_s_lease(store: Store, peek: Peek) -> None:
 def test_a_token_of_another_queue_touches_nothing(store: Store, peek: Peek) -> None:
     """The fence matches the queue too: an id and lease that happen to match a message of
     another queue (ids are guessable) do not reach it."""
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [held] = claim_all(store, "q")
     elsewhere = Lease(held.id, held.lease, "other")
     assert store.ack([elsewhere]) == 0
@@ -89,7 +89,7 @@ def test_a_token_of_another_queue_touches_nothing(store: Store, peek: Peek) -> N
 
 
 def test_renew_extends_only_current_lease(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [c] = claim_all(store, "q", vt=1)
     assert store.renew([(Lease(c.id, c.lease + 1, c.queue), 600)]) == 0
     assert store.renew([(c.token, 600)]) == 1
@@ -99,16 +99,16 @@ def test_renew_extends_only_current_lease(store: Store, peek: Peek) -> None:
 
 def test_priority_then_fifo(store: Store) -> None:
     for n, prio in enumerate([0, 5, 255, 5, 0, 9]):
-        store.publish("q", body(n), priority=prio)
+        store.publisher.publish("q", body(n), priority=prio)
     order = [c.payload["body"] for c in claim_all(store, "q")]
     assert order == ["m2", "m5", "m1", "m3", "m0", "m4"]
 
 
 def test_batch_limit_and_several_queues(store: Store) -> None:
     for n in range(5):
-        store.publish("a", body(n))
-        store.publish("b", body(10 + n))
-    store.publish("c", body(99))
+        store.publisher.publish("a", body(n))
+        store.publisher.publish("b", body(10 + n))
+    store.publisher.publish("c", body(99))
     got = store.claim(["a", "b"], [30.0, 60.0], 7)
     assert len(got) == 7
     assert {c.queue for c in got} == {"a", "b"}
@@ -119,8 +119,8 @@ def test_batch_limit_and_several_queues(store: Store) -> None:
 
 
 def test_per_queue_visibility_timeout(store: Store, peek: Peek) -> None:
-    store.publish("short", body(1))
-    store.publish("long", body(2))
+    store.publisher.publish("short", body(1))
+    store.publisher.publish("long", body(2))
     store.claim(["short", "long"], [5.0, 500.0], 10)
     rows = peek(
         "SELECT queue, visible_at - now() > interval '100 s' FROM {schema}.message ORDER BY queue"
@@ -129,16 +129,16 @@ def test_per_queue_visibility_timeout(store: Store, peek: Peek) -> None:
 
 
 def test_publish_key_makes_a_repeated_publish_a_no_op(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1), publish_key="k1")
-    store.publish("q", body(1), publish_key="k1")
-    store.publish("q", body(2), publish_key="k2")
+    store.publisher.publish("q", body(1), publish_key="k1")
+    store.publisher.publish("q", body(1), publish_key="k1")
+    store.publisher.publish("q", body(2), publish_key="k2")
     assert peek("SELECT count(*) FROM {schema}.message") == [(2,)]
 
 
 def test_size_counts_ready_purge_spares_in_flight(store: Store) -> None:
     for n in range(4):
-        store.publish("q", body(n))
-    store.publish("q", body(9), delay=3600)
+        store.publisher.publish("q", body(n))
+    store.publisher.publish("q", body(9), delay=3600)
     claim_all(store, "q", limit=1)
     assert store.size("q") == 3
     assert store.purge("q") == 4  # 3 ready + 1 delayed; the claimed one is running
@@ -150,14 +150,14 @@ def test_declare_has_delete_queue(store: Store) -> None:
     store.declare_queue("q")
     store.declare_queue("q")
     assert store.has_queue("q")
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     store.delete_queue("q")
     assert not store.has_queue("q")
     assert store.size("q") == 0
 
 
 def test_reject_without_requeue_dead_letters(store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [c] = claim_all(store, "q")
     dead_id = store.dead_letter(c.token, "rejected")
     assert dead_id is not None
@@ -175,7 +175,7 @@ def test_reject_without_requeue_dead_letters(store: Store, peek: Peek) -> None:
 def test_claim_past_max_attempts_dead_letters_in_the_same_statement(
     store: Store, peek: Peek
 ) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     for attempt in (1, 2, 3):
         [c] = store.claim(["q"], [30.0], 10, [3])
         assert (c.read_ct, c.dead_letter_id) == (attempt, None)
@@ -192,7 +192,7 @@ def test_claim_past_max_attempts_dead_letters_in_the_same_statement(
 def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, store: Store) -> None:
     total, workers = 600, 6
     for n in range(total):
-        store.publish("q", body(n))
+        store.publisher.publish("q", body(n))
     start = threading.Barrier(workers)
     seen: list[list[int]] = [[] for _ in range(workers)]
 
@@ -215,7 +215,7 @@ def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, sto
 
 
 def test_ack_survives_a_terminated_backend(pg_url: str, store: Store, peek: Peek) -> None:
-    store.publish("q", body(1))
+    store.publisher.publish("q", body(1))
     [c] = claim_all(store, "q")
     with store.connector.connection() as conn:
         pid = conn.info.backend_pid

@@ -117,7 +117,7 @@ def test_unacked_messages_are_released_when_the_channel_closes(
 def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
     conn: Connection, rows: Peek, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import pg_transport.connection as connection_module
+    import pg_transport.db.retry as connection_module
 
     monkeypatch.setattr(connection_module, "FENCED_RETRY_SECONDS", 0.3)
     queue = conn.SimpleQueue("unackable")

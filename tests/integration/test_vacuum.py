@@ -10,8 +10,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pg_transport.connection import Connector
 from pg_transport.consume.vacuum import Vacuumer
+from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 

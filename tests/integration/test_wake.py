@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from pg_transport.connection import Connector
+from pg_transport.db.pool import Connector
+from pg_transport.publish.publisher import WAYS, way_of
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 
@@ -47,7 +48,7 @@ def slow_connector(pg_url: str, peek: Peek) -> Iterator[Connector]:
 def slow(slow_connector: Connector, store: Store) -> Store:
     """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
     publisher = Store(slow_connector, store.schema)
-    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
+    publisher.publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
     return publisher
 
 
@@ -102,7 +103,7 @@ def wait_for_insert(peek: Peek, pid: int) -> str:
 def publishing(store: Store, took: dict[str, float], **kwargs: object) -> threading.Thread:
     def publish() -> None:
         started = time.perf_counter()
-        store.publish("q", PAYLOAD, **kwargs)  # type: ignore[arg-type]
+        store.publisher.publish("q", PAYLOAD, **kwargs)  # type: ignore[arg-type]
         took["publish"] = time.perf_counter() - started
 
     thread = threading.Thread(target=publish)
@@ -113,7 +114,7 @@ def publishing(store: Store, took: dict[str, float], **kwargs: object) -> thread
 def routing(store: Store, took: dict[str, float]) -> threading.Thread:
     def publish() -> None:
         started = time.perf_counter()
-        assert store.publish_routed("tasks", "k", PAYLOAD) == ("direct", 1)
+        assert store.publisher.publish_routed("tasks", "k", PAYLOAD) == ("direct", 1)
         took["publish"] = time.perf_counter() - started
 
     thread = threading.Thread(target=publish)
@@ -146,7 +147,7 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
 def test_the_wake_up_follows_the_committed_message(
     store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    store.publish("q", PAYLOAD)
+    store.publisher.publish("q", PAYLOAD)
     assert received(listener) == store.channel("q")
     [(count,)] = peek("SELECT count(*) FROM {schema}.message WHERE queue = 'q'")
     assert count == 1
@@ -157,8 +158,8 @@ def test_a_failed_insert_raises_and_its_session_serves_the_next_publish(
 ) -> None:
     before = slow_backends(peek)
     with pytest.raises(psycopg.errors.CheckViolation):
-        slow.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
-    slow.publish("good", PAYLOAD)
+        slow.publisher.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
+    slow.publisher.publish("good", PAYLOAD)
     # The failed insert's wake-up ran all the same (its own transaction): a wake-up
     # too many, for a queue with nothing new in it. The next publish's follows it.
     wakes = listener.notifies(timeout=10.0, stop_after=2)
@@ -173,7 +174,7 @@ def unflushed(pg_url: str, store: Store) -> Iterator[Store]:
     waiting for their flush."""
     connector = Connector(pg_url, setup=("SET synchronous_commit = off",))
     publisher = Store(connector, store.schema, publisher_flushes=False)
-    publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
+    publisher.publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
     yield publisher
     connector.close()
 
@@ -182,8 +183,8 @@ def test_with_no_flush_to_wait_for_the_wake_up_is_inside_the_insert_s_transactio
     unflushed: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
     with pytest.raises(psycopg.errors.CheckViolation):
-        unflushed.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
-    unflushed.publish("good", PAYLOAD)
+        unflushed.publisher.publish("bad", PAYLOAD, priority=300)  # priority is 0-255
+    unflushed.publisher.publish("good", PAYLOAD)
     # One transaction: the failed insert's wake-up went with it (sent as a transaction
     # of its own, it would have come first; see the test above this one).
     wakes = listener.notifies(timeout=10.0, stop_after=1)
@@ -216,7 +217,7 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     [pid] = slow_backends(peek)
     outcome: list[tuple[str | None, int]] = []
     thread = threading.Thread(target=lambda: outcome.append(
-        slow.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
+        slow.publisher.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
     ))
     thread.start()
     xid = wait_for_insert(peek, pid)  # its commit now waits out the slow flush
@@ -230,3 +231,24 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     assert peek("SELECT xmin::text FROM {schema}.message WHERE queue = 'q' AND publish_key"
                 " = md5('once' || 'q')") == [(xid,)]
     assert received(listener) == slow.channel("q")
+
+
+def test_each_publish_goes_the_way_its_connection_allows(pg_url: str, store: Store) -> None:
+    """The publisher's table of ways, picked from the connection a publish runs on."""
+    own = Connector(pg_url)  # prepares: a session of pgq's own
+    pooled = Connector(pg_url, prepare_threshold=None)  # as behind a transaction pooler
+    try:
+        with own.connection() as conn:
+            assert way_of(conn, flushes=True, due_now=True) == "apart"
+            assert way_of(conn, flushes=False, due_now=True) == "together"  # durable off
+            assert way_of(conn, flushes=True, due_now=False) == "together"  # an ETA: no wake
+            with conn.transaction():  # the caller's transaction: one statement in it
+                assert way_of(conn, flushes=True, due_now=True) == "together"
+            with conn.pipeline():  # a batch
+                assert way_of(conn, flushes=True, due_now=True) == "batched"
+        with pooled.connection() as conn:
+            assert way_of(conn, flushes=True, due_now=True) == "together"
+    finally:
+        own.close()
+        pooled.close()
+    assert set(WAYS) == {"batched", "apart", "together"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner, Result
 
-from pg_transport.cli import main
-from pg_transport.terminal import printable, quoted
+from pg_transport.ops.cli import main
+from pg_transport.ops.terminal import printable, quoted
 
 
 def invoke(*args: str) -> Result:

@@ -22,9 +22,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from pg_transport import health
-from pg_transport.cli import main
 from pg_transport.config import Options, env_queue_key
-from pg_transport.connection import url_to_conninfo
+from pg_transport.db.pool import url_to_conninfo
+from pg_transport.ops.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker" / "docker-compose.yaml"

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from pg_transport import health
-from pg_transport.cli import main
+from pg_transport.ops.cli import main
 from tests.clock import Clock
 
 
@@ -147,7 +147,7 @@ def test_the_default_location_is_a_private_directory_pgq_health_reads(
     assert ok.exit_code == 0, ok.output
     # And so does the command run as a process of its own, given the same $TMPDIR.
     result = subprocess.run(
-        [sys.executable, "-m", "pg_transport.cli", "health"], capture_output=True, text=True,
+        [sys.executable, "-m", "pg_transport.ops.cli", "health"], capture_output=True, text=True,
         timeout=60, env={**os.environ, "TMPDIR": str(private_tmp)},
     )
     assert result.returncode == 0, result.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner, Result
 
-from pg_transport.cli import main
-from pg_transport.dead import import_app, parse_duration
 from pg_transport.errors import ConfigurationError
+from pg_transport.ops.cli import main
+from pg_transport.ops.dead import import_app, parse_duration
 
 # Never contacted: every case below fails before connecting.
 NOWHERE = "pgq://nobody@host.invalid/db"

@@ -21,9 +21,9 @@ from kombu import Connection
 from psycopg.conninfo import conninfo_to_dict
 
 from barrier.backend import backend_for
-from pg_transport.connection import url_to_conninfo
+from pg_transport.db.pool import url_to_conninfo
+from pg_transport.db.url import MASK, Credentials, build_url, mask_url, parse_url, seal, unseal
 from pg_transport.errors import ConfigurationError
-from pg_transport.secrets import MASK, Credentials, build_url, mask_url, parse_url, seal, unseal
 
 # -- pgq:// -> libpq ----------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Connecting to Postgres, recognising dead connections, and retrying on them.
+"""A capped pool of autocommit connections for one conninfo, safe across fork.
 
-One place decides what a dead connection is (:func:`is_dead_connection`); the
-retry policy for idempotent statements (:data:`retry_idempotent`) is tenacity's,
-and :class:`Connector` hands out autocommit connections, discarding broken ones
-instead of trusting them again.
+:class:`Connector` hands out autocommit connections, reusing healthy ones: at most
+``max_size`` at once (a caller waits for one to come back, up to ``wait_timeout``), none
+older than ``max_lifetime`` (a server's memory and a pooler's view of a session do not
+grow without end), and never one whose transaction is not idle, that died, or that this
+process inherited across a fork. Dead-connection classification and retries are
+:mod:`pg_transport.db.retry`'s; :meth:`Connector.run` runs work under one of its policies.
 """
 
 from __future__ import annotations
@@ -14,110 +16,46 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from time import monotonic
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg import conninfo as pg_conninfo
-from tenacity import (
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
 
-from pg_transport.errors import BrokerRefused, BrokerUnreachable
-from pg_transport.secrets import mask_url, parse_url
+from pg_transport.db.retry import FENCED, ONCE, attempt, is_dead_connection, is_refusal
+from pg_transport.db.url import mask_url, parse_url
+from pg_transport.errors import BrokerRefused, BrokerUnavailable, BrokerUnreachable
 
 __all__ = [
+    "DEFAULT_MAX_LIFETIME",
+    "DEFAULT_MAX_SIZE",
+    "PINNED_SEARCH_PATH",
     "Connector",
-    "is_dead_connection",
-    "mask_url",  # re-exported from pg_transport.secrets, where it lives
-    "retry_idempotent",
+    "describe",
+    "mask_url",
     "url_to_conninfo",
 ]
 
-logger = logging.getLogger("pg_transport.connection")
+logger = logging.getLogger("pg_transport.db")
 
 T = TypeVar("T")
 
 # Built-in names first and only: pgq's tables are always named with their schema.
 PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
 DEFAULT_CONNECT_TIMEOUT = 10
-
-# SQLSTATEs of a server that is going away or not accepting us any more.
-_DEAD_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+#: Pooled connections of one Connector at most (in use and idle).
+DEFAULT_MAX_SIZE = 16
+#: Seconds after which a pooled connection is closed rather than reused.
+DEFAULT_MAX_LIFETIME = 1800.0
 
 
 def url_to_conninfo(url: str | None) -> str:
     """Turn ``pgq://…`` into a libpq connection string; ``pgq://`` means libpq defaults.
 
-    The URL is parsed by libpq (see :func:`pg_transport.secrets.parse_url`), once:
+    The URL is parsed by libpq (see :func:`pg_transport.db.url.parse_url`), once:
     what connects is what was checked, and what is shown is built from the same parse.
     """
     return pg_conninfo.make_conninfo("", **parse_url(url))
-
-
-def is_dead_connection(exc: BaseException, conn: psycopg.Connection[Any] | None = None) -> bool:
-    """True when ``exc`` means the connection is gone and a fresh one may succeed."""
-    if conn is not None and conn.closed:
-        return True
-    if isinstance(exc, psycopg.InterfaceError):
-        return True
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate
-        return state is None or state.startswith("08") or state in _DEAD_SQLSTATES
-    return False
-
-
-# Connection-phase errors carry no SQLSTATE (libpq reports them as text), so a
-# refusal is recognised by the server's own words. Anything not recognised counts
-# as transient: a localised server message then means "retry", as before.
-_REFUSALS = (
-    "password authentication failed",
-    "no pg_hba.conf entry",
-    "does not exist",  # database or role
-    "is not permitted to log in",
-    "permission denied for database",
-)
-
-
-def is_refusal(exc: BaseException) -> bool:
-    """True when the server answered a connection attempt with a permanent no."""
-    text = str(exc)
-    return "FATAL" in text and any(words in text for words in _REFUSALS)
-
-
-def retry_idempotent() -> Retrying:
-    """After a first attempt failed on a dead connection: once more, on a fresh one."""
-    return Retrying(
-        retry=retry_if_exception(is_dead_connection),
-        stop=stop_after_attempt(1),
-        reraise=True,
-    )
-
-
-# A server restart refuses connections for well under a second ("the database system
-# is shutting down", then "connection refused"); one immediate retry lands inside it.
-FENCED_RETRY_SECONDS = 5.0
-
-
-def _dead_or_unreachable(exc: BaseException) -> bool:
-    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable)
-
-
-def retry_fenced() -> Retrying:
-    """Retry fenced statements (ack, release, renew) through a short outage.
-
-    They are safe to land late: the read_ct fence keeps a stale one from touching a
-    redelivery. An ack given up on, instead, is a duplicate run once the lease lapses.
-    """
-    return Retrying(
-        retry=retry_if_exception(_dead_or_unreachable),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        stop=stop_after_delay(FENCED_RETRY_SECONDS),
-        reraise=True,
-    )
 
 
 # --- fork safety -----------------------------------------------------------
@@ -126,6 +64,7 @@ def retry_fenced() -> Retrying:
 # every inherited connection's descriptor at /dev/null, so whatever the child
 # does with those objects later cannot reach the server.
 _live: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+_inherited: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 
 
 def _detach_inherited() -> None:
@@ -140,7 +79,7 @@ def _detach_inherited() -> None:
             except psycopg.OperationalError:
                 continue
             os.dup2(devnull, fd)
-            conn._pgq_inherited = True  # type: ignore[attr-defined]
+            _inherited.add(conn)
     finally:
         os.close(devnull)
     _live.clear()
@@ -151,7 +90,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def is_inherited(conn: psycopg.Connection[Any]) -> bool:
-    return bool(getattr(conn, "_pgq_inherited", False))
+    return conn in _inherited
 
 
 class Connector:
@@ -163,6 +102,9 @@ class Connector:
         *,
         display_url: str = "",
         max_idle: int = 8,
+        max_size: int = DEFAULT_MAX_SIZE,
+        max_lifetime: float = DEFAULT_MAX_LIFETIME,
+        wait_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         application_name: str = "pgq",
         prepare_threshold: int | None = 5,
         setup: tuple[str, ...] = (),
@@ -179,6 +121,9 @@ class Connector:
         self.conninfo = conninfo
         self.display_url = display_url or "pgq://"
         self.max_idle = max_idle
+        self.max_size = max_size
+        self.max_lifetime = max_lifetime
+        self.wait_timeout = wait_timeout
         self.prepare_threshold = prepare_threshold
         self.setup = setup
         given = pg_conninfo.conninfo_to_dict(conninfo)
@@ -190,7 +135,12 @@ class Connector:
             own = str(given.get("options") or "")
             self._kwargs["options"] = f"{own} {PINNED_SEARCH_PATH}".strip()
         self._idle: list[psycopg.Connection[Any]] = []
+        # Pooled connections out and idle, and when each was opened.
+        self._size = 0
+        self._born: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = (
+            weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
         self._pid = os.getpid()
         self.closed = False
 
@@ -218,29 +168,62 @@ class Connector:
         return conn
 
     def _take(self) -> psycopg.Connection[Any]:
+        deadline = monotonic() + self.wait_timeout
         with self._lock:
             if self._pid != os.getpid():
-                self._idle.clear()  # inherited: detached at fork, never reused
+                # Inherited: detached at fork, never reused, and not ours to count.
+                self._idle.clear()
+                self._size = 0
                 self._pid = os.getpid()
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.closed and not is_inherited(conn):
-                    return conn
-        return self.connect()
+            while True:
+                while self._idle:
+                    conn = self._idle.pop()
+                    if not conn.closed and not is_inherited(conn):
+                        return conn
+                    self._size -= 1
+                if self._size < self.max_size:
+                    self._size += 1  # taken now, opened below (outside the lock)
+                    break
+                left = deadline - monotonic()
+                if left <= 0 or not self._returned.wait(left):
+                    raise BrokerUnavailable(
+                        f"all {self.max_size} connections to {self.display_url} of this "
+                        f"process's pool were in use for {self.wait_timeout:.0f} s"
+                    )
+        try:
+            conn = self.connect()
+        except BaseException:
+            self._forget(None)
+            raise
+        self._born[conn] = monotonic()
+        return conn
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        born = self._born.get(conn, 0.0)
         healthy = (
             not conn.closed
             and not is_inherited(conn)
             and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and monotonic() - born < self.max_lifetime
         )
         if healthy and not self.closed:
             with self._lock:
                 if len(self._idle) < self.max_idle and self._pid == os.getpid():
                     self._idle.append(conn)
+                    self._returned.notify()
                     return
         if not is_inherited(conn):
             conn.close()
+        self._forget(conn)
+
+    def _forget(self, conn: psycopg.Connection[Any] | None) -> None:
+        """A pooled connection (or the place taken for one) is gone: room for another."""
+        with self._lock:
+            if self._pid == os.getpid():
+                self._size = max(self._size - 1, 0)
+            self._returned.notify()
+        if conn is not None:
+            self._born.pop(conn, None)
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -266,23 +249,16 @@ class Connector:
         idempotent: bool,
         fenced: bool = False,
     ) -> T:
-        """Run ``work`` on a pooled connection; idempotent work is retried once,
-        fenced work (see :func:`retry_fenced`) through a short outage."""
-        if not idempotent:
+        """Run ``work`` on a pooled connection: idempotent work under the ``ONCE``
+        policy, fenced work (ack, release, renew) under ``FENCED``
+        (:mod:`pg_transport.db.retry`), anything else once."""
+        policy = (FENCED if fenced else ONCE) if idempotent else None
+
+        def once() -> T:
             with self.connection() as conn:
                 return work(conn)
-        # The first attempt outside tenacity: building its retry state costs more than
-        # a publish's Python does, and nearly every statement succeeds the first time.
-        try:
-            with self.connection() as conn:
-                return work(conn)
-        except BaseException as exc:
-            if not (_dead_or_unreachable(exc) if fenced else is_dead_connection(exc)):
-                raise
-        for attempt in retry_fenced() if fenced else retry_idempotent():
-            with attempt, self.connection() as conn:
-                return work(conn)
-        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+
+        return attempt(policy, once)
 
     def _discard_idle(self) -> None:
         with self._lock:
@@ -290,6 +266,7 @@ class Connector:
         for conn in idle:
             if not is_inherited(conn):
                 conn.close()
+            self._forget(conn)
 
     def close(self) -> None:
         self.closed = True

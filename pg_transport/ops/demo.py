@@ -1,10 +1,8 @@
 """``pgq demo``: a real Celery worker running tasks through Postgres, end to end.
 
-This module is two things. It is the Celery app the demo's worker runs
-(``celery -A pg_transport.demo worker``, configured by ``PGQ_URL`` and
-``PGQ_SCHEMA``), and it is the driver :func:`run` behind ``pgq demo``: find or
-start a Postgres, migrate a throwaway schema, publish tasks, start the worker,
-watch them run, stop everything and clean up.
+This module is the driver :func:`run` behind ``pgq demo``: find or start a Postgres,
+migrate a throwaway schema, publish tasks, start the worker (the Celery app of
+:mod:`pg_transport.ops.demo_app`), watch them run, stop everything and clean up.
 
 Tasks report back through pgq itself (a second queue the driver claims from), so
 the demo needs neither a result backend nor SQL of its own for its results.
@@ -17,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import warnings
@@ -29,22 +26,19 @@ from typing import Any, NoReturn
 
 import click
 import psycopg
-from celery import Celery, Task
+from celery import Celery
 
-from pg_transport.config import Options
-from pg_transport.connection import Connector, url_to_conninfo
+from pg_transport.db.migrate import migrate
+from pg_transport.db.pool import Connector, url_to_conninfo
+from pg_transport.db.url import mask_url
 from pg_transport.errors import PgqError
-from pg_transport.schema import migrate
-from pg_transport.secrets import mask_url
+from pg_transport.ops.demo_app import ADD, QUEUE, RESULTS, app
 from pg_transport.sql import compose_channel, load_queries
 from pg_transport.store import Store
 
 __all__ = ["QUEUE", "RESULTS", "DemoError", "app", "run"]
 
-QUEUE = "pgq-demo"
-RESULTS = "pgq-demo.results"
-ADD = "pgq.demo.add"
-APP_MODULE = "pg_transport.demo"
+APP_MODULE = "pg_transport.ops.demo_app"
 
 READY_TIMEOUT = 30.0
 TASKS_TIMEOUT = 20.0
@@ -53,52 +47,6 @@ LOG_TAIL_LINES = 25
 
 class DemoError(PgqError):
     """The demo could not run to the end; the message says which step failed."""
-
-
-# --- the worker side --------------------------------------------------------
-
-app = Celery("pgq-demo", broker=os.environ.get("PGQ_URL") or "pgq://")
-app.conf.update(
-    task_default_queue=QUEUE,
-    # Ack after the task ran: a worker that dies mid-task leaves the message to be
-    # redelivered when its visibility timeout passes.
-    task_acks_late=True,
-    broker_connection_retry_on_startup=True,
-    worker_hijack_root_logger=False,
-)
-
-_results: Store | None = None
-_results_lock = threading.Lock()
-
-
-def _results_store() -> Store:
-    """One store per worker process for the reports, opened on first use."""
-    global _results
-    with _results_lock:
-        if _results is None:
-            url = str(app.conf.broker_url)
-            options = Options.from_sources(app.conf.broker_transport_options, os.environ)
-            connector = Connector(url_to_conninfo(url), display_url=mask_url(url))
-            _results = Store(connector, options.schema)
-        return _results
-
-
-@app.task(name=ADD, bind=True)  # type: ignore[untyped-decorator]  # Celery is untyped
-def add(self: Task, x: int, y: int) -> int:
-    started = time.time()
-    result = x + y
-    request = self.request
-    report = {
-        "task_id": request.id,
-        "result": result,
-        "started": started,
-        "priority": (request.delivery_info or {}).get("priority"),
-        "pid": os.getpid(),
-        "worker": request.hostname,
-    }
-    # Keyed by task id, so a retried publish cannot report the same run twice.
-    _results_store().publish(RESULTS, report, publish_key=f"{RESULTS}:{request.id}")
-    return result
 
 
 # --- the driver -------------------------------------------------------------

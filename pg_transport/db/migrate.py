@@ -7,9 +7,9 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.connection import Connector
+from pg_transport.db.locks import advisory_key
+from pg_transport.db.pool import Connector
 from pg_transport.errors import SchemaError
-from pg_transport.locks import advisory_key
 from pg_transport.sql import load_migrations, load_queries
 
 __all__ = ["current_version", "ensure_schema", "latest_version", "migrate"]

@@ -37,7 +37,9 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.connection import Connector, is_dead_connection, retry_idempotent
+from pg_transport.db.pool import Connector
+from pg_transport.db.retry import ONCE, Policy, is_dead_connection
+from pg_transport.db.retry import attempt as retry_attempt
 
 __all__ = ["Batch", "BatchFailed", "Op", "batch", "current"]
 
@@ -197,15 +199,10 @@ class _Part:
                 self._drop(exc)
                 raise
 
-        try:
-            return attempt()
-        except BaseException as exc:
-            if self._failed is not None or not is_dead_connection(exc):
-                raise
-        for retrying in retry_idempotent():
-            with retrying:
-                return attempt()
-        raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover
+        # Resent once, as ONCE does, unless a statement of the batch itself failed.
+        resend = Policy("batch", lambda exc: self._failed is None and is_dead_connection(exc),
+                        ONCE.make)
+        return retry_attempt(resend, attempt)
 
     def _begin(self) -> None:
         stack = contextlib.ExitStack()

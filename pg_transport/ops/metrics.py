@@ -1,6 +1,6 @@
 """``pgq metrics``: the figures of ``pgq status`` in Prometheus' text exposition format.
 
-One scrape is one :func:`pg_transport.status.collect` call, so the numbers are
+One scrape is one :func:`pg_transport.ops.status.collect` call, so the numbers are
 exactly those of ``pgq status`` at that moment. :func:`serve` answers scrapes over
 HTTP with the standard library only; every ``GET /metrics`` computes fresh figures.
 
@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import FrameType
 from typing import Any
 
-from pg_transport.status import Status
+from pg_transport.ops.status import Status
 
 __all__ = [
     "CONTENT_TYPE",

@@ -15,6 +15,7 @@ Behind a transaction pooler nothing is prepared: the statement is sent whole eac
 from __future__ import annotations
 
 import select
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,12 +23,19 @@ import psycopg
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
-from pg_transport.params import render
+from pg_transport.db.params import render
 from pg_transport.sql import to_positional
 
 __all__ = ["Row", "Statement", "run_apart"]
 
 Row = tuple["bytes | None", ...]
+
+# What pgq keeps per connection, beside it rather than on it (psycopg's object is not
+# ours to add attributes to): the statements prepared on its session, its adapters.
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = (
+    weakref.WeakKeyDictionary())
+_transformers: weakref.WeakKeyDictionary[psycopg.Connection[Any], abc.Transformer] = (
+    weakref.WeakKeyDictionary())
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _ONE_TEXT = [PyFormat.TEXT]
@@ -78,10 +86,9 @@ class Statement:
 
     def ready(self, conn: psycopg.Connection[Any]) -> bool:
         """Prepare it on this session once (a blocking round trip, the first time)."""
-        prepared: set[bytes] | None = getattr(conn, "_pgq_prepared", None)
+        prepared = _prepared.get(conn)
         if prepared is None:
-            prepared = set()
-            conn._pgq_prepared = prepared  # type: ignore[attr-defined]
+            prepared = _prepared[conn] = set()
         if self.key not in prepared:
             check(conn.pgconn.prepare(self.key, self.text), conn)
             prepared.add(self.key)
@@ -198,8 +205,7 @@ def check(result: pq.abc.PGresult, conn: psycopg.Connection[Any]) -> None:
 
 
 def _transformer(conn: psycopg.Connection[Any]) -> abc.Transformer:
-    tx: abc.Transformer | None = getattr(conn, "_pgq_tx", None)
+    tx = _transformers.get(conn)
     if tx is None:
-        tx = Transformer(conn)
-        conn._pgq_tx = tx  # type: ignore[attr-defined]
+        tx = _transformers[conn] = Transformer(conn)
     return tx

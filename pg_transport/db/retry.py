@@ -1,0 +1,135 @@
+"""Which failures are worth another try, and how many: every retry policy of pgq.
+
+One place decides what a dead connection is (:func:`is_dead_connection`): an
+``OperationalError`` or ``InterfaceError`` whose connection is gone (a restart, a pooler
+reaping idle sessions, ``pg_terminate_backend``), or a server going away. A refusal
+(wrong password, missing database) is not: retrying cannot help. Each policy is a named
+tenacity ``Retrying`` factory, and :func:`attempt` is the one way to run work under one
+(the first try outside tenacity, whose bookkeeping costs more than a publish's Python).
+
+- :data:`ONCE`: idempotent work (or work a key makes so), once more on a fresh
+  connection after a dead one.
+- :data:`FENCED`: ack, release and renew, through a short outage: they are safe to land
+  late (the lease fences them), and an ack given up on is a duplicate run later.
+- :data:`TRANSIENT`: work in a worker's hooks (a barrier's), which has no caller to
+  report to: with backoff, for a while.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import psycopg
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from pg_transport.errors import BrokerUnavailable, BrokerUnreachable
+
+__all__ = [
+    "FENCED",
+    "ONCE",
+    "TRANSIENT",
+    "Policy",
+    "attempt",
+    "is_dead_connection",
+    "is_refusal",
+]
+
+T = TypeVar("T")
+
+# SQLSTATEs of a server that is going away or not accepting us any more.
+_DEAD_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+# Connection-phase errors carry no SQLSTATE (libpq reports them as text), so a
+# refusal is recognised by the server's own words. Anything not recognised counts
+# as transient: a localised server message then means "retry", as before.
+_REFUSALS = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",  # database or role
+    "is not permitted to log in",
+    "permission denied for database",
+)
+
+
+def is_dead_connection(exc: BaseException, conn: psycopg.Connection[Any] | None = None) -> bool:
+    """True when ``exc`` means the connection is gone and a fresh one may succeed."""
+    if conn is not None and conn.closed:
+        return True
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        return state is None or state.startswith("08") or state in _DEAD_SQLSTATES
+    return False
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """True when the server answered a connection attempt with a permanent no."""
+    text = str(exc)
+    return "FATAL" in text and any(words in text for words in _REFUSALS)
+
+
+def _dead_or_unreachable(exc: BaseException) -> bool:
+    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable)
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, BrokerUnavailable) or is_dead_connection(exc)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A named retry policy: which failures, and a tenacity ``Retrying`` for them."""
+
+    name: str
+    retries: Callable[[BaseException], bool]
+    make: Callable[[], Retrying]
+
+
+ONCE = Policy("once", is_dead_connection, lambda: Retrying(
+    retry=retry_if_exception(is_dead_connection), stop=stop_after_attempt(1), reraise=True,
+))
+
+# A server restart refuses connections for well under a second ("the database system
+# is shutting down", then "connection refused"); these retries span it.
+FENCED_RETRY_SECONDS = 5.0
+FENCED = Policy("fenced", _dead_or_unreachable, lambda: Retrying(
+    retry=retry_if_exception(_dead_or_unreachable),
+    wait=wait_exponential(multiplier=0.05, max=1.0),
+    stop=stop_after_delay(FENCED_RETRY_SECONDS),
+    reraise=True,
+))
+
+TRANSIENT_RETRY_SECONDS = 30.0
+TRANSIENT = Policy("transient", _transient, lambda: Retrying(
+    retry=retry_if_exception(_transient),
+    stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
+    wait=wait_exponential(multiplier=0.1, max=2.0),
+    reraise=True,
+))
+
+
+def attempt(policy: Policy | None, work: Callable[[], T]) -> T:
+    """Run ``work``; under ``policy`` (None: no retry), try again as it says when a try
+    fails with one of its failures. The first try runs outside tenacity: nearly every
+    statement succeeds the first time, and building tenacity's state costs more than a
+    publish's Python does."""
+    if policy is None:
+        return work()
+    try:
+        return work()
+    except BaseException as exc:
+        if not policy.retries(exc):
+            raise
+    for retrying in policy.make():
+        with retrying:
+            return work()
+    raise AssertionError("unreachable: tenacity reraises")  # pragma: no cover

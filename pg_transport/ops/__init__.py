@@ -1,0 +1,2 @@
+"""Operating pgq: the `pgq` command and what it reports and does (status, metrics, dead
+letters, the demo). Built on the store; nothing here runs inside a worker."""

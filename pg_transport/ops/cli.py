@@ -1,0 +1,288 @@
+"""The ``pgq`` command.
+
+Every command takes ``--url`` (default ``$PGQ_URL``; without one, libpq's defaults
+and ``PG*`` environment) and ``--schema`` (default ``$PGQ_SCHEMA``, else ``pgq``).
+Errors pgq raises on purpose, and driver errors, end here as one line on stderr
+and exit code 1: a command-line user never sees a traceback for a bad URL, a
+server that does not answer, or a schema that is not there.
+
+Values read from rows (queue and task names, ids, reasons, barrier fields) were written
+by others: human-readable output shows each through
+:func:`pg_transport.ops.terminal.printable`, so none can send control sequences to the
+operator's terminal; ``--json`` output is escaped by the JSON encoder.
+"""
+
+from __future__ import annotations
+
+import click
+import psycopg
+
+from pg_transport.db.migrate import current_version, latest_version
+from pg_transport.db.migrate import migrate as migrate_schema
+from pg_transport.db.pool import Connector, url_to_conninfo
+from pg_transport.db.url import mask_url
+from pg_transport.errors import PgqError
+from pg_transport.ops import status as status_report
+from pg_transport.ops.cli_common import (
+    Group,
+    age,
+    checked_schema,
+    json_text,
+    one_line,
+    open_connector,
+    open_store,
+    plural,
+    schema_option,
+    table,
+    url_option,
+)
+from pg_transport.ops.cli_dead import dead
+from pg_transport.ops.terminal import printable, quoted
+from pg_transport.store import Store
+
+__all__ = ["main"]
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pgq", prog_name="pgq")
+def main() -> None:
+    """pgq: PostgreSQL as a Celery broker."""
+
+
+main.add_command(dead)
+
+
+@main.command()
+@url_option
+@schema_option
+def migrate(url: str | None, schema: str) -> None:
+    """Create the pgq schema, or upgrade it to this pgq's version.
+
+    Safe to run from many processes at once, and to run again: it applies only
+    what is missing.
+    """
+    schema = checked_schema(schema)
+    with open_connector(url) as connector, connector.connection() as conn:
+        applied = migrate_schema(conn, schema)
+        version = current_version(conn, schema) or 0
+        where = f"pgq schema {schema!r} at {connector.display_url}"
+    if applied:
+        click.echo(
+            f"{where}: applied {plural(len(applied), 'migration')} "
+            f"({', '.join(applied)}); now at version {version}"
+        )
+    elif version > latest_version():
+        click.echo(
+            f"{where} is at version {version}, newer than this pgq ({latest_version()}): "
+            "nothing to apply"
+        )
+    else:
+        click.echo(f"{where} is up to date (version {version})")
+
+
+@main.command()
+@url_option
+@schema_option
+@click.argument("queue")
+def purge(url: str | None, schema: str, queue: str) -> None:
+    """Delete the waiting messages of QUEUE and print how many.
+
+    Waiting means ready or delayed; messages a worker holds right now are left to it.
+    """
+    with open_store(url, schema) as store:
+        count = store.purge(queue)
+    click.echo(f"{plural(count, 'waiting message')} purged from queue {quoted(queue)}")
+
+
+@main.command()
+@url_option
+@schema_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def status(url: str | None, schema: str, as_json: bool) -> None:
+    """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
+
+    In flight means claimed by a consumer whose lease runs; delayed means waiting for
+    its ETA. Clients are pgq
+    processes connected to this database (workers and publishers of every pgq schema
+    in it: Postgres does not know which schema a session uses).
+    """
+    with open_store(url, schema) as store:
+        report = status_report.collect(store)
+        where = f"pgq schema {store.schema!r} at {store.connector.display_url}"
+    if as_json:
+        click.echo(json_text(report.as_json()))
+        return
+    click.echo(where)
+    if report.queues:
+        click.echo(table(
+            ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
+            [
+                [q.queue, str(q.ready), str(q.in_flight), str(q.delayed), str(q.dead),
+                 age(q.oldest_ready_age_s)]
+                for q in report.queues
+            ],
+            right={1, 2, 3, 4, 5, 6},
+        ))
+    else:
+        click.echo("no queues")
+    clients = report.clients
+    click.echo(
+        f"clients: {plural(clients.processes, 'process', 'processes')}, "
+        f"{plural(clients.sessions, 'session')}"
+    )
+    if report.barriers:
+        click.echo("barriers: " + ", ".join(
+            f"{b.count} {printable(b.status)}" for b in report.barriers))
+
+
+@main.group(cls=Group)
+def barrier() -> None:
+    """Inspect fan-in barriers."""
+
+
+@barrier.command("show")
+@url_option
+@schema_option
+@click.argument("barrier_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -> None:
+    """Show one barrier: status, parts done, callback, timestamps."""
+    from barrier.inspect import show  # the barrier package builds on this one
+
+    with open_store(url, schema) as store:
+        found = show(store.connector, store.schema, barrier_id)
+    if found is None:
+        raise click.ClickException(
+            f"no barrier {quoted(barrier_id)} in pgq schema {quoted(schema)}")
+    if as_json:
+        click.echo(json_text(found))
+        return
+    parts = found.pop("parts", [])
+    for key, value in found.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        click.echo(f"{key + ':':<16}{'-' if value is None else printable(value)}")
+    if parts:
+        click.echo(table(
+            ["PART", "OUTCOME", "TASK ID", "FINISHED"],
+            [[str(p["index"]), str(p["outcome"]), str(p.get("task_id") or "-"),
+              str(p["finished_at"])] for p in parts],
+            right={0},
+        ))
+
+
+@main.command()
+@url_option
+@click.option(
+    "--schema", metavar="NAME",
+    help="Schema to run the demo in; it must not exist yet and is dropped at the end. "
+    "Default: a throwaway name ($PGQ_SCHEMA is ignored here, so the demo never touches "
+    "your real schema).",
+)
+def demo(url: str | None, schema: str | None) -> None:
+    """Run Celery tasks through Postgres with a real worker, and show what happened.
+
+    Without --url (or $PGQ_URL) it starts an embedded Postgres and deletes it after.
+    """
+    # Imported here: it loads Celery, which the other commands do not need.
+    from pg_transport.ops.demo import run
+
+    run(url, checked_schema(schema) if schema else None)
+
+
+@main.command()
+@url_option
+@schema_option
+@click.option(
+    "--serve", "port", type=click.IntRange(0, 65535), metavar="PORT",
+    help="Serve the metrics over HTTP on this port (0: any free port) instead of printing "
+    "them once; every scrape of /metrics computes fresh figures.",
+)
+@click.option(
+    "--host", metavar="ADDRESS",
+    help="With --serve: address to listen on.  [default: 127.0.0.1]",
+)
+def metrics(url: str | None, schema: str, port: int | None, host: str | None) -> None:
+    """Print the figures of `pgq status` in Prometheus text format, or serve them.
+
+    Per queue (label `queue`): ready, in-flight, delayed and dead messages and the age
+    of the oldest ready message; and the connected pgq clients.
+    """
+    # Imported here, as demo: the other commands do not need them.
+    import time
+
+    from pg_transport.ops import metrics as exposition
+
+    if port is None:
+        if host is not None:
+            raise click.UsageError("--host goes with --serve")
+        with open_store(url, schema) as store:
+            started = time.perf_counter()
+            report = status_report.collect(store)
+            elapsed = time.perf_counter() - started
+        click.echo(exposition.render(report, elapsed), nl=False)
+        return
+    with open_store(url, schema) as store:
+        # Checked once, up front: a missing or outdated schema is a start-up error,
+        # not a stream of failed scrapes.
+        checked = store.schema
+    # A connector of its own, named so `pgq status` does not count the exporter
+    # among the workers and publishers (application_name 'pgq:<pid>').
+    connector = Connector(
+        url_to_conninfo(url), display_url=mask_url(url or "pgq://"),
+        application_name="pgq-metrics",
+    )
+    store = Store(connector, checked)
+    try:
+        server = exposition.make_server(
+            host or "127.0.0.1", port, lambda: status_report.collect(store),
+            describe_error=one_line, errors=(PgqError, psycopg.Error),
+        )
+    except OSError as exc:
+        connector.close()
+        raise click.ClickException(
+            f"cannot listen on {host or '127.0.0.1'}:{port}: {exc.strerror or exc}"
+        ) from exc
+    click.echo(
+        f"serving metrics of pgq schema {checked!r} at {connector.display_url} on "
+        f"http://{host or '127.0.0.1'}:{server.port}/metrics"
+    )
+    try:
+        exposition.serve(server)
+    finally:
+        connector.close()
+
+
+@main.command()
+@click.option(
+    "--file", "path", envvar="PGQ_HEALTH_FILE", show_envvar=True, metavar="PATH",
+    type=click.Path(dir_okay=False), default=None,
+    help="Heartbeat file the worker touches every consume-loop cycle.  "
+    "[default: pgq-<uid>/worker.heartbeat in the temporary directory, a directory "
+    "only this user may enter]",
+)
+@click.option(
+    "--stale-after", envvar="PGQ_HEALTH_STALE_SECONDS", show_envvar=True, metavar="SECONDS",
+    type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+    help="Fail when the worker's last consume-loop cycle is older than this.",
+)
+def health(path: str | None, stale_after: float) -> None:
+    """Exit 0 while a worker keeps consuming, 1 once it has stopped: a container healthcheck.
+
+    The worker must run pg_transport.health's heartbeat step (pg_transport.health.install(app)).
+    Fails when the worker is gone, stopped or stuck, not only when its process is.
+    """
+    from pathlib import Path
+
+    from pg_transport import health as worker_health
+
+    result = worker_health.check(Path(path) if path else worker_health.default_file(),
+                                 stale_after)
+    # The message names the host read from the heartbeat file, which others may write.
+    if not result.healthy:
+        raise click.ClickException(printable(result.message))
+    click.echo(f"healthy: {printable(result.message)}")
+
+
+if __name__ == "__main__":
+    main()

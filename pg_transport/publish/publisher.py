@@ -1,0 +1,265 @@
+"""Publishing: one publisher, choosing how to send each message from a table of ways.
+
+A publish is an INSERT keyed by the message's publish key (a retry after an ambiguous
+commit inserts nothing twice) and a wake-up of its queue's consumers (a NOTIFY with no
+payload on the queue's channel). How they go depends on where the statement runs
+(:func:`way_of` picks one of :data:`WAYS`):
+
+- ``batched``: on a connection in psycopg's pipeline mode (``pg_transport.batch()``):
+  one statement, joining the batch's transaction; the commit sends the wake-ups.
+- ``apart``: on a session of pgq's own, idle, whose commits wait for their WAL flush
+  (``durable_publish``): the insert and the wake-up as two transactions sent at once, so
+  the durable commit holds no NOTIFY lock through its flush and no consumer is woken for
+  a message not on disk yet.
+- ``together``: anywhere else (a caller's open transaction, ``durable_publish`` off, a
+  transaction pooler): one statement, insert and NOTIFY in one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from pg_transport.db.pool import Connector
+from pg_transport.db.wire import Statement, run_apart
+from pg_transport.errors import MessageTooLarge
+from pg_transport.publish import batching
+from pg_transport.sql import channel_prefix, load_queries, queue_channel
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "WAYS", "Publisher", "way_of"]
+
+logger = logging.getLogger("pg_transport.publish")
+
+#: Largest payload (its JSON text, in bytes) published or delivered by default.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class Publisher:
+    """Publishes to one schema through one connector (``flushes``: whether its commits
+    wait for their WAL flush, as ``durable_publish`` makes them)."""
+
+    def __init__(
+        self,
+        connector: Connector,
+        schema: str,
+        *,
+        flushes: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.connector = connector
+        self.schema = schema
+        self.flushes = flushes
+        self.max_message_bytes = max_message_bytes
+        self.channel_prefix = channel_prefix(schema)
+        self.q = load_queries(schema)
+        # The statements run once per message go through libpq directly (wire.py).
+        self.wire = {name: Statement(name, self.q[name])
+                     for name in ("publish_plain", "enqueue", "wake")}
+
+    def channel(self, queue: str) -> str:
+        """The wake-up channel of ``queue``."""
+        return queue_channel(self.schema, queue)
+
+    def encode(self, payload: dict[str, Any]) -> str:
+        """The JSON text stored for ``payload``; :class:`MessageTooLarge` past the limit."""
+        text = json.dumps(payload)  # ASCII only: its length is its size in bytes
+        if len(text) > self.max_message_bytes:
+            raise MessageTooLarge(
+                f"message of {len(text)} bytes is larger than max_message_bytes "
+                f"({self.max_message_bytes}); it was not published"
+            )
+        return text
+
+    def publish(
+        self,
+        queue: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        publish_key: str | None = None,
+    ) -> None:
+        """Insert a message and wake its queue's consumers once it is committed. With a
+        ``publish_key`` a repeated call inserts nothing. Inside a batch
+        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead."""
+        params = self._publish_params(queue, payload, priority, delay, publish_key)
+        open_batch = batching.current()
+        if open_batch is not None:
+            open_batch.run(
+                self._batch_key(), self.connector, lambda conn: self._insert_on(conn, params)
+            )
+            return
+        self.connector.run(
+            lambda conn: self._insert_on(conn, params), idempotent=publish_key is not None
+        )
+
+    def publish_on(
+        self,
+        conn: psycopg.Connection[Any],
+        queue: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        publish_key: str | None = None,
+    ) -> None:
+        """Insert a message on the caller's connection, inside the caller's transaction.
+
+        For work that must commit together with its message (a barrier firing its
+        callback): the message exists exactly when the transaction commits, and its
+        wake-up (a NOTIFY, transactional) goes out then."""
+        self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
+
+    def _publish_params(
+        self, queue: str, payload: dict[str, Any], priority: int, delay: float,
+        publish_key: str | None,
+    ) -> dict[str, Any]:
+        return {
+            "queue": queue,
+            "priority": priority,
+            "delay": max(delay, 0.0),
+            "publish_key": publish_key,
+            "payload": self.encode(payload),
+            "notify": delay <= 0,
+            "channel": self.channel(queue),
+        }
+
+    def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        """Run a publish on ``conn``, the way :func:`way_of` picks for it."""
+        WAYS[way_of(conn, flushes=self.flushes, due_now=params["notify"])](self, conn, params)
+
+    def _batched(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        conn.execute(self.q["publish_plain"], params)  # joins the caller's pipeline
+
+    def _together(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        prepare = conn.prepare_threshold is not None
+        self.wire["publish_plain"].execute(conn, params, prepare=prepare)
+
+    def _enqueue_then_wake(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        """``publish_plain`` as two transactions sent at once: the insert, committed as
+        the session says (durable by default), then the wake-up alone (the ``wake`` query
+        says why). A publisher's flush then holds up no other publisher, and no consumer
+        is woken for a message that is not on disk yet.
+
+        The insert's outcome is the publish's; the wake-up is sent all the same when it
+        fails (one wake-up too many: the listeners' claims find nothing new). A wake-up
+        lost with the connection after the insert committed is sent again on another
+        one; one that fails otherwise (the notification queue full) leaves a committed
+        message that consumers find at their next poll instead of at once."""
+        inserted, woke = run_apart(
+            conn, [(self.wire["enqueue"], params), (self.wire["wake"], params)], prepare=True
+        )
+        if isinstance(inserted, psycopg.Error):
+            raise inserted
+        if isinstance(woke, psycopg.Error):
+            self._wake_failed(conn, params, woke)
+
+    def _wake_failed(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any], woke: psycopg.Error
+    ) -> None:
+        """A wake-up for a message committed durably failed: lost with ``conn``, it is
+        sent again on another connection; otherwise a warning says so."""
+        failure: psycopg.Error | None = woke
+        if isinstance(woke, psycopg.OperationalError) and conn.closed:
+            try:
+                self.connector.run(
+                    lambda other: self.wire["wake"].execute(other, params, prepare=True),
+                    idempotent=True,
+                )
+                failure = None
+            except psycopg.Error as exc:
+                failure = exc
+        if failure is not None:
+            logger.warning(
+                "pgq: a message of queue %r is published, but waking its consumers "
+                "failed (%s): they take it at their next poll", params["queue"], failure,
+            )
+
+    def publish_routed(
+        self,
+        exchange: str,
+        routing_key: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        ttl: float | None = None,
+        publish_tag: str | None = None,
+    ) -> tuple[str | None, int]:
+        """Insert one copy per queue the exchange routes ``routing_key`` to.
+
+        Returns the exchange's type (None: never declared) and how many queues
+        matched. With a ``publish_tag`` a repeated call inserts nothing new.
+        """
+        params = {
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "priority": priority,
+            "delay": max(delay, 0.0),
+            "ttl": ttl,
+            "publish_tag": publish_tag,
+            "payload": self.encode(payload),
+            "notify": delay <= 0,
+            "channel_prefix": self.channel_prefix,
+        }
+
+        def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
+            row = conn.execute(self.q["publish_routed"], params).fetchone()
+            assert row is not None
+            return row[0], int(row[1] or 0)
+
+        open_batch = batching.current()
+        if open_batch is not None:
+            found: tuple[str | None, int] = open_batch.run(
+                self._batch_key(), self.connector, routed
+            )
+            return found
+        return self.connector.run(routed, idempotent=publish_tag is not None)
+
+    def dead_letter_unroutable(
+        self, queue: str, payload: dict[str, Any], *, priority: int, reason: str
+    ) -> int:
+        params = {"queue": queue, "payload": self.encode(payload), "priority": priority,
+                  "reason": reason}
+        open_batch = batching.current()
+        if open_batch is not None:  # kept only if the batch's message is published
+            return int(open_batch.run(self._batch_key(), self.connector, lambda conn: (
+                _scalar_on_(conn, self.q["dead_letter_unroutable"], params)
+            )))
+        return int(self.connector.run(
+            lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+            idempotent=False,
+        ))
+
+    def _batch_key(self) -> tuple[str, str, bool]:
+        """Which transaction of a batch this store's publishes join: the publisher's
+        database, the schema, and whether its commits wait for their WAL flush."""
+        return (self.connector.conninfo, self.schema, self.flushes)
+
+def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> str:
+    """How a publish goes on ``conn`` (see the module's docstring): ``batched`` in a
+    pipeline; ``apart`` for a message due now on a session of pgq's own (it prepares:
+    not a transaction pooler's), idle, whose commits wait for their flush; else
+    ``together``."""
+    if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+        return "batched"
+    own_idle = (conn.prepare_threshold is not None
+                and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE)
+    return "apart" if flushes and due_now and own_idle else "together"
+
+
+#: Each way of publishing, by the name :func:`way_of` gives it.
+WAYS: dict[str, Callable[[Publisher, psycopg.Connection[Any], dict[str, Any]], None]] = {
+    "batched": Publisher._batched,
+    "apart": Publisher._enqueue_then_wake,
+    "together": Publisher._together,
+}
+
+
+def _scalar_on_(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
+    row = conn.execute(query, params).fetchone()
+    return row[0] if row else None

@@ -1,0 +1,110 @@
+"""What a row of the message table becomes in Python, and what Python gives back.
+
+:class:`Lease` is the fencing token of a delivery; :class:`Claimed` a row a claim or pop
+brought back, its payload decoded (or the reason it could not be). Text and JSON stored
+from what a message held go through :func:`text` and :func:`storable` first: Postgres
+text holds no NUL, jsonb no NaN.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Claimed", "Lease", "decode_claimed", "row_to_claimed", "storable", "text"]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The fencing token of one delivery: row id, grant and queue."""
+
+    id: int
+    lease: int
+    queue: str
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One row a claim (or pop) brought back.
+
+    ``dead_letter_id`` set: the claim moved the row to dead_letter instead of delivering
+    it, for ``fault`` (past max_attempts, too large, not a JSON object). ``fault`` set and
+    ``dead_letter_id`` None: the row was delivered but cannot be decoded into a message
+    (the consumer dead-letters it under its lease). ``payload`` is None for an oversized
+    row (never sent to the consumer) and for one that could not be decoded."""
+
+    id: int
+    queue: str
+    priority: int
+    read_ct: int
+    lease: int
+    payload: dict[str, Any] | None
+    dead_letter_id: int | None = None
+    fault: str | None = None
+    #: The payload's JSON text, kept only when it did not decode.
+    raw: str | None = None
+
+    @property
+    def token(self) -> Lease:
+        return Lease(self.id, self.lease, self.queue)
+
+
+def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
+    """A claim row as libpq's text values (statements sent without psycopg's cursor).
+
+    Never raises for what a row holds: a payload that does not decode into a JSON
+    object comes back with ``fault`` saying why, for the consumer to dead-letter."""
+    ident, queue, priority, read_ct, lease, payload, dead, fault = row[:8]
+    assert ident is not None and queue is not None
+    assert priority is not None and read_ct is not None and lease is not None
+    return row_to_claimed(
+        int(ident), queue.decode("utf-8", "replace"), int(priority), int(read_ct), int(lease),
+        payload, None if dead is None else int(dead),
+        None if fault is None else fault.decode("utf-8", "replace"),
+    )
+
+
+def row_to_claimed(
+    ident: int, queue: str, priority: int, read_ct: int, lease: int,
+    payload: Any, dead: int | None, fault: str | None,
+) -> Claimed:
+    """A Claimed row, its payload decoded and checked (``payload``: JSON text or bytes,
+    or what psycopg already decoded)."""
+    decoded: dict[str, Any] | None = None
+    raw: str | None = None
+    if payload is not None:
+        try:
+            value = json.loads(payload) if isinstance(payload, (bytes, str)) else payload
+        except (ValueError, RecursionError) as exc:
+            value, fault = None, fault or f"payload does not decode: {type(exc).__name__}"
+        if isinstance(value, dict):
+            decoded = value
+        else:
+            fault = fault or f"payload is a JSON {type(value).__name__}, not an object"
+            if isinstance(payload, (bytes, str)):
+                raw = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+    return Claimed(ident, queue, priority, read_ct, lease, decoded, dead, fault, raw)
+
+
+def text(value: str) -> str:
+    """``value`` as Postgres text can hold it: NUL and lone surrogates replaced."""
+    cleaned = value.replace("\x00", "\N{REPLACEMENT CHARACTER}")
+    return cleaned.encode("utf-8", "replace").decode("utf-8")
+
+
+def storable(value: Any) -> Any:
+    """``value`` as jsonb can hold it: strings through :func:`_text`, floats that are not
+    finite (NaN, infinities) as their text, anything else not JSON as its repr."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    if isinstance(value, dict):
+        return {text(str(k)): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return text(repr(value))
