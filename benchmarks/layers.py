@@ -51,7 +51,8 @@ from benchmarks.brokers import default_pg_url, make_brokers, patched_environ
 from benchmarks.pgbench import run_pgq_insert, seconds
 from benchmarks.phases import Clock, broker_call_clock, in_turn
 from benchmarks.targets import Broker, Target
-from pg_transport import store, wire
+from pg_transport.db import wire
+from pg_transport.publish import publisher as store
 
 __all__ = ["Layers", "insert_floor", "main", "measure", "publisher", "without_python"]
 
@@ -100,7 +101,7 @@ def _round_trip_clock() -> Iterator[Clock]:
         (redis.client.Redis, "execute_command"),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
-    # pg_transport.store imported run_apart by name: that name is the one it calls.
+    # The publisher imported run_apart by name: that name is the one it calls.
     originals.append((store, "run_apart", getattr(store, "run_apart")))  # noqa: B009
     try:
         for owner, name in patched:

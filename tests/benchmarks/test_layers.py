@@ -14,7 +14,7 @@ import redis
 from kombu.messaging import Producer
 from psycopg import sql
 
-import pg_transport.store as store
+import pg_transport.publish.publisher as store
 from benchmarks.layers import (
     Layers,
     insert_floor,
@@ -26,7 +26,7 @@ from benchmarks.layers import (
 )
 from benchmarks.pgbench import find_pgbench
 from benchmarks.targets import Target
-from pg_transport import wire
+from pg_transport.db import wire
 
 TASKS, ROUNDS = 15, 2
 REDIS_DB = 12
