@@ -95,7 +95,7 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         schema=options.schema,
         connector=connector,
         store=Store(connector, options.schema),
-        q=load_named("barrier.sql", options.schema),
+        q=load_named("barrier.sql", options.schema, "barrier"),
         settings=BarrierSettings.from_app(app),
         native_delayed_delivery=options.native_delayed_delivery,
     )

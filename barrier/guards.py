@@ -138,7 +138,7 @@ class Guards:
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
-        self.q = load_named("barrier.sql", schema)
+        self.q = load_named("barrier.sql", schema, "barrier")
 
     # -- claims with a lease --------------------------------------------------
     def claim(

@@ -2,8 +2,10 @@
 
 ``register("app.tasks.run_pipeline", execution_id=2, organization_id=0)`` says:
 the pipeline's ``execution_id`` is the kwarg of that name, or else positional
-argument 2. When a message of that task is poisoned, :func:`recover` finds those
-values so the owning pipeline can be marked failed instead of stranded.
+argument 2. ``watch("execution_id")`` says: look for a kwarg of that name in every
+task's message, registered or not. When a message is poisoned, :func:`recover` finds
+those values so the owning pipeline can be marked failed instead of stranded. pgq
+itself knows no field names: they are the application's.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_FIELDS", "clear", "recover", "register", "registered"]
-
-#: Looked for by name in the kwargs of every task, registered or not.
-DEFAULT_FIELDS = ("execution_id", "organization_id")
+__all__ = ["clear", "recover", "register", "registered", "watch", "watched"]
 
 _registry: dict[str, dict[str, int]] = {}
+# Looked for by name in the kwargs of every task, registered or not.
+_watched: list[str] = []
 
 # Values an identity may hold: JSON scalars that name something.
 _SCALARS = (str, int, float)
@@ -41,9 +42,23 @@ def registered(task_name: str) -> dict[str, int]:
     return dict(_registry.get(task_name, {}))
 
 
+def watch(*names: str) -> None:
+    """Look for kwargs of these names in every task's message, registered or not."""
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"identity.watch needs field names, got {name!r}")
+        if name not in _watched:
+            _watched.append(name)
+
+
+def watched() -> tuple[str, ...]:
+    return tuple(_watched)
+
+
 def clear() -> None:
-    """Forget every registration (for tests)."""
+    """Forget every registration and watched name (for tests)."""
     _registry.clear()
+    _watched.clear()
 
 
 def _usable(name: str, value: Any, where: str, reasons: list[str]) -> bool:
@@ -84,7 +99,7 @@ def recover(
             )
         elif _usable(name, positional[index], f"args[{index}]", reasons):
             identity[name] = positional[index]
-    for name in DEFAULT_FIELDS:
+    for name in _watched:
         if name not in fields and name in named and _usable(name, named[name], "kwarg", reasons):
             identity[name] = named[name]
     return identity, reasons

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -99,7 +100,9 @@ class QoS(virtual.QoS):
         undecodable = getattr(message, "undecodable", None)
         try:
             if held is not None and undecodable:
-                self.channel.dead_letter(held[0], f"undecodable body: {undecodable}", message)
+                token = held[0]
+                self._land("dead-lettering", held, lambda: self.channel.dead_letter(
+                    token, f"undecodable body: {undecodable}", message))
             elif held is not None:
                 token = held[0]
                 transport = self.channel.connection
@@ -121,14 +124,26 @@ class QoS(virtual.QoS):
             if held is not None:
                 token = held[0]
                 if requeue:
-                    self.channel.store.release([token])
+                    self._land("requeue", held, lambda: self.channel.store.release([token]))
                 else:
                     message = self._delivered.get(delivery_tag)
-                    self.channel.dead_letter(token, "rejected without requeue", message)
-        except UNAVAILABLE as exc:
-            self._lapse("reject" if not requeue else "requeue", held, exc)
+                    self._land("reject", held, lambda: self.channel.dead_letter(
+                        token, "rejected without requeue", message))
         finally:
             self._forget(delivery_tag)
+
+    def _land(self, what: str, held: tuple[Lease, float], work: Callable[[], object]) -> None:
+        """Run a fenced statement for a delivery's outcome: off the driver's thread when
+        called on it (the engine's background thread runs it), here otherwise."""
+        transport = self.channel.connection
+        engine = transport.engine if transport is not None else None
+        if engine is not None and engine.on_loop_thread():
+            engine.undeliverable.later(what, work)
+            return
+        try:
+            work()
+        except UNAVAILABLE as exc:
+            self._lapse(what, held, exc)
 
     @staticmethod
     def _lapse(what: str, held: tuple[Lease, float] | None, exc: BaseException) -> None:

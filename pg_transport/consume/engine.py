@@ -143,6 +143,11 @@ class Engine:
         self.undeliverable.close()
         self.pipe.close()
 
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the driver's own thread (in a callback the loop
+        runs): the thread that must never wait for a round trip."""
+        return self._timers is not None and threading.get_ident() == self._loop_thread
+
     @property
     def busy(self) -> bool:
         """Whether a statement is on the wire (its answer not read yet)."""
@@ -164,7 +169,7 @@ class Engine:
         prefork and solo pools ack there, in callbacks the loop runs) the next tick
         kicks, every ack of that turn riding on one statement; from any other thread
         the wake-up pipe wakes the driver."""
-        if self._timers is not None and threading.get_ident() == self._loop_thread:
+        if self.on_loop_thread():
             self._kick_due = True
         else:
             self.pipe.wake()

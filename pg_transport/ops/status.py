@@ -59,14 +59,11 @@ class Status:
 
 
 def barrier_counts(store: Store) -> list[BarrierCount]:
-    """Barriers by status (only statuses that have any), from the barrier table."""
-    query = load_named("barrier.sql", store.schema)["barrier_counts"]
+    """Barriers by status (only statuses that have any), as the barrier counts them."""
+    from barrier.inspect import status_counts  # the barrier package builds on this one
 
-    def work(conn: psycopg.Connection[Any]) -> list[Any]:
-        return conn.execute(query).fetchall()
-
-    rows = store.connector.run(work, idempotent=True)
-    return [BarrierCount(str(status), int(n)) for status, n in sorted(rows)]
+    counts = status_counts(store.connector, store.schema)
+    return [BarrierCount(status, n) for status, n in sorted(counts.items()) if n]
 
 
 def collect(store: Store) -> Status:

@@ -16,8 +16,8 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
 
 
-def _read(name: str) -> str:
-    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+def _read(name: str, package: str | None = None) -> str:
+    return resources.files(package or __package__).joinpath(name).read_text(encoding="utf-8")
 
 
 def parse_named(text: str) -> dict[str, str]:
@@ -87,20 +87,21 @@ def compose_channel(rendered: str, channel: str) -> sql.Composed:
 
 
 @cache
-def _raw_named(filename: str) -> dict[str, str]:
-    return parse_named(_read(filename))
+def _raw_named(filename: str, package: str | None) -> dict[str, str]:
+    return parse_named(_read(filename, package))
 
 
 @cache
-def load_named(filename: str, schema: str) -> dict[str, str]:
-    """The named queries of one ``.sql`` file of this package, ``schema`` composed in.
+def load_named(filename: str, schema: str, package: str | None = None) -> dict[str, str]:
+    """The named queries of one ``.sql`` file of ``package`` (default: this one, pgq's
+    own; the barrier keeps its SQL in its package), ``schema`` composed in.
 
     Rendered to text once per schema, so psycopg's query cache (and server-side
     prepared statements) see the same string every time.
     """
     return {
         name: compose(text, schema).as_string(None)
-        for name, text in _raw_named(filename).items()
+        for name, text in _raw_named(filename, package).items()
     }
 
 

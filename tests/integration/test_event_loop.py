@@ -348,3 +348,46 @@ def test_a_publish_behind_a_claim_in_flight_is_not_missed(
             admin.execute("ROLLBACK")
         _wait_on_socket(c, c.transport.store.channel("race").encode())
         turn_until(hub, lambda: len(got) == 3, timeout=10)  # the poll would take 60 s
+
+
+@pytest.mark.parametrize("outcome", ["requeue", "reject"])
+def test_a_requeue_or_reject_on_the_loop_s_thread_never_waits_for_postgres(
+    conn: Connection, hub: Hub, rows: Peek, pg_url: str, monkeypatch: pytest.MonkeyPatch,
+    outcome: str,
+) -> None:
+    """Celery's prefork and solo pools decide a task's outcome in a callback the loop
+    runs: the statement it needs lands off the loop's thread, so the loop turns on even
+    while Postgres makes that statement wait (here: a row lock held elsewhere)."""
+    _, got = started(conn, hub, monkeypatch, f"out-{outcome}", prefetch=1, messages=1)
+    turn_until(hub, lambda: len(got) == 1)
+    ident = got[0].delivery_info["pgq_token"][0]
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("BEGIN")
+        admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
+        # Should the loop wait for the lock, this breaks the wait after 10 s (and says so).
+        turned, broke = threading.Event(), threading.Event()
+
+        def breaker() -> None:
+            if not turned.wait(10):
+                broke.set()
+                with psycopg.connect(pg_url, autocommit=True) as other:
+                    other.execute("SELECT pg_terminate_backend(%s)", [admin.info.backend_pid])
+
+        watchdog = threading.Thread(target=breaker)
+        watchdog.start()
+        hub.call_soon(getattr(got[0], outcome))
+        hub.run_once()  # runs the callback on the loop's thread, then polls
+        turned.set()
+        watchdog.join()
+        assert not broke.is_set(), "the loop waited for the locked row"
+        # Still waiting for the lock, off the loop's thread: the row is untouched.
+        assert rows("SELECT visible_at > now() FROM {schema}.message") == [(True,)]
+        admin.execute("ROLLBACK")
+    if outcome == "requeue":
+        expected = "SELECT visible_at <= now() FROM {schema}.message"
+    else:
+        expected = "SELECT count(*) = 1 FROM {schema}.dead_letter"
+    deadline = time.monotonic() + 10
+    while rows(expected) != [(True,)]:
+        assert time.monotonic() < deadline, f"the {outcome} never landed"
+        time.sleep(0.02)

@@ -56,9 +56,13 @@ def test_type_checked() -> None:
     assert "execution_id: args[2] holds bool, not a str or number" in why
 
 
-def test_unregistered_task_still_yields_named_kwargs() -> None:
+def test_watched_kwargs_are_found_in_any_task() -> None:
+    assert identity.recover("other.task", [1, 2], {"execution_id": 9, "x": 1}) == ({}, [])
+    identity.watch("execution_id")
     found, why = identity.recover("other.task", [1, 2], {"execution_id": 9, "x": 1})
     assert (found, why) == ({"execution_id": 9}, [])
+    with pytest.raises(ValueError, match="field names"):
+        identity.watch("")
 
 
 @pytest.mark.parametrize("bad", [-1, "2", 1.0, True])
