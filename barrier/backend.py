@@ -33,7 +33,6 @@ logger = logging.getLogger("barrier.backend")
 T = TypeVar("T")
 
 
-
 def broker_url(app: Any) -> str:
     url = app.conf.broker_write_url or app.conf.broker_url or ""
     return str(url)

@@ -78,7 +78,8 @@ def run_once(db: Backend, barrier_id: str, body: Callable[[], Any]) -> Any:
             # Not FIRED (unknown, or moved elsewhere): the body ran, the status stays.
             logger.warning(
                 "barrier %s was not FIRED when its callback finished; status left as %s",
-                barrier_id, row[0] if row else "unknown",
+                barrier_id,
+                row[0] if row else "unknown",
             )
         return result
 
@@ -96,7 +97,9 @@ def barrier_callback(fn: F) -> F:
         if task is None or not barrier_id:
             logger.warning(
                 "%s called with %s but no %s header: running it without dedup",
-                getattr(fn, "__name__", fn), TRANSPORT_MARKER, HEADER_BARRIER,
+                getattr(fn, "__name__", fn),
+                TRANSPORT_MARKER,
+                HEADER_BARRIER,
             )
             return fn(*args, **kwargs)
         try:

@@ -101,8 +101,15 @@ class Barrier:
 
         def work(c: psycopg.Connection[Any]) -> None:
             state.arm(
-                db, c, barrier_id, outgoing, callback_sig, errback_sig,
-                ttl=ttl, stuck_timeout=stuck, metadata=metadata or {},
+                db,
+                c,
+                barrier_id,
+                outgoing,
+                callback_sig,
+                errback_sig,
+                ttl=ttl,
+                stuck_timeout=stuck,
+                metadata=metadata or {},
             )
 
         if conn is not None:

@@ -179,9 +179,7 @@ class Guards:
             return None
         return ClaimState(str(row[0]), int(row[1]), row[2], row[3], bool(row[4]))
 
-    def _fenced(
-        self, conn: psycopg.Connection[Any], name: str, claim: Claim, **extra: Any
-    ) -> bool:
+    def _fenced(self, conn: psycopg.Connection[Any], name: str, claim: Claim, **extra: Any) -> bool:
         params = {"key": claim.key, "holder": claim.holder, "token": claim.token, **extra}
         return conn.execute(self.q[name], params).fetchone() is not None
 
@@ -202,9 +200,7 @@ class Guards:
         """Head check: is ``generation`` still the current one (not superseded yet)?"""
         return self.current(conn, key) == generation
 
-    def hold_generation(
-        self, conn: psycopg.Connection[Any], key: str, generation: int
-    ) -> bool:
+    def hold_generation(self, conn: psycopg.Connection[Any], key: str, generation: int) -> bool:
         """Tail check inside the caller's writing transaction: True if ``generation``
         is still current, and then no replace can commit before this transaction
         does. False means superseded: do not write."""

@@ -79,7 +79,11 @@ def on_task_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     except (psycopg.Error, PgqError) as exc:
         logger.error(
             "could not record part %d of barrier %s (task %s): %s; the stuck sweep will "
-            "expire the barrier", index, barrier_id, task_id, exc,
+            "expire the barrier",
+            index,
+            barrier_id,
+            task_id,
+            exc,
         )
         return
     logger.debug("barrier %s part %d: %s", barrier_id, index, outcome)
@@ -102,7 +106,10 @@ def _fail(sender: Any, barrier_id: str, index: int, error: str, task_id: str | N
     except (psycopg.Error, PgqError) as exc:
         logger.error(
             "could not record the failure of part %d of barrier %s: %s; the stuck sweep "
-            "will expire the barrier", index, barrier_id, exc,
+            "will expire the barrier",
+            index,
+            barrier_id,
+            exc,
         )
         return
     logger.info("barrier %s part %d failed (%s): %s", barrier_id, index, error, outcome)
@@ -160,9 +167,7 @@ def connect() -> None:
     """Connect the hooks (idempotent: dispatch_uid dedups)."""
     signals.task_success.connect(on_task_success, weak=False, dispatch_uid="pgq.barrier.success")
     signals.task_failure.connect(on_task_failure, weak=False, dispatch_uid="pgq.barrier.failure")
-    message_poisoned.connect(
-        on_message_poisoned, weak=False, dispatch_uid="pgq.barrier.poisoned"
-    )
+    message_poisoned.connect(on_message_poisoned, weak=False, dispatch_uid="pgq.barrier.poisoned")
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="pgq.barrier.ready")
     signals.worker_shutdown.connect(
         on_worker_shutdown, weak=False, dispatch_uid="pgq.barrier.shutdown"

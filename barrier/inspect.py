@@ -55,8 +55,24 @@ def show(connector: Connector, schema: str, barrier_id: str) -> dict[str, Any] |
     if found is None:
         return None
     row, parts = found
-    (ident, status, total, remaining, callback, errback, metadata, reason, created_at,
-     progressed_at, expires_at, stuck_timeout, fired_at, finished_at, done, failed) = row
+    (
+        ident,
+        status,
+        total,
+        remaining,
+        callback,
+        errback,
+        metadata,
+        reason,
+        created_at,
+        progressed_at,
+        expires_at,
+        stuck_timeout,
+        fired_at,
+        finished_at,
+        done,
+        failed,
+    ) = row
     return {
         "id": ident,
         "status": status,

@@ -65,9 +65,9 @@ def _priority(value: Any) -> int:
         return MIN_PRIORITY
 
 
-def _queue_name(app: Any, options: dict[str, Any], name: str, args: Any, kwargs: Any) -> tuple[
-    str, dict[str, Any]
-]:
+def _queue_name(
+    app: Any, options: dict[str, Any], name: str, args: Any, kwargs: Any
+) -> tuple[str, dict[str, Any]]:
     route = app.amqp.router.route(options, name, args, kwargs)
     queue = route.get("queue")
     qname = getattr(queue, "name", None) or queue or app.conf.task_default_queue

@@ -77,7 +77,11 @@ def _publish(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, *key: st
     # As the transport's _put: an ETA message waits in Postgres unless that is off.
     delay = out.delay if db.native_delayed_delivery else 0.0
     db.store.publisher.publish_on(
-        conn, out.queue, out.payload, priority=out.priority, delay=delay,
+        conn,
+        out.queue,
+        out.payload,
+        priority=out.priority,
+        delay=delay,
         publish_key=publish_key(*key),
     )
 
@@ -169,9 +173,7 @@ def _fire(db: Backend, conn: psycopg.Connection[Any], barrier_id: str) -> None:
     callback = Signature.from_dict(json_loads(row[0]), app=db.app)
     # A statement of its own, so under READ COMMITTED it sees every part whose
     # decrement we waited for: those transactions committed before we got the lock.
-    results = [
-        json_loads(r[0]) for r in conn.execute(db.q["barrier_results"], {"id": barrier_id})
-    ]
+    results = [json_loads(r[0]) for r in conn.execute(db.q["barrier_results"], {"id": barrier_id})]
     if len(results) != row[1]:
         # Never fire with a result missing: roll the whole completion back instead.
         raise BarrierError(

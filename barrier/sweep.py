@@ -39,7 +39,10 @@ def sweep(app: Any, *, batch: int = BATCH) -> list[str]:
         for s in stranded:
             logger.warning(
                 "barrier %s expired (%s) with %d of %d parts remaining",
-                s.barrier_id, s.reason, s.remaining, s.total,
+                s.barrier_id,
+                s.reason,
+                s.remaining,
+                s.total,
             )
             barrier_stranded.send(
                 sender=s.callback_task,

@@ -33,14 +33,17 @@ WINDOW = 4
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.backlog",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.backlog", description=__doc__.split("\n\n")[0]
+    )
     add = parser.add_argument
     add("--sizes", default="1000,10000,100000,1000000", help="queue depths (comma-separated)")
     add("--held", type=int, default=100_000, help="leased / delayed messages in the way")
     add("--rounds", type=int, default=2000, help="timed claims per scenario")
-    add("--pg-url", default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG).replace(
-        "pgq://", "postgresql://", 1))
+    add(
+        "--pg-url",
+        default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG).replace("pgq://", "postgresql://", 1),
+    )
     add("--json", action="store_true", help="JSON on stdout (table on stderr)")
     args = parser.parse_args(argv)
     try:
@@ -70,8 +73,11 @@ def timed_claims(s: Scratch, rounds: int) -> dict[str, float]:
         acks = [c.token for c in batch]
         s.fill(QUEUE, WINDOW)  # keep the depth (not timed)
     s.store.ack(acks)
-    return {"p50_us": percentile(times, 0.5), "p99_us": percentile(times, 0.99),
-            "mean_us": sum(times) / len(times)}
+    return {
+        "p50_us": percentile(times, 0.5),
+        "p99_us": percentile(times, 0.99),
+        "mean_us": sum(times) / len(times),
+    }
 
 
 def scenario(args: argparse.Namespace, name: str, setup: list[tuple[Any, ...]]) -> dict[str, Any]:
@@ -96,20 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     base = min(args.sizes)
     runs += [
         scenario(args, f"in flight {args.held:,}", [(args.held, leased), (base, {})]),
-        scenario(args, f"delayed {args.held:,}", [(args.held, {"invisible": "1 hour"}),
-                                                   (base, {})]),
-        scenario(args, f"in flight {args.held:,}, higher priority",
-                 [(args.held, {**leased, "priority": 9}), (base, {})]),
+        scenario(
+            args, f"delayed {args.held:,}", [(args.held, {"invisible": "1 hour"}), (base, {})]
+        ),
+        scenario(
+            args,
+            f"in flight {args.held:,}, higher priority",
+            [(args.held, {**leased, "priority": 9}), (base, {})],
+        ),
     ]
     reference = runs[0]["p50_us"]
     for run in runs:
         run["ratio_to_shallowest"] = run["p50_us"] / reference
-    print(f"claim of {WINDOW} messages acking the previous {WINDOW}, {args.rounds} rounds; "
-          f"ratio = p50 / p50 at depth {base:,}", file=out)
+    print(
+        f"claim of {WINDOW} messages acking the previous {WINDOW}, {args.rounds} rounds; "
+        f"ratio = p50 / p50 at depth {base:,}",
+        file=out,
+    )
     print(f"{'scenario':<40}{'rows':>10}{'p50 us':>10}{'p99 us':>10}{'ratio':>8}", file=out)
     for run in runs:
-        print(f"{run['scenario']:<40}{run['rows']:>10}{run['p50_us']:>10.0f}"
-              f"{run['p99_us']:>10.0f}{run['ratio_to_shallowest']:>8.2f}", file=out, flush=True)
+        print(
+            f"{run['scenario']:<40}{run['rows']:>10}{run['p50_us']:>10.0f}"
+            f"{run['p99_us']:>10.0f}{run['ratio_to_shallowest']:>8.2f}",
+            file=out,
+            flush=True,
+        )
     if args.json:
         print(json.dumps({"window": WINDOW, "rounds": args.rounds, "runs": runs}, indent=2))
     return 0

@@ -94,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_broker_arguments(parser)
     add_run_arguments(parser, tasks=3000, tasks_help="publishes a round, each way", rounds=3)
-    parser.add_argument("--batch-size", type=positive, default=100,
-                        help="messages per batch (default 100)")
+    parser.add_argument(
+        "--batch-size", type=positive, default=100, help="messages per batch (default 100)"
+    )
     return parser.parse_args(argv)
 
 
@@ -103,8 +104,10 @@ def format_table(found: dict[str, dict[str, float]]) -> str:
     lines = [f"{'way':<24}{'publish/s':>12}{'÷ redis':>10}"]
     for way, numbers in found.items():
         ratio = numbers.get("ratio_to_redis")
-        lines.append(f"{way:<24}{numbers['rate']:>12.0f}"
-                     + (f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"))
+        lines.append(
+            f"{way:<24}{numbers['rate']:>12.0f}"
+            + (f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}")
+        )
     lines.append("medians over the rounds; one producer, apply_async in a loop")
     return "\n".join(lines)
 

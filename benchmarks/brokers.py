@@ -85,10 +85,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--tasks", type=int, default=10_000, help="tasks published and drained (default 10000)")
-    add("--latency-samples", type=int, default=100,
-        help="idle latency probes per round (default 100)")
-    add("--rounds", type=int, default=1,
-        help="times every broker is measured, taking turns (default 1)")
+    add(
+        "--latency-samples",
+        type=int,
+        default=100,
+        help="idle latency probes per round (default 100)",
+    )
+    add(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every broker is measured, taking turns (default 1)",
+    )
     add("--pool", choices=("threads", "prefork"), default="threads", help="worker pool")
     add("--concurrency", type=int, default=4, help="worker concurrency (default 4)")
     add("--prefetch-multiplier", type=int, default=4, help="worker_prefetch_multiplier")
@@ -97,9 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--redis-url", default="redis://127.0.0.1:6379", help="Redis server (broker and sink)")
     add("--redis-db", type=int, default=14, help="Redis db of the Redis broker (flushed)")
     add("--sink-db", type=int, default=15, help="Redis db of the timing sink")
-    add("--redis-fsync-dir", type=Path,
+    add(
+        "--redis-fsync-dir",
+        type=Path,
         help="where redis-fsync keeps its data (default: the temporary directory; "
-        "best on the disk of Postgres's WAL)")
+        "best on the disk of Postgres's WAL)",
+    )
     add("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//", help="RabbitMQ")
     add("--phase-timeout", type=float, default=600.0, help="limit of publish and of drain, s")
     add("--probe-timeout", type=float, default=10.0, help="limit of one latency probe, s")
@@ -114,8 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--json", action="store_true", help="print the JSON result on stdout (table on stderr)")
     add("--output", type=Path, help="JSON file (default benchmarks/results/<timestamp>.json)")
     add("--no-save", action="store_true", help="do not write the JSON file")
-    add("--pgbench-seconds", type=seconds, default=5.0,
-        help="length of the pgbench single-row INSERT run (0: skip it)")
+    add(
+        "--pgbench-seconds",
+        type=seconds,
+        default=5.0,
+        help="length of the pgbench single-row INSERT run (0: skip it)",
+    )
     args = parser.parse_args(argv)
     _validate(parser, args)
     return args

@@ -64,9 +64,7 @@ DEPTHS = ("apply_async", "call", "wire")
 class Layers:
     """One broker's calls: for each depth, the seconds of every call, in call order."""
 
-    seconds: dict[str, list[float]] = field(
-        default_factory=lambda: {depth: [] for depth in DEPTHS}
-    )
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {depth: [] for depth in DEPTHS})
     published: int = 0
     elapsed: float = 0.0
 
@@ -179,8 +177,9 @@ def insert_floor(
     if row is None:
         return {}
     return {
-        kind: run_pgq_insert(pg_url, schema, target.queue, row[0], seconds=seconds,
-                             durable=kind == "durable")
+        kind: run_pgq_insert(
+            pg_url, schema, target.queue, row[0], seconds=seconds, durable=kind == "durable"
+        )
         for kind in ("durable", "committed")
     }
 
@@ -204,12 +203,20 @@ def _brokers_arg(text: str) -> list[str]:
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     """The brokers to publish through and where they are (``--brokers``, a subset of
     :data:`BROKERS`), as :func:`brokers` takes them."""
-    parser.add_argument("--brokers", type=_brokers_arg, default=["pgq", "pgq-async", "redis"],
-                        help=f"subset of {','.join(BROKERS)} (default pgq,pgq-async,redis)")
+    parser.add_argument(
+        "--brokers",
+        type=_brokers_arg,
+        default=["pgq", "pgq-async", "redis"],
+        help=f"subset of {','.join(BROKERS)} (default pgq,pgq-async,redis)",
+    )
     parser.add_argument("--pg-url", default=default_pg_url(), help="Postgres for pgq (libpq URL)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis server")
-    parser.add_argument("--redis-db", type=int, default=13,
-                        help="Redis db of the Redis broker (flushed; default 13)")
+    parser.add_argument(
+        "--redis-db",
+        type=int,
+        default=13,
+        help="Redis db of the Redis broker (flushed; default 13)",
+    )
     # What make_brokers asks of the brokers this benchmark does not offer (RabbitMQ) or
     # leaves as they are by default (Redis-fsync's data in the temporary directory).
     parser.set_defaults(redis_fsync_dir=None, amqp_url="")
@@ -219,10 +226,12 @@ def add_run_arguments(
     parser: argparse.ArgumentParser, *, tasks: int, tasks_help: str, rounds: int
 ) -> None:
     """How much a publishing benchmark runs (``--tasks``, ``--rounds``) and ``--json``."""
-    parser.add_argument("--tasks", type=positive, default=tasks,
-                        help=f"{tasks_help} (default {tasks})")
-    parser.add_argument("--rounds", type=positive, default=rounds,
-                        help=f"rounds (default {rounds})")
+    parser.add_argument(
+        "--tasks", type=positive, default=tasks, help=f"{tasks_help} (default {tasks})"
+    )
+    parser.add_argument(
+        "--rounds", type=positive, default=rounds, help=f"rounds (default {rounds})"
+    )
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
 
 
@@ -239,8 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_broker_arguments(parser)
     add_run_arguments(parser, tasks=3000, tasks_help="publishes a round", rounds=3)
-    parser.add_argument("--pgbench-seconds", type=seconds, default=3.0,
-                        help="length of each pgbench run of pgq's INSERT (0: skip them)")
+    parser.add_argument(
+        "--pgbench-seconds",
+        type=seconds,
+        default=3.0,
+        help="length of each pgbench run of pgq's INSERT (0: skip them)",
+    )
     return parser.parse_args(argv)
 
 
@@ -254,17 +267,26 @@ def format_table(
     lines = [f"{head[0]:<14}" + "".join(f"{h:>13}" for h in head[1:])]
     for name, found in summaries.items():
         lines.append(f"{name:<14}" + "".join(f"{found[k]:>13.0f}" for k in keys))
-    lines.append("µs per publish, medians over every call; wire: the broker's round trips "
-                 "(pgq: its statements through libpq; Redis: its commands)")
+    lines.append(
+        "µs per publish, medians over every call; wire: the broker's round trips "
+        "(pgq: its statements through libpq; Redis: its commands)"
+    )
     if ceilings:
-        lines.append("without python (the broker call's Python taking no time), publish "
-                     "÷ redis: " + ", ".join(f"{n} {r:.2f}x" for n, r in ceilings.items()))
+        lines.append(
+            "without python (the broker call's Python taking no time), publish "
+            "÷ redis: " + ", ".join(f"{n} {r:.2f}x" for n, r in ceilings.items())
+        )
     if floor:
-        said = [f"{kind} {found['latency_us']:.0f} µs" if found["status"] == "ok"
-                else f"{kind} {found['status']} ({found['reason']})"
-                for kind, found in floor.items()]
-        lines.append("pgq's INSERT through pgbench (one connection, prepared), per "
-                     "statement: " + ", ".join(said))
+        said = [
+            f"{kind} {found['latency_us']:.0f} µs"
+            if found["status"] == "ok"
+            else f"{kind} {found['status']} ({found['reason']})"
+            for kind, found in floor.items()
+        ]
+        lines.append(
+            "pgq's INSERT through pgbench (one connection, prepared), per "
+            "statement: " + ", ".join(said)
+        )
     return "\n".join(lines)
 
 

@@ -60,9 +60,11 @@ def run_pgbench(pg_url: str, seconds: float = 5.0) -> dict[str, Any]:
         return _no_pgbench()
     table = sql.Identifier(f"pgq_pgbench_{uuid.uuid4().hex[:10]}")
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL(
-            "CREATE TABLE {} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, payload text)"
-        ).format(table))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, payload text)"
+            ).format(table)
+        )
         statement = sql.SQL("INSERT INTO {} (payload) VALUES ('x');").format(table).as_string(conn)
         try:
             return _run(pgbench, pg_url, statement + "\n", seconds, statement=statement.strip())
@@ -99,8 +101,16 @@ def run_pgq_insert(
     script = pgbench_script(load_queries(schema)["enqueue"])
     defines = {"queue": queue, "priority": "0", "delay": "0", "payload": payload}
     env = None if durable else {"PGOPTIONS": "-c synchronous_commit=off"}
-    found = _run(pgbench, pg_url, script, seconds, defines=defines, env=env,
-                 statement="enqueue", durable=durable)
+    found = _run(
+        pgbench,
+        pg_url,
+        script,
+        seconds,
+        defines=defines,
+        env=env,
+        statement="enqueue",
+        durable=durable,
+    )
     if found["status"] == "ok":
         found["latency_us"] = 1e6 / found["tps"]
     return found
@@ -124,8 +134,12 @@ def _run(
         for name, value in (defines or {}).items():
             command += ["-D", f"{name}={value}"]
         proc = subprocess.run(
-            [*command, "-f", file.name, pg_url], capture_output=True, text=True,
-            timeout=seconds + 60, check=False, env={**os.environ, **(env or {})},
+            [*command, "-f", file.name, pg_url],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+            check=False,
+            env={**os.environ, **(env or {})},
         )
     found = _TPS.search(proc.stdout)
     if proc.returncode != 0 or found is None:
@@ -135,8 +149,13 @@ def _run(
         errors = [line for line in said if "ERROR:" in line]
         why = errors[:1] + said[-1:] if errors else said[-3:]
         return {"status": "failed", "reason": f"pgbench exit {proc.returncode}: {' | '.join(why)}"}
-    return {"status": "ok", "tps": float(found.group(1)), **described,
-            "seconds": length, "clients": 1}
+    return {
+        "status": "ok",
+        "tps": float(found.group(1)),
+        **described,
+        "seconds": length,
+        "clients": 1,
+    }
 
 
 def _no_pgbench() -> dict[str, Any]:

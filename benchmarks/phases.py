@@ -131,7 +131,8 @@ def publish_interleaved(
             if time.monotonic() > deadline:
                 for name in pending:
                     outcome[name] = PhaseError(
-                        f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent")
+                        f"publish timed out after {timeout:.0f}s with {sent[name]}/{count} sent"
+                    )
                 break
             for name in in_turn(pending, turn):
                 n = min(chunk, count - sent[name])
@@ -149,7 +150,8 @@ def publish_interleaved(
         if name not in outcome:
             timed = sent[name] - 1
             outcome[name] = {
-                "tasks": sent[name], "seconds": spent[name],
+                "tasks": sent[name],
+                "seconds": spent[name],
                 "rate": timed / spent[name] if spent[name] > 0 else 0.0,
                 "chunk": chunk,
                 # Per publish: inside the broker's publish call, and the rest of it.
@@ -267,7 +269,8 @@ def latency_interleaved(
                 took, call = probes[name](seq)
             except Exception as exc:  # any broker error ends that broker's phase only
                 outcome[name] = (
-                    exc if isinstance(exc, PhaseError)
+                    exc
+                    if isinstance(exc, PhaseError)
                     else PhaseError(f"probe {seq} failed: {type(exc).__name__}: {exc}")
                 )
                 continue

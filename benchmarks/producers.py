@@ -167,7 +167,10 @@ def purge(target: Target) -> int:
 
 
 def measure(
-    targets: dict[str, Target], counts: list[int], tasks: int, rounds: int,
+    targets: dict[str, Target],
+    counts: list[int],
+    tasks: int,
+    rounds: int,
     timeout: float = 300.0,
 ) -> dict[str, Series]:
     """Bursts of each count of producers through every target, in turn, ``rounds`` times."""
@@ -198,12 +201,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.producers", description=(__doc__ or "").split("\n")[0]
     )
     add_broker_arguments(parser)
-    parser.add_argument("--producers", type=_counts_arg, default=[1, 2, 4],
-                        help="counts of producer processes, comma-separated (default 1,2,4)")
-    add_run_arguments(parser, tasks=2000, tasks_help="publishes of each producer in a burst",
-                      rounds=2)
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a burst may take (default 300)")
+    parser.add_argument(
+        "--producers",
+        type=_counts_arg,
+        default=[1, 2, 4],
+        help="counts of producer processes, comma-separated (default 1,2,4)",
+    )
+    add_run_arguments(
+        parser, tasks=2000, tasks_help="publishes of each producer in a burst", rounds=2
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a burst may take (default 300)"
+    )
     return parser.parse_args(argv)
 
 
@@ -220,8 +229,10 @@ def format_table(summaries: dict[str, dict[int, dict[str, Any]]]) -> str:
             busy = "" if found["cpu_busy"] is None else f" {found['cpu_busy']:4.0%}"
             cells.append(f"{found['rate']:.0f} {found['rate'] / base:.2f}x{busy}")
         lines.append(f"{count:<10}" + "".join(f"{cell:>24}" for cell in cells))
-    lines.append(f"publishes/s, medians over the rounds; then the ratio to {reference} and "
-                 "the machine's CPU busy during the bursts")
+    lines.append(
+        f"publishes/s, medians over the rounds; then the ratio to {reference} and "
+        "the machine's CPU busy during the bursts"
+    )
     return "\n".join(lines)
 
 

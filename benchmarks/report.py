@@ -87,9 +87,11 @@ def combine(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[s
                 "broker_call_us": median(r["publish"]["broker_call_us"] for r in results),
                 "client_us": median(r["publish"]["client_us"] for r in results),
             },
-            "drain": {"rate": median(r["drain"]["rate"] for r in results),
-                      "tasks": sum(r["drain"]["tasks"] for r in results),
-                      "duplicates": sum(r["drain"]["duplicates"] for r in results)},
+            "drain": {
+                "rate": median(r["drain"]["rate"] for r in results),
+                "tasks": sum(r["drain"]["tasks"] for r in results),
+                "duplicates": sum(r["drain"]["duplicates"] for r in results),
+            },
             "latency": summarize(samples),
             "rounds": results,
         }
@@ -116,8 +118,10 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def _broker_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
-    head = (f"{'broker':<{_NAME}}{'publish/s':>12}{'call us':>9}{'drain/s':>12}"
-            f"{'p50 ms':>10}{'p99 ms':>10}")
+    head = (
+        f"{'broker':<{_NAME}}{'publish/s':>12}{'call us':>9}{'drain/s':>12}"
+        f"{'p50 ms':>10}{'p99 ms':>10}"
+    )
     rows = [f"{head}  status"]
     for name, result in brokers.items():
         status = result.get("status", "?")
@@ -158,17 +162,23 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [head, "", *_broker_rows(report["brokers"])]
     pgbench = report.get("pgbench", {})
     if pgbench.get("status") == "ok":
-        lines.append(f"{'pgbench':<{_NAME}}{pgbench['tps']:>12.0f}  single-row INSERT, 1 client "
-                     "(the connection's limit)")
+        lines.append(
+            f"{'pgbench':<{_NAME}}{pgbench['tps']:>12.0f}  single-row INSERT, 1 client "
+            "(the connection's limit)"
+        )
     lines.append("")
     lines += _ratio_rows(report["ratios"])
     if report.get("ratios_async"):
         lines += _ratio_rows(report["ratios_async"], "pgq-async")
     lines.append("ratio = pgq / other: > 1 better for publish, drain; < 1 better for p50, p99")
-    lines.append("call us: of each publish, microseconds inside the broker's publish call "
-                 "(kombu's Producer._publish); the rest is Celery and kombu, alike for all")
+    lines.append(
+        "call us: of each publish, microseconds inside the broker's publish call "
+        "(kombu's Producer._publish); the rest is Celery and kombu, alike for all"
+    )
     to_pgbench = report.get("ratios_to_pgbench") or {}
     if to_pgbench:
-        lines.append("publish / pgbench: " + ", ".join(
-            f"{name} {_cell(value, '.2f')}x" for name, value in to_pgbench.items()))
+        lines.append(
+            "publish / pgbench: "
+            + ", ".join(f"{name} {_cell(value, '.2f')}x" for name, value in to_pgbench.items())
+        )
     return "\n".join(lines)

@@ -59,8 +59,14 @@ class Scratch:
         return cur.fetchall() if cur.description else []
 
     def fill(
-        self, queue: str, count: int, *, priority: int = 0, invisible: str | None = None,
-        read_ct: int = 0, keyed: bool = False,
+        self,
+        queue: str,
+        count: int,
+        *,
+        priority: int = 0,
+        invisible: str | None = None,
+        read_ct: int = 0,
+        keyed: bool = False,
     ) -> None:
         """Insert ``count`` messages; ``invisible`` is an interval they stay hidden for
         (a lease when ``read_ct`` > 0, an ETA otherwise). ``keyed``: each gets a publish
@@ -71,7 +77,12 @@ class Scratch:
             " SELECT %s, %s, now() + %s::interval, %s,"
             " CASE WHEN %s THEN md5(gen_random_uuid()::text) END, %s::json"
             " FROM generate_series(1, %s)",
-            queue, priority, invisible or "0 s", read_ct, keyed, json.dumps(CELERY_PAYLOAD),
+            queue,
+            priority,
+            invisible or "0 s",
+            read_ct,
+            keyed,
+            json.dumps(CELERY_PAYLOAD),
             count,
         )
 
@@ -81,8 +92,9 @@ class Scratch:
 
     def wal_since(self, position: str) -> int:
         """Bytes of WAL the server has written since ``position``, by every session."""
-        return int(self.sql("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)",
-                            position)[0][0])
+        return int(
+            self.sql("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", position)[0][0]
+        )
 
     def consume(self, queue: str, count: int, window: int) -> int:
         """Claim and ack ``count`` messages as a worker with ``window`` prefetch slots
@@ -106,7 +118,8 @@ class Scratch:
             "SELECT c.relname, pg_relation_size(c.oid) FROM pg_class AS c"
             " WHERE c.oid = %s::regclass OR c.oid IN"
             " (SELECT indexrelid FROM pg_index WHERE indrelid = %s::regclass)",
-            f"{self.schema}.message", f"{self.schema}.message",
+            f"{self.schema}.message",
+            f"{self.schema}.message",
         )
         return {("heap" if name == "message" else name): int(size) for name, size in rows}
 
@@ -115,7 +128,8 @@ class Scratch:
         report them when idle, up to a second late)."""
         row = self.sql(
             "SELECT n_dead_tup, n_tup_upd, n_tup_hot_upd, n_tup_del FROM pg_stat_user_tables"
-            " WHERE schemaname = %s AND relname = 'message'", self.schema,
+            " WHERE schemaname = %s AND relname = 'message'",
+            self.schema,
         )
         dead, upd, hot, deleted = row[0] if row else (0, 0, 0, 0)
         return {"dead_rows": dead, "updates": upd, "hot_updates": hot, "deletes": deleted}
@@ -129,7 +143,8 @@ def scratch(pg_url: str) -> Iterator[Scratch]:
     queries = load_queries(schema)
     connector = Connector(pg_url, application_name="pgq-bench", setup=(queries["no_jit"],))
     relaxed = Connector(
-        pg_url, application_name="pgq-bench",
+        pg_url,
+        application_name="pgq-bench",
         setup=(queries["relax_commit"], queries["generic_plans"], queries["no_jit"]),
     )
     admin = psycopg.connect(pg_url, autocommit=True)

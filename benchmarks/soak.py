@@ -80,8 +80,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--publishers", type=int, default=2, help="publisher threads")
     parser.add_argument("--max-seconds", type=float, default=900.0, help="hard bound")
     parser.add_argument("--url", default=None, help="postgresql:// URL of the server")
-    parser.add_argument("--throwaway-cluster", action="store_true",
-                        help="run on a cluster of its own (initdb on a free port), not --url")
+    parser.add_argument(
+        "--throwaway-cluster",
+        action="store_true",
+        help="run on a cluster of its own (initdb on a free port), not --url",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the schema afterwards")
     parser.add_argument("--json", action="store_true", help="JSON report on stdout")

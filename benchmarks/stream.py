@@ -87,8 +87,10 @@ def run_round(run: Run, brokers: list[Broker], number: int) -> dict[str, dict[st
         if entry is None:
             continue
         try:
-            run.say(f"[{broker.name}] stream of {run.args.tasks} tasks "
-                    f"({run.args.pool} x{run.args.concurrency})")
+            run.say(
+                f"[{broker.name}] stream of {run.args.tasks} tasks "
+                f"({run.args.pool} x{run.args.concurrency})"
+            )
             entry.result["stream"] = stream_one(run, entry)
         except Exception as exc:  # any failure is reported, never fatal to others
             fail(run, broker.name, entry.result, exc)
@@ -121,20 +123,21 @@ def format_table(found: dict[str, dict[str, Any]]) -> str:
         if result["status"] != "ok":
             lines.append(f"{name:<18}{result['status']}: {result['reason']}")
             continue
-        lines.append(f"{name:<18}{result['publish']:>11.0f}{result['through']:>11.0f}"
-                     f"{result['lag']:>8.2f}")
+        lines.append(
+            f"{name:<18}{result['publish']:>11.0f}{result['through']:>11.0f}{result['lag']:>8.2f}"
+        )
     ok = {name: r for name, r in found.items() if r["status"] == "ok"}
     for ours in ("pgq", "pgq-async"):
         if ours not in ok:
             continue
         others = [name for name in ("redis", "rabbitmq") if name in ok]
         if others:
-            ratios = ", ".join(
-                f"{ok[ours]['through'] / ok[o]['through']:.2f}x {o}" for o in others
-            )
+            ratios = ", ".join(f"{ok[ours]['through'] / ok[o]['through']:.2f}x {o}" for o in others)
             lines.append(f"{ours} through: {ratios}")
-    lines.append("medians over the rounds; through: tasks from the first publish to the "
-                 "last task's end; lag: the worker's run after the last publish")
+    lines.append(
+        "medians over the rounds; through: tasks from the first publish to the "
+        "last task's end; lag: the worker's run after the last publish"
+    )
     return "\n".join(lines)
 
 

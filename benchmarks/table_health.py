@@ -41,18 +41,29 @@ def fillfactor(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.table_health",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.table_health", description=__doc__.split("\n\n")[0]
+    )
     add = parser.add_argument
     add("--messages", type=int, default=1_000_000, help="messages through the queue")
     add("--round", type=int, default=10_000, help="messages published per round")
     add("--window", type=int, default=16, help="prefetch window of the draining worker")
-    add("--vacuum-threshold", type=int, default=None,
-        help="dead rows before pgq vacuums (default: the transport's default)")
-    add("--fillfactor", type=fillfactor, default=None,
-        help="the message table's fill factor, 10-100 (default: pgq's, 50)")
-    add("--pg-url", default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG).replace("pgq://",
-        "postgresql://", 1))
+    add(
+        "--vacuum-threshold",
+        type=int,
+        default=None,
+        help="dead rows before pgq vacuums (default: the transport's default)",
+    )
+    add(
+        "--fillfactor",
+        type=fillfactor,
+        default=None,
+        help="the message table's fill factor, 10-100 (default: pgq's, 50)",
+    )
+    add(
+        "--pg-url",
+        default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG).replace("pgq://", "postgresql://", 1),
+    )
     add("--json", action="store_true", help="JSON on stdout (table on stderr)")
     args = parser.parse_args(argv)
     if args.messages < args.round or args.round < args.window or args.window < 1:
@@ -124,7 +135,10 @@ def run(args: argparse.Namespace, vacuum: bool) -> dict[str, Any]:
             # By every session of the server while this ran: its own, pgq's vacuuming.
             "wal_bytes_per_message": wal / messages,
             "drain_wal_bytes_per_message": drain_wal / messages,
-            "baseline": baseline, "peak": peak, "end": end, "after_vacuum": after,
+            "baseline": baseline,
+            "peak": peak,
+            "end": end,
+            "after_vacuum": after,
         }
 
 
@@ -134,11 +148,16 @@ def mib(n: int) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     factor = result["fillfactor"] or "pgq's"
-    lines = [f"{result['messages_each']:,} messages per run, drained in windows of "
-             f"{result['window']}, fill factor {factor}; sizes in "
-             "MiB (heap + indexes); WAL in bytes per message (all, while draining)", ""]
-    lines.append(f"{'vacuum':<34}{'baseline':>9}{'peak':>9}{'end':>9}{'after':>9}"
-                 f"{'dead@end':>10}{'rate first':>12}{'rate last':>11}{'WAL':>7}{'drain':>7}")
+    lines = [
+        f"{result['messages_each']:,} messages per run, drained in windows of "
+        f"{result['window']}, fill factor {factor}; sizes in "
+        "MiB (heap + indexes); WAL in bytes per message (all, while draining)",
+        "",
+    ]
+    lines.append(
+        f"{'vacuum':<34}{'baseline':>9}{'peak':>9}{'end':>9}{'after':>9}"
+        f"{'dead@end':>10}{'rate first':>12}{'rate last':>11}{'WAL':>7}{'drain':>7}"
+    )
     for r in result["runs"]:
         lines.append(
             f"{r['vacuum']:<34}{mib(r['baseline']['total_bytes'])} {mib(r['peak']['total_bytes'])}"
@@ -155,11 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stderr if args.json else sys.stdout
     runs = []
     for vacuum in (True, False):
-        print(f"[table health] {args.messages:,} messages, vacuum {'on' if vacuum else 'off'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[table health] {args.messages:,} messages, vacuum {'on' if vacuum else 'off'}",
+            file=sys.stderr,
+            flush=True,
+        )
         runs.append(run(args, vacuum))
-    result = {"messages_each": args.messages, "round": args.round, "window": args.window,
-              "fillfactor": args.fillfactor, "runs": runs}
+    result = {
+        "messages_each": args.messages,
+        "round": args.round,
+        "window": args.window,
+        "fillfactor": args.fillfactor,
+        "runs": runs,
+    }
     print(format_report(result), file=out, flush=True)
     if args.json:
         print(json.dumps(result, indent=2))

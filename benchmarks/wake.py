@@ -35,8 +35,12 @@ from pg_transport.store import Store, claim_params, decode_claimed
 
 __all__ = ["main", "measure"]
 
-PAYLOAD = {"body": "[[], {}, {}]", "content-type": "application/json", "headers": {},
-           "properties": {"delivery_info": {}}}
+PAYLOAD = {
+    "body": "[[], {}, {}]",
+    "content-type": "application/json",
+    "headers": {},
+    "properties": {"delivery_info": {}},
+}
 
 
 def measure(pg_url: str, probes: int, *, durable: bool) -> dict[str, dict[str, float]]:
@@ -73,8 +77,10 @@ def measure(pg_url: str, probes: int, *, durable: bool) -> dict[str, dict[str, f
         with connector.connection() as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
         connector.close()
-    return {name: {"p50": median(values), "p99": quantiles(values, n=100)[98]}
-            for name, values in steps.items()}
+    return {
+        name: {"p50": median(values), "p99": quantiles(values, n=100)[98]}
+        for name, values in steps.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probes", type=int, default=500)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    found = {"durable": measure(args.url, args.probes, durable=True),
-             "async": measure(args.url, args.probes, durable=False)}
+    found = {
+        "durable": measure(args.url, args.probes, durable=True),
+        "async": measure(args.url, args.probes, durable=False),
+    }
     if args.json:
         print(json.dumps(found, indent=2))
         return

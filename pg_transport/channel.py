@@ -45,9 +45,6 @@ def check_queue_name(queue: str) -> str:
     return queue
 
 
-
-
-
 def fault(claimed: Claimed) -> str | None:
     """Why ``claimed`` cannot be delivered (None: it can)."""
     if claimed.dead_letter_id is not None:
@@ -87,9 +84,7 @@ class Channel(virtual.Channel):
     def max_attempts(self, queue: str) -> int:
         attempts = self._attempts_cache.get(queue)
         if attempts is None:
-            attempts = self._attempts_cache[queue] = self.connection.options.max_attempts_for(
-                queue
-            )
+            attempts = self._attempts_cache[queue] = self.connection.options.max_attempts_for(queue)
         return attempts
 
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
@@ -99,8 +94,11 @@ class Channel(virtual.Channel):
             decoded = poison.decode(self.connection.raw_payload(message))
             found, why = identity.recover(decoded.task_name, decoded.args, decoded.kwargs)
             self.store.identify_dead_letter(
-                dead_id, task_id=decoded.task_id, task_name=decoded.task_name,
-                identity=found, reasons=decoded.reasons + why,
+                dead_id,
+                task_id=decoded.task_id,
+                task_name=decoded.task_name,
+                identity=found,
+                reasons=decoded.reasons + why,
             )
         return dead_id
 
@@ -141,8 +139,13 @@ class Channel(virtual.Channel):
         return to_rabbitmq_queue_arguments(arguments, **kwargs)
 
     def exchange_declare(
-        self, exchange: str | None = None, type: str = "direct", durable: bool = False,
-        auto_delete: bool = False, arguments: Any = None, nowait: bool = False,
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
         passive: bool = False,
     ) -> None:
         type = type or "direct"
@@ -154,21 +157,30 @@ class Channel(virtual.Channel):
         if type not in EXCHANGE_TYPES:
             raise ChannelError(
                 f"NOT_IMPLEMENTED - exchange type {type!r} (pgq routes {sorted(EXCHANGE_TYPES)})",
-                (50, 10), "Channel.exchange_declare", "540",
+                (50, 10),
+                "Channel.exchange_declare",
+                "540",
             )
         existing = self.store.declare_exchange(exchange, type)
         if existing != type:
             raise ChannelError(
                 f"PRECONDITION_FAILED - exchange {exchange!r} exists with type {existing!r},"
-                f" not {type!r}", (50, 10), "Channel.exchange_declare", "406",
+                f" not {type!r}",
+                (50, 10),
+                "Channel.exchange_declare",
+                "406",
             )
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
         self.store.delete_exchange(exchange)
 
     def queue_bind(
-        self, queue: str, exchange: str | None = None, routing_key: str = "",
-        arguments: Any = None, **kwargs: Any,
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
     ) -> None:
         exchange = exchange or "amq.direct"
         key = routing_key or ""
@@ -179,19 +191,25 @@ class Channel(virtual.Channel):
         try:
             # Every publish to a topic exchange matches its key against each binding's
             # pattern: one pattern Postgres cannot compile would break them all.
-            pattern = (topic.binding_pattern(key) if kind == "topic"
-                       else topic.literal_pattern(key))
+            pattern = topic.binding_pattern(key) if kind == "topic" else topic.literal_pattern(key)
         except topic.InvalidBindingKey as exc:
             raise ChannelError(
                 f"PRECONDITION_FAILED - cannot bind queue {queue!r} to exchange "
-                f"{exchange!r}: {exc}", (50, 20), "Channel.queue_bind", "406",
+                f"{exchange!r}: {exc}",
+                (50, 20),
+                "Channel.queue_bind",
+                "406",
             ) from exc
         if not self.store.bind(exchange, check_queue_name(queue), key, pattern):
             raise _not_found(missing, "Channel.queue_bind")  # deleted since it was looked up
 
     def queue_unbind(
-        self, queue: str, exchange: str | None = None, routing_key: str = "",
-        arguments: Any = None, **kwargs: Any,
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
     ) -> None:
         self.store.unbind(exchange or "amq.direct", queue, routing_key or "")
 
@@ -204,7 +222,9 @@ class Channel(virtual.Channel):
             return self._put(routing_key, message)
         props = message["properties"]
         kind, matched = self.store.publisher.publish_routed(
-            exchange, routing_key or "", message,
+            exchange,
+            routing_key or "",
+            message,
             priority=self._get_message_priority(message),
             delay=self._delay(message),
             ttl=_expiration(props.get("expiration")),
@@ -223,7 +243,8 @@ class Channel(virtual.Channel):
             logger.debug("no queue bound for %s: dropped", what)
             return
         dead_id = self.store.publisher.dead_letter_unroutable(
-            check_queue_name(routing_key), message,
+            check_queue_name(routing_key),
+            message,
             priority=self._get_message_priority(message),
             reason=f"unroutable: no queue bound for {what}",
         )
@@ -263,8 +284,9 @@ class Channel(virtual.Channel):
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
         self.store.delete_queue(queue)
 
-    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
-                     **kwargs: Any) -> None:
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> None:
         if if_empty and self._size(queue):
             return
         self._delete(queue)  # the queue, its bindings and its messages

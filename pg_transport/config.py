@@ -88,9 +88,7 @@ def _seconds(key: str, value: Any) -> float:
 
 
 def _attempts(key: str, value: Any) -> int:
-    return int(
-        _number(key, value, integer=True, minimum=1, allow_zero=True, maximum=MAX_ATTEMPTS)
-    )
+    return int(_number(key, value, integer=True, minimum=1, allow_zero=True, maximum=MAX_ATTEMPTS))
 
 
 def _interval(key: str, value: Any) -> float:
@@ -106,10 +104,16 @@ MIN_MESSAGE_BYTES = 1024
 
 
 def _message_bytes(key: str, value: Any) -> int:
-    return int(_number(
-        key, value, integer=True, minimum=MIN_MESSAGE_BYTES, allow_zero=False,
-        maximum=MAX_MESSAGE_BYTES,
-    ))
+    return int(
+        _number(
+            key,
+            value,
+            integer=True,
+            minimum=MIN_MESSAGE_BYTES,
+            allow_zero=False,
+            maximum=MAX_MESSAGE_BYTES,
+        )
+    )
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -118,9 +122,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _vacuum_threshold(key: str, value: Any) -> int:
     # Dead rows; 0 turns pgq's own vacuuming off.
-    return int(
-        _number(key, value, integer=True, minimum=0, allow_zero=True, maximum=MAX_ATTEMPTS)
-    )
+    return int(_number(key, value, integer=True, minimum=0, allow_zero=True, maximum=MAX_ATTEMPTS))
 
 
 def _flag(key: str, value: Any) -> bool:
@@ -141,8 +143,7 @@ def _schema(key: str, value: Any) -> str:
         )
     if value.startswith("pg_"):
         raise ConfigurationError(
-            f"pgq option {key}={value!r}: schema names starting with pg_ are reserved "
-            "by PostgreSQL"
+            f"pgq option {key}={value!r}: schema names starting with pg_ are reserved by PostgreSQL"
         )
     return value
 

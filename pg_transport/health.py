@@ -70,8 +70,6 @@ MIN_BEAT_INTERVAL = 1.0
 _WRAPPED = "_pgq_heartbeat"
 
 
-
-
 class UnsafeDirectory(OSError):
     """The default heartbeat directory exists, but others could write (or read) in it."""
 
@@ -173,8 +171,9 @@ class Heartbeat:
         without following it: nothing outside the new file is ever written, and the
         health check never reads a half-written file.
         """
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(
+            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
+        )
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -68,9 +68,7 @@ def _usable(name: str, value: Any, where: str, reasons: list[str]) -> bool:
     return True
 
 
-def recover(
-    task_name: str | None, args: Any, kwargs: Any
-) -> tuple[dict[str, Any], list[str]]:
+def recover(task_name: str | None, args: Any, kwargs: Any) -> tuple[dict[str, Any], list[str]]:
     """The identity fields of a task call, and why any could not be recovered.
 
     kwargs by name first, then the registered positional index; bounds and type
@@ -81,9 +79,7 @@ def recover(
     named = kwargs if isinstance(kwargs, Mapping) else {}
     if kwargs is not None and not isinstance(kwargs, Mapping):
         reasons.append(f"kwargs is {type(kwargs).__name__}, not a mapping")
-    positional: Sequence[Any] | None = (
-        args if isinstance(args, (list, tuple)) else None
-    )
+    positional: Sequence[Any] | None = args if isinstance(args, (list, tuple)) else None
     if args is not None and positional is None:
         reasons.append(f"args is {type(args).__name__}, not a list")
     fields = _registry.get(task_name or "", {})

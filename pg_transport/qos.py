@@ -101,8 +101,13 @@ class QoS(virtual.QoS):
         try:
             if held is not None and undecodable:
                 token = held[0]
-                self._land("dead-lettering", held, lambda: self.channel.dead_letter(
-                    token, f"undecodable body: {undecodable}", message))
+                self._land(
+                    "dead-lettering",
+                    held,
+                    lambda: self.channel.dead_letter(
+                        token, f"undecodable body: {undecodable}", message
+                    ),
+                )
             elif held is not None:
                 token = held[0]
                 transport = self.channel.connection
@@ -127,8 +132,13 @@ class QoS(virtual.QoS):
                     self._land("requeue", held, lambda: self.channel.store.release([token]))
                 else:
                     message = self._delivered.get(delivery_tag)
-                    self._land("reject", held, lambda: self.channel.dead_letter(
-                        token, "rejected without requeue", message))
+                    self._land(
+                        "reject",
+                        held,
+                        lambda: self.channel.dead_letter(
+                            token, "rejected without requeue", message
+                        ),
+                    )
         finally:
             self._forget(delivery_tag)
 
@@ -151,7 +161,10 @@ class QoS(virtual.QoS):
         ident = held[0].id if held else "?"
         logger.warning(
             "%s of message %s failed (%s); it will be delivered again when its "
-            "visibility timeout lapses", what, ident, exc,
+            "visibility timeout lapses",
+            what,
+            ident,
+            exc,
         )
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
@@ -164,7 +177,8 @@ class QoS(virtual.QoS):
         if transport is not None and transport.lost:
             logger.info(
                 "connection lost: %d unacked messages keep their lease until they are "
-                "acked or it lapses", len(self._held),
+                "acked or it lapses",
+                len(self._held),
             )
             return []
         self._flush()
@@ -178,5 +192,3 @@ class QoS(virtual.QoS):
             # The leases expire on their own: nothing is lost, only delayed.
             logger.warning("could not release %d unacked messages: %s", len(tokens), exc)
         return []
-
-

@@ -60,15 +60,26 @@ def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
     assert ident is not None and queue is not None
     assert priority is not None and read_ct is not None and lease is not None
     return row_to_claimed(
-        int(ident), queue.decode("utf-8", "replace"), int(priority), int(read_ct), int(lease),
-        payload, None if dead is None else int(dead),
+        int(ident),
+        queue.decode("utf-8", "replace"),
+        int(priority),
+        int(read_ct),
+        int(lease),
+        payload,
+        None if dead is None else int(dead),
         None if fault is None else fault.decode("utf-8", "replace"),
     )
 
 
 def row_to_claimed(
-    ident: int, queue: str, priority: int, read_ct: int, lease: int,
-    payload: Any, dead: int | None, fault: str | None,
+    ident: int,
+    queue: str,
+    priority: int,
+    read_ct: int,
+    lease: int,
+    payload: Any,
+    dead: int | None,
+    fault: str | None,
 ) -> Claimed:
     """A Claimed row, its payload decoded and checked (``payload``: JSON text or bytes,
     or what psycopg already decoded)."""

@@ -73,7 +73,9 @@ class Store:
         self.q = load_queries(schema)
         #: Publishes to this schema.
         self.publisher = Publisher(
-            publisher or connector, schema, flushes=publisher_flushes,
+            publisher or connector,
+            schema,
+            flushes=publisher_flushes,
             max_message_bytes=max_message_bytes,
         )
         # The claim, run once per few messages, goes through libpq directly (wire.py).
@@ -123,8 +125,10 @@ class Store:
         if limit <= 0 or not queues:
             return []
         params = {
-            "queues": list(queues), "limit": limit,
-            "max_bytes": self.max_message_bytes, "max_message_bytes": self.max_message_bytes,
+            "queues": list(queues),
+            "limit": limit,
+            "max_bytes": self.max_message_bytes,
+            "max_message_bytes": self.max_message_bytes,
         }
 
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
@@ -135,10 +139,18 @@ class Store:
     def keep_popped(self, claimed: Claimed, reason: str) -> int:
         """Keep in dead_letter a popped message (gone from its queue already) that could
         not be decoded, from its text; the dead-letter id."""
-        return int(self._scalar("dead_letter_unroutable", {
-            "queue": claimed.queue, "payload": claimed.raw or "null",
-            "priority": claimed.priority, "reason": text(reason),
-        }, idempotent=False))
+        return int(
+            self._scalar(
+                "dead_letter_unroutable",
+                {
+                    "queue": claimed.queue,
+                    "payload": claimed.raw or "null",
+                    "priority": claimed.priority,
+                    "reason": text(reason),
+                },
+                idempotent=False,
+            )
+        )
 
     def ack(self, tokens: Sequence[Lease]) -> int:
         """Delete delivered messages still held under ``tokens``; how many were."""
@@ -171,8 +183,12 @@ class Store:
 
     def dead_letter(self, token: Lease, reason: str) -> int | None:
         """Move a held message to dead_letter; the dead-letter id, or None if not held."""
-        params = {"id": token.id, "lease": token.lease, "queue": token.queue,
-                  "reason": text(reason)}
+        params = {
+            "id": token.id,
+            "lease": token.lease,
+            "queue": token.queue,
+            "reason": text(reason),
+        }
 
         def work(conn: psycopg.Connection[Any]) -> int | None:
             row = conn.execute(self.q["dead_letter"], params).fetchone()
@@ -266,7 +282,8 @@ class Store:
         self, queue: str, *, expires_ms: int | None = None, message_ttl_ms: int | None = None
     ) -> None:
         self._declaring(
-            f"queue {queue!r}", "declare_queue",
+            f"queue {queue!r}",
+            "declare_queue",
             {"queue": queue, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms},
         )
 
@@ -279,8 +296,11 @@ class Store:
     # -- routing -------------------------------------------------------------
     def declare_exchange(self, exchange: str, type_: str) -> str:
         """Record an exchange; the type it has (an existing one keeps its own)."""
-        return str(self._declaring(f"exchange {exchange!r}", "declare_exchange",
-                                   {"exchange": exchange, "type": type_}))
+        return str(
+            self._declaring(
+                f"exchange {exchange!r}", "declare_exchange", {"exchange": exchange, "type": type_}
+            )
+        )
 
     def exchange_type(self, exchange: str) -> str | None:
         found = self._scalar("exchange_type", {"exchange": exchange})
@@ -291,14 +311,18 @@ class Store:
 
     def bind(self, exchange: str, queue: str, routing_key: str, pattern: str) -> bool:
         """Bind; False when the exchange was never declared (nothing is bound)."""
-        params = {"exchange": exchange, "queue": queue, "routing_key": routing_key,
-                  "pattern": pattern}
-        return bool(self._declaring(f"a binding of queue {queue!r} to {exchange!r}", "bind",
-                                    params))
+        params = {
+            "exchange": exchange,
+            "queue": queue,
+            "routing_key": routing_key,
+            "pattern": pattern,
+        }
+        return bool(
+            self._declaring(f"a binding of queue {queue!r} to {exchange!r}", "bind", params)
+        )
 
     def unbind(self, exchange: str, queue: str, routing_key: str) -> None:
-        self._command("unbind", {"exchange": exchange, "queue": queue,
-                                 "routing_key": routing_key})
+        self._command("unbind", {"exchange": exchange, "queue": queue, "routing_key": routing_key})
 
     def list_bindings(self) -> list[tuple[str, str, str]]:
         def work(conn: psycopg.Connection[Any]) -> list[tuple[str, str, str]]:
@@ -333,10 +357,15 @@ def claim_params(
     """Parameters of the ``claim`` query."""
     attempts = list(max_attempts) if max_attempts is not None else [_NO_LIMIT] * len(queues)
     return {
-        "queues": list(queues), "vts": list(vts), "max_attempts": attempts, "limit": limit,
-        "ack_ids": [t.id for t in acks], "ack_leases": [t.lease for t in acks],
+        "queues": list(queues),
+        "vts": list(vts),
+        "max_attempts": attempts,
+        "limit": limit,
+        "ack_ids": [t.id for t in acks],
+        "ack_leases": [t.lease for t in acks],
         "ack_queues": [t.queue for t in acks],
-        "max_bytes": max_bytes, "max_message_bytes": max_bytes,
+        "max_bytes": max_bytes,
+        "max_message_bytes": max_bytes,
     }
 
 
@@ -346,5 +375,3 @@ def _lease_params(tokens: Sequence[Lease]) -> dict[str, Any]:
         "leases": [t.lease for t in tokens],
         "queues": [t.queue for t in tokens],
     }
-
-

@@ -120,13 +120,20 @@ class Transport(virtual.Transport):
         prepare = 5 if own else None
         no_jit = (queries["no_jit"],) if own else ()
         self.connector = Connector(
-            conninfo, display_url=shown, prepare_threshold=prepare, setup=no_jit,
+            conninfo,
+            display_url=shown,
+            prepare_threshold=prepare,
+            setup=no_jit,
             pin_search_path=own,
         )
         # The consumer's statements (claim, ack, renew, ...) are planned once.
         self.relaxed = (
-            Connector(conninfo, display_url=shown, prepare_threshold=prepare,
-                      setup=(queries["relax_commit"], queries["generic_plans"], *no_jit))
+            Connector(
+                conninfo,
+                display_url=shown,
+                prepare_threshold=prepare,
+                setup=(queries["relax_commit"], queries["generic_plans"], *no_jit),
+            )
             if own
             else self.connector
         )
@@ -135,9 +142,12 @@ class Transport(virtual.Transport):
         # waiting for it has it before.
         durable = self.options.durable_publish
         self.store = Store(
-            self.connector, self.options.schema, relaxed=self.relaxed,
+            self.connector,
+            self.options.schema,
+            relaxed=self.relaxed,
             publisher=self.connector if durable else self.relaxed,
-            publisher_flushes=durable, max_message_bytes=self.options.max_message_bytes,
+            publisher_flushes=durable,
+            max_message_bytes=self.options.max_message_bytes,
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
@@ -147,8 +157,9 @@ class Transport(virtual.Transport):
         self._attempts: dict[str, int] = {}
         session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
         #: The consumer, one for every way of driving it.
-        self.engine = Engine(self, self.store, session,
-                             max_message_bytes=self.options.max_message_bytes)
+        self.engine = Engine(
+            self, self.store, session, max_message_bytes=self.options.max_message_bytes
+        )
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
 
@@ -237,8 +248,9 @@ class Transport(virtual.Transport):
         for channel in self.consuming_channels():
             acked, unacked = channel.consuming()
             qos = channel.qos
-            room = (int(qos.can_consume_max_estimate() or UNLIMITED_BATCH)
-                    if qos.can_consume() else 0)
+            room = (
+                int(qos.can_consume_max_estimate() or UNLIMITED_BATCH) if qos.can_consume() else 0
+            )
             found.append(Want(acked, unacked, room, qos.prefetch_count or 0))
         return found
 
@@ -287,9 +299,11 @@ class Transport(virtual.Transport):
         and (unless ``vacuum_threshold`` is 0) vacuuming of the message table."""
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = Housekeeper(
-                flush_acks=self.engine.flush_acks, held=self.held,
+                flush_acks=self.engine.flush_acks,
+                held=self.held,
                 renew=self.store.renew if self.options.lease_renewal else None,
-                maintain=self.maintain, default_vt=self.options.visibility_timeout,
+                maintain=self.maintain,
+                default_vt=self.options.visibility_timeout,
             )
             self._renewer.start()
         threshold = self.options.vacuum_threshold
@@ -341,4 +355,3 @@ def _client_url(client: Any) -> str:
     vhost = client.virtual_host or ""
     vhost = "" if vhost == "/" else quote(vhost.lstrip("/"), safe="")
     return f"pgq://{auth}{host}{port}/{vhost}"
-

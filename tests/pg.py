@@ -47,5 +47,8 @@ def new_schema_name() -> str:
 
 def drop_schema(pg_url: str, schema: str) -> None:
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-            psycopg.sql.Identifier(schema)))
+        conn.execute(
+            psycopg.sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                psycopg.sql.Identifier(schema)
+            )
+        )

@@ -71,8 +71,9 @@ class _InFlight:
 
 
 class Engine:
-    def __init__(self, source: Source, store: Store, session: Session, *,
-                 max_message_bytes: int) -> None:
+    def __init__(
+        self, source: Source, store: Store, session: Session, *, max_message_bytes: int
+    ) -> None:
         self.source = source
         self.store = store
         self.session = session
@@ -242,15 +243,25 @@ class Engine:
         unacked = sorted({q for w in wants for q in w.unacked} - self.exhausted)
         if unacked:
             self._in_flight = _InFlight("pop", queues=unacked, limit=UNLIMITED_BATCH)
-            session.send("pop", {
-                "queues": unacked, "limit": UNLIMITED_BATCH,
-                "max_bytes": self.max_message_bytes,
-                "max_message_bytes": self.max_message_bytes,
-            })
+            session.send(
+                "pop",
+                {
+                    "queues": unacked,
+                    "limit": UNLIMITED_BATCH,
+                    "max_bytes": self.max_message_bytes,
+                    "max_message_bytes": self.max_message_bytes,
+                },
+            )
             self.statements.pop += 1
             return
-        want = next((w for w in wants if w.acked and w.room != 0
-                     and any(q not in self.exhausted for q in w.acked)), None)
+        want = next(
+            (
+                w
+                for w in wants
+                if w.acked and w.room != 0 and any(q not in self.exhausted for q in w.acked)
+            ),
+            None,
+        )
         if want is not None and not self._worth_claiming(want):
             return  # the acks wait too: they ride on that claim, a moment later
         acks = self.acks.take()
@@ -258,11 +269,17 @@ class Engine:
             queues = [q for q in want.acked if q not in self.exhausted]
             limit = want.room if want.room is not None else UNLIMITED_BATCH
             self._in_flight = _InFlight("claim", acks, queues, limit)
-            session.send("claim", claim_params(
-                queues, [self.source.visibility_timeout(q) for q in queues], limit,
-                [self.source.max_attempts(q) for q in queues], acks,
-                max_bytes=self.max_message_bytes,
-            ))
+            session.send(
+                "claim",
+                claim_params(
+                    queues,
+                    [self.source.visibility_timeout(q) for q in queues],
+                    limit,
+                    [self.source.max_attempts(q) for q in queues],
+                    acks,
+                    max_bytes=self.max_message_bytes,
+                ),
+            )
             self.statements.claim += 1
             self.statements.acks_riding += len(acks)
             self._refill_due = False
@@ -271,10 +288,14 @@ class Engine:
                 self._refill = None
         elif acks:
             self._in_flight = _InFlight("ack", acks)
-            session.send("ack", {
-                "ids": [t.id for t in acks], "leases": [t.lease for t in acks],
-                "queues": [t.queue for t in acks],
-            })
+            session.send(
+                "ack",
+                {
+                    "ids": [t.id for t in acks],
+                    "leases": [t.lease for t in acks],
+                    "queues": [t.queue for t in acks],
+                },
+            )
             self.statements.ack += 1
             self.statements.acks_alone += len(acks)
 
@@ -346,17 +367,20 @@ class Engine:
             self._undelivered.pop(claimed.id, None)
         why = claimed.fault if claimed.payload is None else envelope.fault(claimed.payload)
         if claimed.dead_letter_id is not None or why is not None:
-            self.undeliverable.submit(claimed, claimed.fault or why or "undecodable payload",
-                                      held=leased)
+            self.undeliverable.submit(
+                claimed, claimed.fault or why or "undecodable payload", held=leased
+            )
             return
         try:
             self.source.deliver(claimed)
         except Exception as exc:  # any fault of one message: dead-letter it, go on
-            logger.exception("pgq: delivering message %d of queue %r failed",
-                             claimed.id, claimed.queue)
+            logger.exception(
+                "pgq: delivering message %d of queue %r failed", claimed.id, claimed.queue
+            )
             if leased:
                 self.undeliverable.submit(
-                    claimed, f"delivery failed: {type(exc).__name__}: {exc}", held=True)
+                    claimed, f"delivery failed: {type(exc).__name__}: {exc}", held=True
+                )
             return
         self.delivered += 1
 
@@ -369,8 +393,9 @@ class Engine:
         try:
             self.store.release(tokens)
         except (BrokerUnavailable, psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            logger.warning("pgq: could not release %d messages (%s): their leases lapse",
-                           len(tokens), exc)
+            logger.warning(
+                "pgq: could not release %d messages (%s): their leases lapse", len(tokens), exc
+            )
 
     # -- acks and leases ---------------------------------------------------------------
     def held(self) -> list[tuple[Lease, float]]:
@@ -390,11 +415,12 @@ class Engine:
         except (BrokerUnavailable, psycopg.OperationalError, psycopg.InterfaceError) as exc:
             logger.warning(
                 "pgq: ack of %d messages failed (%s); they will be delivered again when "
-                "their visibility timeout lapses", len(tokens), exc,
+                "their visibility timeout lapses",
+                len(tokens),
+                exc,
             )
 
     def _abandon_in_flight(self) -> None:
         flight, self._in_flight = self._in_flight, None
         if flight is not None and flight.acks:
             self.land_acks(self.acks.put_back(flight.acks))
-

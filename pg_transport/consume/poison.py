@@ -147,7 +147,12 @@ def run_hooks(
 
 
 def handle_poisoned(
-    store: Any, *, dead_letter_id: int, queue: str, payload: Mapping[str, Any], attempts: int,
+    store: Any,
+    *,
+    dead_letter_id: int,
+    queue: str,
+    payload: Mapping[str, Any],
+    attempts: int,
     reason: str = "",
 ) -> PoisonReport:
     """Recover identity, record it on the dead-letter row, run and record the hooks."""
@@ -171,12 +176,17 @@ def handle_poisoned(
     store.record_hooks(dead_letter_id, hooks)
     failed = [h for h in hooks if not h["ok"]]
     logger.error(
-        "dead-lettered message %s of queue %r (task %s %s) after %d deliveries (%s); "
-        "identity %s%s",
-        dead_letter_id, queue, decoded.task_name, decoded.task_id, attempts,
-        reason or "max_attempts", identity,
+        "dead-lettered message %s of queue %r (task %s %s) after %d deliveries (%s); identity %s%s",
+        dead_letter_id,
+        queue,
+        decoded.task_name,
+        decoded.task_id,
+        attempts,
+        reason or "max_attempts",
+        identity,
         f"; {len(failed)} hook(s) failed: re-run with `pgq dead rehook {dead_letter_id}`"
-        if failed else "",
+        if failed
+        else "",
     )
     return PoisonReport(
         dead_letter_id, queue, decoded.task_id, decoded.task_name, identity, reasons, hooks

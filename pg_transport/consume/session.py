@@ -66,7 +66,8 @@ class Notifications:
             logger.warning(
                 "pgq: dropped %d notification(s) with a payload on channel %r: pgq sends "
                 "none, so some other session is notifying its channels (any role that can "
-                "connect may); they are ignored", self.foreign - self._reported,
+                "connect may); they are ignored",
+                self.foreign - self._reported,
                 channel.decode("utf-8", "replace")[:63],
             )
             self._reported = self.foreign
@@ -84,9 +85,7 @@ class Reply:
 class Session:
     """A dedicated session of the consumer: LISTEN plus one statement in flight."""
 
-    def __init__(
-        self, connector: Connector, schema: str, *, listen: bool, prepare: bool
-    ) -> None:
+    def __init__(self, connector: Connector, schema: str, *, listen: bool, prepare: bool) -> None:
         self.connector = connector
         self.schema = schema
         self.listen = listen
@@ -157,8 +156,7 @@ class Session:
         assert conn is not None, "session not open"
         wanted = sorted(set(channels))
         text = ";".join(
-            compose_channel(self._queries["listen"], channel).as_string(conn)
-            for channel in wanted
+            compose_channel(self._queries["listen"], channel).as_string(conn) for channel in wanted
         )
         conn.pgconn.send_query(text.encode())
         self._listen_sent = set(wanted)

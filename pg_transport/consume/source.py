@@ -64,5 +64,3 @@ class Statements:
     ack: int = 0
     acks_riding: int = 0
     acks_alone: int = 0
-
-

@@ -50,8 +50,7 @@ class Undeliverable:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], object]] | None] = (
-            queue.SimpleQueue())
+        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], object]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -87,8 +86,11 @@ class Undeliverable:
             try:
                 work()
             except (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable) as exc:
-                logger.warning("pgq: %s failed (%s): the message is delivered again when "
-                               "its lease lapses", what, exc)
+                logger.warning(
+                    "pgq: %s failed (%s): the message is delivered again when its lease lapses",
+                    what,
+                    exc,
+                )
             except Exception:  # a bug: the message's lease lapses, go on
                 logger.exception("pgq: %s failed", what)
 
@@ -111,7 +113,11 @@ class Undeliverable:
                 reason=claimed.fault or reason,
             )
         except (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable) as exc:
-            logger.warning("pgq: could not dead-letter message %d (%s): it is delivered "
-                           "again when its lease lapses", claimed.id, exc)
+            logger.warning(
+                "pgq: could not dead-letter message %d (%s): it is delivered "
+                "again when its lease lapses",
+                claimed.id,
+                exc,
+            )
         except Exception:  # a store call refused, or a bug: the row is kept, go on
             logger.exception("pgq: handling undeliverable message %d failed", claimed.id)

@@ -64,7 +64,9 @@ class Vacuumer(threading.Thread):
                     logger.info(
                         "role %s does not own %s.%s and cannot vacuum it; autovacuum "
                         "keeps it small (see docs/performance.md)",
-                        conn.info.user, self.schema, table,
+                        conn.info.user,
+                        self.schema,
+                        table,
                     )
                     return False
                 if int(dead) >= self.threshold:

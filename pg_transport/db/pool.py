@@ -138,7 +138,8 @@ class Connector:
         # Pooled connections out and idle, and when each was opened.
         self._size = 0
         self._born: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
         self._returned = threading.Condition(self._lock)
         self._pid = os.getpid()

@@ -94,27 +94,41 @@ class Policy:
     make: Callable[[], Retrying]
 
 
-ONCE = Policy("once", is_dead_connection, lambda: Retrying(
-    retry=retry_if_exception(is_dead_connection), stop=stop_after_attempt(1), reraise=True,
-))
+ONCE = Policy(
+    "once",
+    is_dead_connection,
+    lambda: Retrying(
+        retry=retry_if_exception(is_dead_connection),
+        stop=stop_after_attempt(1),
+        reraise=True,
+    ),
+)
 
 # A server restart refuses connections for well under a second ("the database system
 # is shutting down", then "connection refused"); these retries span it.
 FENCED_RETRY_SECONDS = 5.0
-FENCED = Policy("fenced", _dead_or_unreachable, lambda: Retrying(
-    retry=retry_if_exception(_dead_or_unreachable),
-    wait=wait_exponential(multiplier=0.05, max=1.0),
-    stop=stop_after_delay(FENCED_RETRY_SECONDS),
-    reraise=True,
-))
+FENCED = Policy(
+    "fenced",
+    _dead_or_unreachable,
+    lambda: Retrying(
+        retry=retry_if_exception(_dead_or_unreachable),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(FENCED_RETRY_SECONDS),
+        reraise=True,
+    ),
+)
 
 TRANSIENT_RETRY_SECONDS = 30.0
-TRANSIENT = Policy("transient", _transient, lambda: Retrying(
-    retry=retry_if_exception(_transient),
-    stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
-    wait=wait_exponential(multiplier=0.1, max=2.0),
-    reraise=True,
-))
+TRANSIENT = Policy(
+    "transient",
+    _transient,
+    lambda: Retrying(
+        retry=retry_if_exception(_transient),
+        stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
+        wait=wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    ),
+)
 
 
 def attempt(policy: Policy | None, work: Callable[[], T]) -> T:

@@ -49,8 +49,10 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 # a password: each known one is replaced by a description of our own, and any other
 # (a newer or translated libpq) by the generic one.
 _LIBPQ_SYNTAX_ERRORS = (
-    ("invalid percent-encoded token",
-     "a '%' not followed by two hex digits (write '%' itself as %25)"),
+    (
+        "invalid percent-encoded token",
+        "a '%' not followed by two hex digits (write '%' itself as %25)",
+    ),
     ("forbidden value %00", "a percent-encoded NUL (%00)"),
     ("unexpected spaces", "a space (write it as %20)"),
     ("missing key/value separator", 'a query parameter without its key/value separator "="'),
@@ -123,7 +125,7 @@ def _stray_at(rest: str) -> bool:
     """
     at, slash = rest.find("@"), rest.find("/")
     user_part_ends = at if at >= 0 and (slash < 0 or at < slash) else -1
-    return "@" in rest[user_part_ends + 1:].partition("?")[0]
+    return "@" in rest[user_part_ends + 1 :].partition("?")[0]
 
 
 def _check_ports(ports: str) -> None:
@@ -221,8 +223,9 @@ def build_url(params: Mapping[str, str]) -> str:
     netloc = _netloc(hosts, ports)
     if netloc is None:
         netloc = ""
-        rest.update({key: value for key, value in (("host", hosts), ("port", ports))
-                     if value is not None})
+        rest.update(
+            {key: value for key, value in (("host", hosts), ("port", ports)) if value is not None}
+        )
     dbname = rest.pop("dbname", "")
     path = "/" + _quote(dbname) if dbname else ""
     if "dbname" in params and not dbname:

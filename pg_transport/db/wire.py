@@ -33,9 +33,11 @@ Row = tuple["bytes | None", ...]
 # What pgq keeps per connection, beside it rather than on it (psycopg's object is not
 # ours to add attributes to): the statements prepared on its session, its adapters.
 _prepared: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 _transformers: weakref.WeakKeyDictionary[psycopg.Connection[Any], abc.Transformer] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _ONE_TEXT = [PyFormat.TEXT]

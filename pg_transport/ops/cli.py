@@ -114,15 +114,23 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         return
     click.echo(where)
     if report.queues:
-        click.echo(table(
-            ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
-            [
-                [q.queue, str(q.ready), str(q.in_flight), str(q.delayed), str(q.dead),
-                 age(q.oldest_ready_age_s)]
-                for q in report.queues
-            ],
-            right={1, 2, 3, 4, 5, 6},
-        ))
+        click.echo(
+            table(
+                ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
+                [
+                    [
+                        q.queue,
+                        str(q.ready),
+                        str(q.in_flight),
+                        str(q.delayed),
+                        str(q.dead),
+                        age(q.oldest_ready_age_s),
+                    ]
+                    for q in report.queues
+                ],
+                right={1, 2, 3, 4, 5, 6},
+            )
+        )
     else:
         click.echo("no queues")
     clients = report.clients
@@ -131,8 +139,9 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         f"{plural(clients.sessions, 'session')}"
     )
     if report.barriers:
-        click.echo("barriers: " + ", ".join(
-            f"{b.count} {printable(b.status)}" for b in report.barriers))
+        click.echo(
+            "barriers: " + ", ".join(f"{b.count} {printable(b.status)}" for b in report.barriers)
+        )
 
 
 @main.group(cls=Group)
@@ -153,7 +162,8 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
         found = show(store.connector, store.schema, barrier_id)
     if found is None:
         raise click.ClickException(
-            f"no barrier {quoted(barrier_id)} in pgq schema {quoted(schema)}")
+            f"no barrier {quoted(barrier_id)} in pgq schema {quoted(schema)}"
+        )
     if as_json:
         click.echo(json_text(found))
         return
@@ -163,18 +173,28 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
             value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
         click.echo(f"{key + ':':<16}{'-' if value is None else printable(value)}")
     if parts:
-        click.echo(table(
-            ["PART", "OUTCOME", "TASK ID", "FINISHED"],
-            [[str(p["index"]), str(p["outcome"]), str(p.get("task_id") or "-"),
-              str(p["finished_at"])] for p in parts],
-            right={0},
-        ))
+        click.echo(
+            table(
+                ["PART", "OUTCOME", "TASK ID", "FINISHED"],
+                [
+                    [
+                        str(p["index"]),
+                        str(p["outcome"]),
+                        str(p.get("task_id") or "-"),
+                        str(p["finished_at"]),
+                    ]
+                    for p in parts
+                ],
+                right={0},
+            )
+        )
 
 
 @main.command()
 @url_option
 @click.option(
-    "--schema", metavar="NAME",
+    "--schema",
+    metavar="NAME",
     help="Schema to run the demo in; it must not exist yet and is dropped at the end. "
     "Default: a throwaway name ($PGQ_SCHEMA is ignored here, so the demo never touches "
     "your real schema).",
@@ -194,12 +214,16 @@ def demo(url: str | None, schema: str | None) -> None:
 @url_option
 @schema_option
 @click.option(
-    "--serve", "port", type=click.IntRange(0, 65535), metavar="PORT",
+    "--serve",
+    "port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
     help="Serve the metrics over HTTP on this port (0: any free port) instead of printing "
     "them once; every scrape of /metrics computes fresh figures.",
 )
 @click.option(
-    "--host", metavar="ADDRESS",
+    "--host",
+    metavar="ADDRESS",
     help="With --serve: address to listen on.  [default: 127.0.0.1]",
 )
 def metrics(url: str | None, schema: str, port: int | None, host: str | None) -> None:
@@ -229,14 +253,18 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     # A connector of its own, named so `pgq status` does not count the exporter
     # among the workers and publishers (application_name 'pgq:<pid>').
     connector = Connector(
-        url_to_conninfo(url), display_url=mask_url(url or "pgq://"),
+        url_to_conninfo(url),
+        display_url=mask_url(url or "pgq://"),
         application_name="pgq-metrics",
     )
     store = Store(connector, checked)
     try:
         server = exposition.make_server(
-            host or "127.0.0.1", port, lambda: status_report.collect(store),
-            describe_error=one_line, errors=(PgqError, psycopg.Error),
+            host or "127.0.0.1",
+            port,
+            lambda: status_report.collect(store),
+            describe_error=one_line,
+            errors=(PgqError, psycopg.Error),
         )
     except OSError as exc:
         connector.close()
@@ -255,15 +283,25 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
 
 @main.command()
 @click.option(
-    "--file", "path", envvar="PGQ_HEALTH_FILE", show_envvar=True, metavar="PATH",
-    type=click.Path(dir_okay=False), default=None,
+    "--file",
+    "path",
+    envvar="PGQ_HEALTH_FILE",
+    show_envvar=True,
+    metavar="PATH",
+    type=click.Path(dir_okay=False),
+    default=None,
     help="Heartbeat file the worker touches every consume-loop cycle.  "
     "[default: pgq-<uid>/worker.heartbeat in the temporary directory, a directory "
     "only this user may enter]",
 )
 @click.option(
-    "--stale-after", envvar="PGQ_HEALTH_STALE_SECONDS", show_envvar=True, metavar="SECONDS",
-    type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+    "--stale-after",
+    envvar="PGQ_HEALTH_STALE_SECONDS",
+    show_envvar=True,
+    metavar="SECONDS",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
     help="Fail when the worker's last consume-loop cycle is older than this.",
 )
 def health(path: str | None, stale_after: float) -> None:
@@ -276,8 +314,7 @@ def health(path: str | None, stale_after: float) -> None:
 
     from pg_transport import health as worker_health
 
-    result = worker_health.check(Path(path) if path else worker_health.default_file(),
-                                 stale_after)
+    result = worker_health.check(Path(path) if path else worker_health.default_file(), stale_after)
     # The message names the host read from the heartbeat file, which others may write.
     if not result.healthy:
         raise click.ClickException(printable(result.message))

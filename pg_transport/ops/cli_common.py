@@ -24,8 +24,19 @@ from pg_transport.ops.terminal import printable
 from pg_transport.store import Store
 
 __all__ = [
-    "URL_HELP", "Group", "age", "checked_schema", "hooks", "identity_text",
-    "json_text", "one_line", "open_connector", "open_store", "plural", "schema_option", "table",
+    "URL_HELP",
+    "Group",
+    "age",
+    "checked_schema",
+    "hooks",
+    "identity_text",
+    "json_text",
+    "one_line",
+    "open_connector",
+    "open_store",
+    "plural",
+    "schema_option",
+    "table",
     "url_option",
 ]
 
@@ -58,14 +69,18 @@ class Group(click.Group):
 
 
 def url_option(func: F) -> F:
-    return click.option(
-        "--url", envvar="PGQ_URL", show_envvar=True, metavar="URL", help=URL_HELP
-    )(func)
+    return click.option("--url", envvar="PGQ_URL", show_envvar=True, metavar="URL", help=URL_HELP)(
+        func
+    )
 
 
 def schema_option(func: F) -> F:
     return click.option(
-        "--schema", envvar="PGQ_SCHEMA", default="pgq", show_default=True, show_envvar=True,
+        "--schema",
+        envvar="PGQ_SCHEMA",
+        default="pgq",
+        show_default=True,
+        show_envvar=True,
         help="Schema holding pgq's tables.",
     )(func)
 
@@ -133,7 +148,9 @@ def age(seconds: float | None) -> str:
         return "-"
     whole = int(seconds)
     for size, unit, sub_size, sub_unit in (
-        (86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")
+        (86400, "d", 3600, "h"),
+        (3600, "h", 60, "m"),
+        (60, "m", 1, "s"),
     ):
         if whole >= size:
             return f"{whole // size}{unit} {whole % size // sub_size}{sub_unit}"
@@ -148,5 +165,3 @@ def hooks(row: DeadLetter) -> str:
     if not row.hooks:
         return "-"
     return f"{row.hooks_ok} ok, {row.hooks_failed} failed"
-
-

@@ -34,7 +34,10 @@ def dead() -> None:
 @click.option("--queue", metavar="QUEUE", help="Only rows of this queue.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.option(
-    "--limit", type=click.IntRange(min=1), default=100, show_default=True,
+    "--limit",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
     help="Show at most this many rows, newest first.",
 )
 def dead_list(url: str | None, schema: str, queue: str | None, as_json: bool, limit: int) -> None:
@@ -47,16 +50,26 @@ def dead_list(url: str | None, schema: str, queue: str | None, as_json: bool, li
     if not rows:
         click.echo("no dead-letter rows" + (f" in queue {quoted(queue)}" if queue else ""))
         return
-    click.echo(table(
-        ["ID", "QUEUE", "TASK", "TASK ID", "IDENTITY", "READS", "DEAD AT", "HOOKS", "REASON"],
-        [
-            [str(r.id), r.queue, r.task_name or "-", r.task_id or "-", identity_text(r.identity),
-             str(r.read_ct), r.dead_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
-             hooks(r), r.reason]
-            for r in rows
-        ],
-        right={0, 5},
-    ))
+    click.echo(
+        table(
+            ["ID", "QUEUE", "TASK", "TASK ID", "IDENTITY", "READS", "DEAD AT", "HOOKS", "REASON"],
+            [
+                [
+                    str(r.id),
+                    r.queue,
+                    r.task_name or "-",
+                    r.task_id or "-",
+                    identity_text(r.identity),
+                    str(r.read_ct),
+                    r.dead_at.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
+                    hooks(r),
+                    r.reason,
+                ]
+                for r in rows
+            ],
+            right={0, 5},
+        )
+    )
     if total > len(rows):
         click.echo(f"({len(rows)} of {total} shown; raise --limit to see more)")
 
@@ -99,7 +112,8 @@ def dead_requeue(
 @url_option
 @schema_option
 @click.option(
-    "--older-than", metavar="DURATION",
+    "--older-than",
+    metavar="DURATION",
     help="Only rows dead for longer than this: 90s, 30m, 12h, 7d. Default: every row.",
 )
 @click.option("--queue", metavar="QUEUE", help="Only rows of this queue.")
@@ -131,7 +145,9 @@ def dead_purge(
 @schema_option
 @click.argument("dead_letter_id", type=int, metavar="ID")
 @click.option(
-    "-A", "--app", metavar="MODULE",
+    "-A",
+    "--app",
+    metavar="MODULE",
     help="Module that connects your message_poisoned handlers (as for celery -A).",
 )
 def dead_rehook(url: str | None, schema: str, dead_letter_id: int, app: str | None) -> None:
@@ -145,15 +161,16 @@ def dead_rehook(url: str | None, schema: str, dead_letter_id: int, app: str | No
         result = DeadLetters(store).rehook(dead_letter_id)
     click.echo(
         f"dead-letter row {result.dead_letter_id} of queue {quoted(result.queue)}: task "
-        + printable(f"{result.task_name or '-'} {result.task_id or '-'}, identity "
-                    f"{identity_text(result.identity)}")
+        + printable(
+            f"{result.task_name or '-'} {result.task_id or '-'}, identity "
+            f"{identity_text(result.identity)}"
+        )
     )
     for outcome in result.outcomes:
         if outcome["ok"]:
             click.echo(f"  ok      {printable(outcome['receiver'])}")
         else:
-            click.echo(f"  FAILED  {printable(outcome['receiver'])}: "
-                       f"{printable(outcome['error'])}")
+            click.echo(f"  FAILED  {printable(outcome['receiver'])}: {printable(outcome['error'])}")
     if not result.recorded:
         raise click.ClickException(
             f"dead-letter row {dead_letter_id} was requeued or purged while the hooks ran: "
@@ -164,5 +181,3 @@ def dead_rehook(url: str | None, schema: str, dead_letter_id: int, app: str | No
             f"{len(result.failed)} of {plural(len(result.outcomes), 'handler')} failed; "
             f"outcomes recorded on dead-letter row {dead_letter_id}"
         )
-
-

@@ -139,7 +139,9 @@ class DeadLetters:
         rows gone and report nothing moved.
         """
         params = {
-            "ids": list(ids), "all": every, "queue": queue,
+            "ids": list(ids),
+            "all": every,
+            "queue": queue,
             "channel_prefix": self.store.channel_prefix,
         }
 
@@ -192,8 +194,13 @@ class DeadLetters:
 
         recorded = self.store.connector.run(work, idempotent=True) == 1
         return RehookResult(
-            dead_letter_id, row["queue"], decoded.task_name, decoded.task_id, found,
-            outcomes, recorded,
+            dead_letter_id,
+            row["queue"],
+            decoded.task_name,
+            decoded.task_id,
+            found,
+            outcomes,
+            recorded,
         )
 
 

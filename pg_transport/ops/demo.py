@@ -45,6 +45,7 @@ TASKS_TIMEOUT = 20.0
 STOP_TIMEOUT = 15.0
 LOG_TAIL_LINES = 25
 
+
 class DemoError(PgqError):
     """The demo could not run to the end; the message says which step failed."""
 
@@ -228,8 +229,9 @@ class Demo:
     def listen_for_reports(self) -> None:
         """LISTEN on the report queue's channel (before any task is sent)."""
         conn = self._listening = self.connector.connect()
-        conn.execute(compose_channel(load_queries(self.schema)["listen"],
-                                     self.store.channel(RESULTS)))
+        conn.execute(
+            compose_channel(load_queries(self.schema)["listen"], self.store.channel(RESULTS))
+        )
 
     def wait_for_reports(self, timeout: float) -> None:
         """Until a report's publish wakes us, or ``timeout``."""
@@ -258,17 +260,38 @@ class Demo:
     def start_worker(self, workdir: Path) -> Worker:
         log = workdir / "worker.log"
         cmd = [
-            sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
-            "-P", "threads", "-c", "1", "-Q", QUEUE, "-n", f"pgq-demo-{os.getpid()}@%h",
-            "-l", "info", "--without-gossip", "--without-mingle", "--without-heartbeat",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            APP_MODULE,
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            "1",
+            "-Q",
+            QUEUE,
+            "-n",
+            f"pgq-demo-{os.getpid()}@%h",
+            "-l",
+            "info",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
         env.update(PGQ_URL=self.url, PGQ_SCHEMA=self.schema, PYTHONUNBUFFERED="1")
         with log.open("wb") as out:
             # Own session: stopping the worker's process group never signals us.
             proc = subprocess.Popen(
-                cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                cmd,
+                cwd=workdir,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self.worker = Worker(proc, log)
         deadline = time.monotonic() + READY_TIMEOUT

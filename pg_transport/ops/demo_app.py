@@ -65,5 +65,3 @@ def add(self: Task, x: int, y: int) -> int:
     # Keyed by task id, so a retried publish cannot report the same run twice.
     _results_store().publisher.publish(RESULTS, report, publish_key=f"{RESULTS}:{request.id}")
     return result
-
-

@@ -153,12 +153,14 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
         ),
     ]
     if collect_seconds is not None:
-        found.append(Family(
-            "pgq_collect_duration_seconds",
-            "Seconds the queries behind these figures took.",
-            "gauge",
-            [({}, collect_seconds)],
-        ))
+        found.append(
+            Family(
+                "pgq_collect_duration_seconds",
+                "Seconds the queries behind these figures took.",
+                "gauge",
+                [({}, collect_seconds)],
+            )
+        )
     return found
 
 
@@ -206,7 +208,9 @@ class MetricsServer(HTTPServer):
         self._slots.acquire()
         try:
             threading.Thread(
-                target=self._serve_one, args=(request, client_address), name=HANDLER_THREAD,
+                target=self._serve_one,
+                args=(request, client_address),
+                name=HANDLER_THREAD,
                 daemon=True,  # a client still sending must not keep the process alive
             ).start()
         except BaseException:
@@ -263,8 +267,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, "pgq metrics: scrape /metrics\n", "text/plain; charset=utf-8")
             return
         if path != "/metrics":
-            self._send(HTTPStatus.NOT_FOUND, "not found: scrape /metrics\n",
-                       "text/plain; charset=utf-8")
+            self._send(
+                HTTPStatus.NOT_FOUND, "not found: scrape /metrics\n", "text/plain; charset=utf-8"
+            )
             return
         try:
             with self.server.scraping:
@@ -320,8 +325,14 @@ def make_server(
         report = collect()
         return render(report, time.perf_counter() - started)
 
-    return MetricsServer((host, port), scrape, describe_error, errors,
-                         max_handlers=max_handlers, request_deadline=request_deadline)
+    return MetricsServer(
+        (host, port),
+        scrape,
+        describe_error,
+        errors,
+        max_handlers=max_handlers,
+        request_deadline=request_deadline,
+    )
 
 
 class _Stopped(BaseException):

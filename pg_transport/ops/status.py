@@ -78,8 +78,14 @@ def collect(store: Store) -> Status:
     return Status(
         schema=store.schema,
         queues=[
-            QueueStatus(row[0], int(row[1]), int(row[2]), int(row[3]), int(row[4]),
-                        None if row[5] is None else float(row[5]))
+            QueueStatus(
+                row[0],
+                int(row[1]),
+                int(row[2]),
+                int(row[3]),
+                int(row[4]),
+                None if row[5] is None else float(row[5]),
+            )
             for row in queues
         ],
         clients=Clients(int(clients[0]), int(clients[1])) if clients else Clients(0, 0),

@@ -200,8 +200,9 @@ class _Part:
                 raise
 
         # Resent once, as ONCE does, unless a statement of the batch itself failed.
-        resend = Policy("batch", lambda exc: self._failed is None and is_dead_connection(exc),
-                        ONCE.make)
+        resend = Policy(
+            "batch", lambda exc: self._failed is None and is_dead_connection(exc), ONCE.make
+        )
         return retry_attempt(resend, attempt)
 
     def _begin(self) -> None:

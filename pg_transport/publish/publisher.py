@@ -57,8 +57,9 @@ class Publisher:
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
-        self.wire = {name: Statement(name, self.q[name])
-                     for name in ("publish_plain", "enqueue", "wake")}
+        self.wire = {
+            name: Statement(name, self.q[name]) for name in ("publish_plain", "enqueue", "wake")
+        }
 
     def channel(self, queue: str) -> str:
         """The wake-up channel of ``queue``."""
@@ -115,7 +116,11 @@ class Publisher:
         self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
 
     def _publish_params(
-        self, queue: str, payload: dict[str, Any], priority: int, delay: float,
+        self,
+        queue: str,
+        payload: dict[str, Any],
+        priority: int,
+        delay: float,
         publish_key: str | None,
     ) -> dict[str, Any]:
         return {
@@ -176,7 +181,9 @@ class Publisher:
         if failure is not None:
             logger.warning(
                 "pgq: a message of queue %r is published, but waking its consumers "
-                "failed (%s): they take it at their next poll", params["queue"], failure,
+                "failed (%s): they take it at their next poll",
+                params["queue"],
+                failure,
             )
 
     def publish_routed(
@@ -223,22 +230,33 @@ class Publisher:
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str
     ) -> int:
-        params = {"queue": queue, "payload": self.encode(payload), "priority": priority,
-                  "reason": reason}
+        params = {
+            "queue": queue,
+            "payload": self.encode(payload),
+            "priority": priority,
+            "reason": reason,
+        }
         open_batch = batching.current()
         if open_batch is not None:  # kept only if the batch's message is published
-            return int(open_batch.run(self._batch_key(), self.connector, lambda conn: (
-                _scalar_on_(conn, self.q["dead_letter_unroutable"], params)
-            )))
-        return int(self.connector.run(
-            lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
-            idempotent=False,
-        ))
+            return int(
+                open_batch.run(
+                    self._batch_key(),
+                    self.connector,
+                    lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                )
+            )
+        return int(
+            self.connector.run(
+                lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                idempotent=False,
+            )
+        )
 
     def _batch_key(self) -> tuple[str, str, bool]:
         """Which transaction of a batch this store's publishes join: the publisher's
         database, the schema, and whether its commits wait for their WAL flush."""
         return (self.connector.conninfo, self.schema, self.flushes)
+
 
 def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> str:
     """How a publish goes on ``conn`` (see the module's docstring): ``batched`` in a
@@ -247,8 +265,10 @@ def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> st
     ``together``."""
     if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
         return "batched"
-    own_idle = (conn.prepare_threshold is not None
-                and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE)
+    own_idle = (
+        conn.prepare_threshold is not None
+        and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    )
     return "apart" if flushes and due_now and own_idle else "together"
 
 

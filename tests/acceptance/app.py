@@ -101,10 +101,14 @@ def barrier_failing_part(self, label: str, index: int) -> None:
 def barrier_collect(self, results: list, label: str, seconds: float = 0.0, **kwargs) -> int:
     # Every start is recorded outside the callback's transaction; the side effect
     # is written through it, so it commits exactly when the barrier completes.
-    first_run = not _db().execute(
-        sql.SQL("SELECT 1 FROM {} WHERE task_id = %s LIMIT 1").format(runs_table()),
-        [self.request.id],
-    ).fetchone()
+    first_run = (
+        not _db()
+        .execute(
+            sql.SQL("SELECT 1 FROM {} WHERE task_id = %s LIMIT 1").format(runs_table()),
+            [self.request.id],
+        )
+        .fetchone()
+    )
     record(self.request.id, f"callback-start:{label}")
     conn = current_connection() or _db()
     conn.execute(

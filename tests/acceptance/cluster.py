@@ -143,21 +143,40 @@ class Cluster:
             if self.account is not None:
                 os.chown(pwfile, self.account.pw_uid, self.account.pw_gid)
             auth = ["--auth=scram-sha-256", f"--pwfile={pwfile}"]
-        self._run([
-            str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
-            *auth, "--encoding=UTF8", "--no-sync",
-        ])
+        self._run(
+            [
+                str(self.bindir / "initdb"),
+                "-D",
+                str(self.data),
+                "-U",
+                "postgres",
+                *auth,
+                "--encoding=UTF8",
+                "--no-sync",
+            ]
+        )
 
     def start(self) -> None:
-        self._pg_ctl("-w", "-t", str(START_TIMEOUT), "-l", str(self.logfile),
-                     "-o", self._options(), "start")
+        self._pg_ctl(
+            "-w", "-t", str(START_TIMEOUT), "-l", str(self.logfile), "-o", self._options(), "start"
+        )
 
     def restart(self, mode: str = "fast") -> None:
         """``pg_ctl restart -m MODE``: every session is cut; "immediate" is a crash."""
         if mode not in ("smart", "fast", "immediate"):
             raise ValueError(f"unknown shutdown mode {mode!r}")
-        self._pg_ctl("-w", "-t", str(START_TIMEOUT), "-m", mode, "-l", str(self.logfile),
-                     "-o", self._options(), "restart")
+        self._pg_ctl(
+            "-w",
+            "-t",
+            str(START_TIMEOUT),
+            "-m",
+            mode,
+            "-l",
+            str(self.logfile),
+            "-o",
+            self._options(),
+            "restart",
+        )
         self.restarts += 1
 
     def stop(self, mode: str = "immediate") -> None:
@@ -182,8 +201,12 @@ def throwaway_cluster(
     if account is not None:
         os.chown(root, account.pw_uid, account.pw_gid)
     cluster = Cluster(
-        bindir=bindir, root=root, port=free_port(), account=account,
-        settings={**DEFAULT_SETTINGS, **(settings or {})}, password=password,
+        bindir=bindir,
+        root=root,
+        port=free_port(),
+        account=account,
+        settings={**DEFAULT_SETTINGS, **(settings or {})},
+        password=password,
     )
     try:
         cluster.init()

@@ -24,8 +24,11 @@ app.conf.update(
     task_acks_on_failure_or_timeout=os.environ.get("TEST_ACK_ON_FAILURE", "1") == "1",
     task_routes={"tests.acceptance.features_app.routed": {"queue": "reports"}},
     beat_schedule={
-        "tick": {"task": "tests.acceptance.features_app.record", "schedule": 1.0,
-                 "args": ("tick",)},
+        "tick": {
+            "task": "tests.acceptance.features_app.record",
+            "schedule": 1.0,
+            "args": ("tick",),
+        },
     },
 )
 
@@ -33,10 +36,13 @@ app.conf.update(
 def _record(task_id: str, label: str) -> int:
     with psycopg.connect(os.environ["TEST_PG_URL"], autocommit=True) as conn:
         table = sql.SQL("{}.task_runs").format(sql.Identifier(os.environ["PGQ_SCHEMA"]))
-        conn.execute(sql.SQL("INSERT INTO {} (task_id, label, pid) VALUES (%s, %s, %s)")
-                     .format(table), [task_id, label, os.getpid()])
-        row = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE task_id = %s").format(table),
-                           [task_id]).fetchone()
+        conn.execute(
+            sql.SQL("INSERT INTO {} (task_id, label, pid) VALUES (%s, %s, %s)").format(table),
+            [task_id, label, os.getpid()],
+        )
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE task_id = %s").format(table), [task_id]
+        ).fetchone()
     return int(row[0]) if row else 0
 
 

@@ -142,16 +142,35 @@ def start_worker(
     """
     log = Path(tempfile.mkstemp(prefix=f"pgq-worker-{name}-", suffix=".log")[1])
     cmd = [
-        sys.executable, "-m", "celery", "-A", app, "worker",
-        "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-l", "info",
-        "--without-gossip", "--without-mingle", "--without-heartbeat", *args,
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app,
+        "worker",
+        "-P",
+        pool,
+        "-c",
+        str(concurrency),
+        "-n",
+        f"{name}@%h",
+        "-l",
+        "info",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        *args,
     ]
     if queues:
         cmd += ["-Q", queues]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env.environ(**(environ or {})), stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env.environ(**(environ or {})),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     worker = Worker(proc, log, name)
 

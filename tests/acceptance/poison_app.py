@@ -25,27 +25,41 @@ identity.register("tests.acceptance.poison_app.run_pipeline", execution_id=1, or
 
 def _exec(query: str, *params: Any) -> None:
     with psycopg.connect(os.environ["TEST_PG_URL"], autocommit=True) as conn:
-        conn.execute(
-            sql.SQL(query).format(schema=sql.Identifier(os.environ["PGQ_SCHEMA"])), params
-        )
+        conn.execute(sql.SQL(query).format(schema=sql.Identifier(os.environ["PGQ_SCHEMA"])), params)
 
 
 @app.task(bind=True)
 def run_pipeline(self: Any, organization_id: int, execution_id: str, step: str = "") -> None:
-    _exec("INSERT INTO {schema}.task_runs (task_id, label, pid) VALUES (%s, %s, %s)",
-          self.request.id, step, os.getpid())
+    _exec(
+        "INSERT INTO {schema}.task_runs (task_id, label, pid) VALUES (%s, %s, %s)",
+        self.request.id,
+        step,
+        os.getpid(),
+    )
     os._exit(1)  # the worker dies with the task, every time
 
 
 @signals.message_poisoned.connect
 def mark_pipeline_failed(
-    sender: str, queue: str, task_id: str, identity: dict[str, Any], args: Any, kwargs: Any,
-    attempts: int, dead_letter_id: int, **_: Any,
+    sender: str,
+    queue: str,
+    task_id: str,
+    identity: dict[str, Any],
+    args: Any,
+    kwargs: Any,
+    attempts: int,
+    dead_letter_id: int,
+    **_: Any,
 ) -> None:
     _exec(
         "INSERT INTO {schema}.poison_log (sender, queue, task_id, identity, attempts,"
         " dead_letter_id) VALUES (%s, %s, %s, %s, %s, %s)",
-        sender, queue, task_id, Json(identity), attempts, dead_letter_id,
+        sender,
+        queue,
+        task_id,
+        Json(identity),
+        attempts,
+        dead_letter_id,
     )
 
 

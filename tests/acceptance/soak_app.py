@@ -49,7 +49,9 @@ def _connection() -> psycopg.Connection[Any]:
     conn: psycopg.Connection[Any] | None = getattr(_local, "conn", None)
     if conn is None or conn.closed:
         conn = psycopg.connect(
-            os.environ["TEST_PG_URL"], autocommit=True, connect_timeout=5,
+            os.environ["TEST_PG_URL"],
+            autocommit=True,
+            connect_timeout=5,
             application_name=f"soak-record:{os.getpid()}",
         )
         _local.conn = conn

@@ -53,8 +53,10 @@ def dispatch_all(client: Celery, barriers: int, parts: int, seconds: float) -> N
         label = f"b{n}"
         b.dispatch(
             label,
-            [client.signature(APP + "barrier_part", args=[label, i, seconds])
-             for i in range(parts)],
+            [
+                client.signature(APP + "barrier_part", args=[label, i, seconds])
+                for i in range(parts)
+            ],
             client.signature(APP + "barrier_collect", kwargs={"label": label}),
             errback=client.signature(APP + "barrier_errback", kwargs={"label": label}),
         )
@@ -71,12 +73,14 @@ def dispatch_slow_callback(client: Celery) -> None:
 
 
 def callback_pid(env: Env, label: str) -> int | None:
-    return env.scalar("SELECT pid FROM {schema}.task_runs WHERE label = %s",
-                      f"callback-start:{label}")
+    return env.scalar(
+        "SELECT pid FROM {schema}.task_runs WHERE label = %s", f"callback-start:{label}"
+    )
 
 
-def run_with_kills(env: Env, client: Celery, barriers: int, parts: int,
-                   kills: int) -> dict[str, Any]:
+def run_with_kills(
+    env: Env, client: Celery, barriers: int, parts: int, kills: int
+) -> dict[str, Any]:
     """Barriers x parts on two workers; ``kills`` times a worker is SIGKILLed mid-run
     (the first time: the one inside the slow callback's body) and replaced."""
     total = barriers * parts + 2
@@ -88,8 +92,14 @@ def run_with_kills(env: Env, client: Celery, barriers: int, parts: int,
         dispatch_all(client, barriers, parts, seconds=0.01)
         pid = wait_for(lambda: callback_pid(env, "slow"), 120, "the slow callback to start")
         for k in range(kills):
-            wait_for(lambda k=k: env.scalar("SELECT count(*) FROM {schema}.barrier_part")
-                     >= total * (k + 1) // (kills + 1), 120, "parts to progress")
+            wait_for(
+                lambda k=k: (
+                    env.scalar("SELECT count(*) FROM {schema}.barrier_part")
+                    >= total * (k + 1) // (kills + 1)
+                ),
+                120,
+                "parts to progress",
+            )
             doomed = next((w for w in live if w.proc.pid == pid), live[0]) if k == 0 else live[0]
             doomed.kill()  # SIGKILL: parts and callbacks in flight on it die with it
             doomed.proc.wait(10)
@@ -98,24 +108,36 @@ def run_with_kills(env: Env, client: Celery, barriers: int, parts: int,
             if k + 1 < kills:
                 live.append(start_worker(env, f"r{k}", concurrency=4, environ=ENVIRON))
         wait_for(
-            lambda: env.scalar("SELECT count(*) FROM {schema}.barrier"
-                               " WHERE status NOT IN ('armed', 'fired')") == barriers + 1,
-            120 + total * 0.02, "every barrier to finish",
+            lambda: (
+                env.scalar(
+                    "SELECT count(*) FROM {schema}.barrier WHERE status NOT IN ('armed', 'fired')"
+                )
+                == barriers + 1
+            ),
+            120 + total * 0.02,
+            "every barrier to finish",
         )
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                 60, "every message to be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "every message to be acked",
+        )
     finally:
         for worker in live:
             worker.stop()
     elapsed = time.monotonic() - started
 
-    statuses = env.scalar("SELECT json_object_agg(status, n) FROM (SELECT status, count(*) AS n"
-                          " FROM {schema}.barrier GROUP BY status) AS s")
+    statuses = env.scalar(
+        "SELECT json_object_agg(status, n) FROM (SELECT status, count(*) AS n"
+        " FROM {schema}.barrier GROUP BY status) AS s"
+    )
     assert statuses == {"completed": barriers + 1}
     done = effects(env)
     # Every callback body's side effect exactly once, the killed one included.
-    assert Counter(label for label, _ in done) == {"slow": 1, **{f"b{n}": 1 for n in
-                                                               range(barriers)}}
+    assert Counter(label for label, _ in done) == {
+        "slow": 1,
+        **{f"b{n}": 1 for n in range(barriers)},
+    }
     for label, results in done:
         count = 2 if label == "slow" else parts
         assert results == [{"label": label, "index": i} for i in range(count)]
@@ -144,16 +166,20 @@ def test_failure_retry_zero_parts_and_the_workers_sweeper(env: Env, client: Cele
     b = Barrier(client)
     b.dispatch(
         "failing",
-        [client.signature(APP + "barrier_part", args=["failing", 0]),
-         client.signature(APP + "barrier_failing_part", args=["failing", 1]),
-         client.signature(APP + "barrier_part", args=["failing", 2])],
+        [
+            client.signature(APP + "barrier_part", args=["failing", 0]),
+            client.signature(APP + "barrier_failing_part", args=["failing", 1]),
+            client.signature(APP + "barrier_part", args=["failing", 2]),
+        ],
         client.signature(APP + "barrier_collect", kwargs={"label": "failing"}),
         errback=client.signature(APP + "barrier_errback", kwargs={"label": "failing"}),
     )
     b.dispatch(
         "flaky",
-        [client.signature(APP + "barrier_part", args=["flaky", 0]),
-         client.signature(APP + "barrier_flaky_part", args=["flaky", 1])],
+        [
+            client.signature(APP + "barrier_part", args=["flaky", 0]),
+            client.signature(APP + "barrier_flaky_part", args=["flaky", 1]),
+        ],
         client.signature(APP + "barrier_collect", kwargs={"label": "flaky"}),
     )
     b.dispatch("empty", [], client.signature(APP + "barrier_collect", kwargs={"label": "empty"}))
@@ -165,15 +191,26 @@ def test_failure_retry_zero_parts_and_the_workers_sweeper(env: Env, client: Cele
         errback=client.signature(APP + "barrier_errback", kwargs={"label": "stranded"}),
         ttl=1,
     )
-    worker = start_worker(env, "solo", concurrency=2,
-                          environ={"PGQ_BARRIER_SWEEP_INTERVAL": "0.2"})
+    worker = start_worker(env, "solo", concurrency=2, environ={"PGQ_BARRIER_SWEEP_INTERVAL": "0.2"})
     try:
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.barrier"
-                                    " WHERE status IN ('completed', 'failed', 'expired')") == 4,
-                 60, "every barrier to finish")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message"
-                                    " WHERE queue <> 'nobody'") == 0,
-                 60, "every message to be acked")
+        wait_for(
+            lambda: (
+                env.scalar(
+                    "SELECT count(*) FROM {schema}.barrier"
+                    " WHERE status IN ('completed', 'failed', 'expired')"
+                )
+                == 4
+            ),
+            60,
+            "every barrier to finish",
+        )
+        wait_for(
+            lambda: (
+                env.scalar("SELECT count(*) FROM {schema}.message WHERE queue <> 'nobody'") == 0
+            ),
+            60,
+            "every message to be acked",
+        )
     finally:
         worker.stop()
     assert sorted(effects(env)) == [

@@ -87,30 +87,39 @@ class Local:
         return f"pgq_t_{name.removeprefix('pgq_')}_{self.tag}"
 
     def substitute(self, text: str) -> str:
-        replaced = re.sub(r"\b(pgq_owner|pgq_worker|pgq_publisher|pgq_monitor)\b",
-                          lambda m: self.role(m.group(1)), text)
+        replaced = re.sub(
+            r"\b(pgq_owner|pgq_worker|pgq_publisher|pgq_monitor)\b",
+            lambda m: self.role(m.group(1)),
+            text,
+        )
         assert not re.search(r"\bpgq_(owner|worker|publisher|monitor)\b", replaced)
         return replaced
 
     @property
     def server(self) -> dict[str, str]:
         params = conninfo_to_dict(self.db_url)
-        return {"host": str(params.get("host") or "127.0.0.1"),
-                "port": str(params.get("port") or 5432), "dbname": str(params["dbname"]),
-                "user": str(params.get("user") or "postgres")}
+        return {
+            "host": str(params.get("host") or "127.0.0.1"),
+            "port": str(params.get("port") or 5432),
+            "dbname": str(params["dbname"]),
+            "user": str(params.get("user") or "postgres"),
+        }
 
     def url(self, compose_url: str) -> str:
         """A compose service's pgq:// URL, pointed here: the test server and database,
         the role's throwaway name, its password as given."""
         params = conninfo_to_dict(url_to_conninfo(compose_url))
         server = self.server
-        return (f"pgq://{self.role(str(params['user']))}:{quote(str(params['password']))}"
-                f"@{server['host']}:{server['port']}/{server['dbname']}")
+        return (
+            f"pgq://{self.role(str(params['user']))}:{quote(str(params['password']))}"
+            f"@{server['host']}:{server['port']}/{server['dbname']}"
+        )
 
     def libpq(self, role: str) -> str:
         server = self.server
-        return (f"postgresql://{self.role(role)}@{server['host']}:{server['port']}"
-                f"/{server['dbname']}")
+        return (
+            f"postgresql://{self.role(role)}@{server['host']}:{server['port']}/{server['dbname']}"
+        )
 
     def mount(self, service: dict[str, Any]) -> dict[str, str]:
         """The service's bind mounts: container path -> a copy here, role names replaced."""
@@ -128,8 +137,7 @@ class Local:
                 shutil.copy2(origin, copy)
                 files = [copy]
             for file in files:
-                file.write_text(self.substitute(file.read_text(encoding="utf-8")),
-                                encoding="utf-8")
+                file.write_text(self.substitute(file.read_text(encoding="utf-8")), encoding="utf-8")
             found[target] = str(copy)
         return found
 
@@ -138,8 +146,9 @@ def argv(command: list[str], mounts: dict[str, str] | None = None) -> list[str]:
     """The compose command, run with this checkout's interpreter and console script (or
     the installed psql), its container paths replaced by the files mounted there."""
     for target, copy in (mounts or {}).items():
-        command = [copy + word[len(target):] if word.startswith(target) else word
-                   for word in command]
+        command = [
+            copy + word[len(target) :] if word.startswith(target) else word for word in command
+        ]
     if command[0] == "celery":
         return [sys.executable, "-m", "celery", *command[1:]]
     if command[0] == "pgq":
@@ -161,8 +170,12 @@ def service_env(
         environ["PGQ_URL"] = local.url(compose["PGQ_URL"])
     if "PGUSER" in compose:  # psql, as libpq's variables say
         server = local.server
-        environ.update(PGHOST=server["host"], PGPORT=server["port"],
-                       PGDATABASE=server["dbname"], PGUSER=local.role(compose["PGUSER"]))
+        environ.update(
+            PGHOST=server["host"],
+            PGPORT=server["port"],
+            PGDATABASE=server["dbname"],
+            PGUSER=local.role(compose["PGUSER"]),
+        )
     if heartbeat is not None:
         environ.update({health.FILE_ENV: str(heartbeat), health.STALE_ENV: str(STALE)})
     return environ
@@ -171,8 +184,11 @@ def service_env(
 def run_service(local: Local, service: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     """A one-shot service, to its end."""
     return subprocess.run(
-        argv(command_of(service), local.mount(service)), env=service_env(local, service),
-        capture_output=True, text=True, timeout=60,
+        argv(command_of(service), local.mount(service)),
+        env=service_env(local, service),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -182,13 +198,19 @@ def init_postgres(local: Local, postgres: dict[str, Any]) -> None:
     the database it created (POSTGRES_DB: here, the test's)."""
     server = local.server
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    environ.update(environment_of(postgres, SECRETS), POSTGRES_USER=server["user"],
-                   POSTGRES_DB=server["dbname"], PGHOST=server["host"], PGPORT=server["port"])
+    environ.update(
+        environment_of(postgres, SECRETS),
+        POSTGRES_USER=server["user"],
+        POSTGRES_DB=server["dbname"],
+        PGHOST=server["host"],
+        PGPORT=server["port"],
+    )
     initdb = Path(local.mount(postgres)["/docker-entrypoint-initdb.d"])
     for script in sorted(initdb.iterdir()):
         assert script.suffix == ".sh", script
-        done = subprocess.run(["sh", str(script)], env=environ, capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            ["sh", str(script)], env=environ, capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
 
 
@@ -197,7 +219,11 @@ def start(name: str, command: list[str], environ: dict[str, str]) -> Worker:
     with log.open("wb") as out:
         # The image's working directory holds fleet.py, as examples/ does here.
         proc = subprocess.Popen(
-            argv(command), cwd=EXAMPLES, env=environ, stdout=out, stderr=subprocess.STDOUT,
+            argv(command),
+            cwd=EXAMPLES,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     return Worker(proc, log, name)
@@ -212,7 +238,10 @@ def healthchecks(
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD"
         procs[name] = subprocess.Popen(
-            argv(test[1:]), env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            argv(test[1:]),
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
     results = {}
@@ -256,8 +285,11 @@ def fleet_client(local: Local, monkeypatch: pytest.MonkeyPatch) -> Any:
     import fleet
 
     compose_url = environment_of(load_compose()["services"]["migrate"], SECRETS)["PGQ_URL"]
-    url = local.url(compose_url.replace("pgq_owner:", "pgq_publisher:", 1).replace(
-        SECRETS["OWNER_PASSWORD"], SECRETS["PUBLISHER_PASSWORD"]))
+    url = local.url(
+        compose_url.replace("pgq_owner:", "pgq_publisher:", 1).replace(
+            SECRETS["OWNER_PASSWORD"], SECRETS["PUBLISHER_PASSWORD"]
+        )
+    )
     queues = {q for svc in workers(load_compose()).values() for q in worker_queues(svc)}
     app = Celery("web", broker=url)
     app.conf.update(
@@ -304,9 +336,12 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     # -- postgres: a new data volume runs the init script, which creates the roles --
     init_postgres(local, services["postgres"])
     with psycopg.connect(env.pg_url) as admin:
-        created = dict(admin.execute(
-            "SELECT rolname, rolpassword FROM pg_authid WHERE rolname = ANY(%s)",
-            [[local.role(name) for name in PASSWORD_OF]]).fetchall())
+        created = dict(
+            admin.execute(
+                "SELECT rolname, rolpassword FROM pg_authid WHERE rolname = ANY(%s)",
+                [[local.role(name) for name in PASSWORD_OF]],
+            ).fetchall()
+        )
     # Each with the password compose gave the postgres service (stored as a verifier).
     assert sorted(created) == sorted(local.role(name) for name in PASSWORD_OF)
     assert all(str(verifier).startswith("SCRAM-SHA-256$") for verifier in created.values())
@@ -315,8 +350,9 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     done = run_service(local, services["migrate"])
     assert done.returncode == 0, done.stderr
     assert "now at version" in done.stdout
-    assert env.scalar("SELECT nspowner::regrole::text FROM pg_namespace"
-                      " WHERE nspname = 'pgq'") == local.role("pgq_owner")
+    assert env.scalar(
+        "SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'pgq'"
+    ) == local.role("pgq_owner")
     for _ in range(2):  # `docker compose up` runs it again every time: nothing changes
         done = run_service(local, services["grants"])
         assert done.returncode == 0, done.stderr
@@ -375,8 +411,11 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
             if other != name:
                 assert task_id not in worker.output(), f"{task} reached {other}"
     # The orchestration published its callback, which the callback worker ran.
-    wait_for(lambda: "job job-1 finished" in started[service_of["callback"]].output(), 30,
-             "the orchestration's callback")
+    wait_for(
+        lambda: "job job-1 finished" in started[service_of["callback"]].output(),
+        30,
+        "the orchestration's callback",
+    )
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
 
     # -- healthy while consuming, and through an idle stretch longer than the threshold --
@@ -394,8 +433,11 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     os.killpg(started[stopped].proc.pid, signal.SIGSTOP)
     started[killed].kill(signal.SIGKILL)
     halted_at = time.time()
-    wait_for(lambda: not heartbeat_fresh(stopped) and not heartbeat_fresh(killed),
-             STALE + 15, "the halted workers' heartbeats to go stale")
+    wait_for(
+        lambda: not heartbeat_fresh(stopped) and not heartbeat_fresh(killed),
+        STALE + 15,
+        "the halted workers' heartbeats to go stale",
+    )
     for name in (stopped, killed):
         # No beat since the halt: staleness is the halt's doing, and it took the threshold.
         assert (tmp_path / f"{name}.heartbeat").stat().st_mtime <= halted_at + 0.01
@@ -419,16 +461,20 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     metrics_cmd[metrics_cmd.index("--host") + 1] = "127.0.0.1"
     exporter = start("metrics", metrics_cmd, service_env(local, services["metrics"]))
     running.append(exporter)
-    url = wait_for(lambda: re.search(r"on (http://\S+/metrics)", exporter.output()), 30,
-                   "the metrics service to listen").group(1)
+    url = wait_for(
+        lambda: re.search(r"on (http://\S+/metrics)", exporter.output()),
+        30,
+        "the metrics service to listen",
+    ).group(1)
     with urllib.request.urlopen(url, timeout=10) as response:
         parsed = parse_exposition(response.read().decode())
     ready = by_queue(parsed, "pgq_queue_ready_messages")
     assert set(TASKS) <= set(ready)
     assert parsed["pgq_client_processes"].samples[()] >= 3
     # It serves them as the monitor role, which reads no payload.
-    assert sessions_by_role(env)[local.role("pgq_monitor")] == {
-        f"pgq-metrics:{exporter.proc.pid}"}
-    with (psycopg.connect(local.libpq("pgq_monitor")) as monitor,
-          pytest.raises(psycopg.errors.InsufficientPrivilege)):
+    assert sessions_by_role(env)[local.role("pgq_monitor")] == {f"pgq-metrics:{exporter.proc.pid}"}
+    with (
+        psycopg.connect(local.libpq("pgq_monitor")) as monitor,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+    ):
         monitor.execute("SELECT payload FROM pgq.message")

@@ -45,16 +45,19 @@ def test_killed_workers_control_queue_expires_and_stops_collecting(env: Env) -> 
     try:
         control_queue = "doomed@%s.celery.pidbox"
         pidbox = env.scalar(
-            "SELECT name FROM {schema}.queue WHERE name LIKE 'doomed@%%.celery.pidbox'")
+            "SELECT name FROM {schema}.queue WHERE name LIKE 'doomed@%%.celery.pidbox'"
+        )
         assert pidbox, f"no control queue like {control_queue}"
         doomed.kill()
         doomed.proc.wait(10)
         for _ in range(100):
             client.control.broadcast("ping", reply=False)
         # The survivor's consumer reaps the dead worker's queue once it expires.
-        wait_for(lambda: env.scalar(
-            "SELECT count(*) FROM {schema}.queue WHERE name = %s", pidbox) == 0,
-            expires + 15, "the dead worker's control queue to expire")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.queue WHERE name = %s", pidbox) == 0,
+            expires + 15,
+            "the dead worker's control queue to expire",
+        )
         assert env.scalar("SELECT count(*) FROM {schema}.message WHERE queue = %s", pidbox) == 0
         assert env.scalar("SELECT count(*) FROM {schema}.binding WHERE queue = %s", pidbox) == 0
         for _ in range(10):
@@ -74,16 +77,22 @@ def test_event_receiver_sees_task_events(env: Env) -> None:
             done.set()
 
     client = env.client()
-    with workers(env, "evented", concurrency=1, args=("-E",)), \
-            client.connection_for_read() as conn:
+    with workers(env, "evented", concurrency=1, args=("-E",)), client.connection_for_read() as conn:
         receiver = client.events.Receiver(conn, handlers={"*": on_event})
         consumer = threading.Thread(
-            target=receiver.capture, kwargs={"limit": None, "timeout": 30, "wakeup": False})
+            target=receiver.capture, kwargs={"limit": None, "timeout": 30, "wakeup": False}
+        )
         consumer.daemon = True
         consumer.start()
-        wait_for(lambda: "worker-online" in seen or "worker-heartbeat" in seen or
-                 env.scalar("SELECT count(*) FROM {schema}.binding WHERE exchange = 'celeryev'"),
-                 30, "the event receiver to bind")
+        wait_for(
+            lambda: (
+                "worker-online" in seen
+                or "worker-heartbeat" in seen
+                or env.scalar("SELECT count(*) FROM {schema}.binding WHERE exchange = 'celeryev'")
+            ),
+            30,
+            "the event receiver to bind",
+        )
         client.send_task(MARK, args=["evented"])
         assert done.wait(30), f"events seen: {seen}"
         # Stopped and joined while its connection and schema still exist: a capture

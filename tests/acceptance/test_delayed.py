@@ -24,8 +24,9 @@ def test_countdown_waits_in_postgres_and_runs_when_due(env: Env) -> None:
         assert env.scalar("SELECT read_ct FROM {schema}.message") == 0
         wait_for(lambda: env.runs(), 30, "the delayed task to run")
         wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "ack")
-    ran_after = env.scalar("SELECT extract(epoch FROM min(at) - %s) FROM {schema}.task_runs",
-                           sent_at)
+    ran_after = env.scalar(
+        "SELECT extract(epoch FROM min(at) - %s) FROM {schema}.task_runs", sent_at
+    )
     assert ran_after >= 2.9
     assert [r[1] for r in env.runs()] == ["later"]
 
@@ -33,7 +34,8 @@ def test_countdown_waits_in_postgres_and_runs_when_due(env: Env) -> None:
 def test_native_delayed_delivery_off_publishes_visible_at_once(env: Env) -> None:
     client = env.client()
     client.conf.broker_transport_options = {
-        "schema": env.schema, "native_delayed_delivery": False,
+        "schema": env.schema,
+        "native_delayed_delivery": False,
     }
     client.send_task(MARK, args=["held-by-worker"], countdown=600)
     assert env.scalar("SELECT visible_at <= now() FROM {schema}.message") is True
@@ -58,9 +60,13 @@ def test_ten_thousand_countdowns_stay_in_postgres(env: Env) -> None:
         before = rss_kib(worker.proc.pid)
         # A worker holding ETA tasks in memory would claim them all at once: give it
         # several polls to do so (waiting for the absence of an event needs a span).
-        wait_for(lambda: env.scalar(
-            "SELECT count(*) FROM {schema}.queue WHERE last_used > now() - interval '1 s'"),
-            30, "the worker to be consuming")
+        wait_for(
+            lambda: env.scalar(
+                "SELECT count(*) FROM {schema}.queue WHERE last_used > now() - interval '1 s'"
+            ),
+            30,
+            "the worker to be consuming",
+        )
         # A worker holding ETA tasks in memory would claim them all in its first
         # polls: give it three (waiting for the absence of an event takes a span).
         time.sleep(3.0)

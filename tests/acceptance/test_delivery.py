@@ -26,14 +26,18 @@ def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     total = 2000
     client = env.client()
     with client.producer_or_acquire() as producer:
-        ids = [
-            client.send_task(MARK, args=[f"t{n}"], producer=producer).id for n in range(total)
-        ]
+        ids = [client.send_task(MARK, args=[f"t{n}"], producer=producer).id for n in range(total)]
     with workers(env, "w1", "w2", concurrency=4):
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
-                 240, f"{total} task runs")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                 60, "every message to be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
+            240,
+            f"{total} task runs",
+        )
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "every message to be acked",
+        )
     runs = env.runs()
     per_id = Counter(r[0] for r in runs)
     assert set(per_id) == set(ids)
@@ -50,10 +54,16 @@ def test_a_worker_runs_the_tasks_of_a_batch_once_each_after_its_commit(env: Env)
             # The idle worker would have started the first of them by now, had they
             # been published one by one.
             before_commit = env.scalar("SELECT clock_timestamp()")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
-                 120, f"{total} task runs")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                 60, "every message to be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.task_runs") >= total,
+            120,
+            f"{total} task runs",
+        )
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "every message to be acked",
+        )
     per_id = Counter(r[0] for r in env.runs())
     assert set(per_id) == set(ids)
     assert max(per_id.values()) == 1
@@ -75,8 +85,11 @@ def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
     with workers(env, "survivor", concurrency=2, environ=environ):
         wait_for(lambda: len(env.runs()) >= 2, 60, "the task to run again")
         redelivered_after = time.monotonic() - killed_at
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                 60, "the redelivered task to be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "the redelivered task to be acked",
+        )
     runs = env.runs()
     assert [r[0] for r in runs] == [result.id, result.id]
     assert runs[0][2] != runs[1][2]
@@ -89,8 +102,11 @@ def test_long_task_is_not_redelivered_while_renewed(env: Env) -> None:
     client = env.client()
     client.send_task(SLOW, args=["long", 5.0])
     with workers(env, "a", "b", concurrency=2, environ=environ):
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                 60, "the long task to finish and be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "the long task to finish and be acked",
+        )
     assert len(env.runs()) == 1  # 5x its vt, yet no second run
 
 

@@ -31,8 +31,12 @@ def run_demo(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], 
     environ.update(env)
     started = time.monotonic()
     result = subprocess.run(
-        [*command, "demo", *args], capture_output=True, text=True, timeout=2 * BUDGET,
-        env=environ, cwd="/",
+        [*command, "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=2 * BUDGET,
+        env=environ,
+        cwd="/",
     )
     return result, time.monotonic() - started
 
@@ -46,8 +50,13 @@ def assert_story(result: subprocess.CompletedProcess[str], elapsed: float) -> No
     # Published while no worker ran, the priority-9 task is the first one run.
     assert "it drained the queue, highest priority first:" in out
     assert re.search(r"1st\s+add\(20, 22\) = 42\s+priority 9", out), out
-    for call in ("add(1, 2) = 3", "add(2, 3) = 5", "add(5, 5) = 10", "add(6, 7) = 13",
-                 "add(100, -1) = 99"):
+    for call in (
+        "add(1, 2) = 3",
+        "add(2, 3) = 5",
+        "add(5, 5) = 10",
+        "add(6, 7) = 13",
+        "add(100, -1) = 99",
+    ):
         assert call in out
     assert len(re.findall(r"sent -> running in the worker: [\d.]+ m?s", out)) == 3
     assert "Worker stopped (warm shutdown, exit code 0)." in out

@@ -20,8 +20,11 @@ def test_acks_after_terminated_backends_land_and_nothing_runs_twice(env: Env) ->
     with workers(env, "victim", concurrency=4, environ=environ) as (worker,):
         wait_for(lambda: len(env.runs()) >= 4, 30, "four tasks in flight")
         assert terminate_backends_of(env, worker) >= 1
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 60,
-                 "every message acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "every message acked",
+        )
         assert worker.proc.poll() is None
     per_id = Counter(r[0] for r in env.runs())
     assert set(per_id) == set(ids)

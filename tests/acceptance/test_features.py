@@ -34,12 +34,16 @@ def test_reject_with_requeue_runs_again(env: Env) -> None:
 def test_reject_without_requeue_is_dead_lettered(env: Env) -> None:
     result = env.client().send_task(T + "reject", args=["once", False])
     with workers(env, "rj", concurrency=1, app=APP):
-        wait_for(lambda: count(env, "SELECT count(*) FROM {schema}.dead_letter") == 1, 30,
-                 "the rejected message in dead_letter")
+        wait_for(
+            lambda: count(env, "SELECT count(*) FROM {schema}.dead_letter") == 1,
+            30,
+            "the rejected message in dead_letter",
+        )
     assert len(env.runs()) == 1
     assert env.scalar("SELECT task_id FROM {schema}.dead_letter") == result.id
     assert env.scalar("SELECT reason FROM {schema}.dead_letter").startswith(
-        "rejected without requeue")
+        "rejected without requeue"
+    )
 
 
 @pytest.mark.parametrize(("ack_on_failure", "dead"), [("1", 0), ("0", 1)])
@@ -47,8 +51,11 @@ def test_acks_on_failure_or_timeout(env: Env, ack_on_failure: str, dead: int) ->
     env.client().send_task(T + "fail", args=["boom"])
     environ = {"TEST_ACK_ON_FAILURE": ack_on_failure}
     with workers(env, "f", concurrency=1, app=APP, environ=environ):
-        wait_for(lambda: count(env, "SELECT count(*) FROM {schema}.message") == 0, 30,
-                 "the failed task's message to leave the queue")
+        wait_for(
+            lambda: count(env, "SELECT count(*) FROM {schema}.message") == 0,
+            30,
+            "the failed task's message to leave the queue",
+        )
     # Acked on failure: gone. Not acked: Celery rejects it without requeue, and
     # pgq keeps it as a dead letter instead of dropping it.
     assert len(env.runs()) == 1
@@ -84,9 +91,22 @@ def test_worker_on_one_queue_leaves_the_other(env: Env) -> None:
 
 def test_beat_runs_a_periodic_task_on_schedule(env: Env, tmp_path: Path) -> None:
     beat = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", APP, "beat", "-l", "info",
-         "--schedule", str(tmp_path / "beat-schedule")],
-        cwd=ROOT, env=env.environ(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            APP,
+            "beat",
+            "-l",
+            "info",
+            "--schedule",
+            str(tmp_path / "beat-schedule"),
+        ],
+        cwd=ROOT,
+        env=env.environ(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -100,7 +120,8 @@ def test_beat_runs_a_periodic_task_on_schedule(env: Env, tmp_path: Path) -> None
     assert len(set(r[0] for r in ticks)) == len(ticks)  # each tick is its own task
     spacing = env.scalar(
         "SELECT extract(epoch FROM max(at) - min(at)) / (count(*) - 1)"
-        " FROM {schema}.task_runs WHERE label = 'tick'")
+        " FROM {schema}.task_runs WHERE label = 'tick'"
+    )
     assert 0.5 <= spacing <= 2.0  # scheduled every second
 
 

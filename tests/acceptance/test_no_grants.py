@@ -46,11 +46,21 @@ def hand_off(message_id: int, queue: str, label: str) -> str:
         "body": json.dumps([[], {"label": label}, {}]),
         "content-type": "application/json",
         "content-encoding": "utf-8",
-        "headers": {"lang": "py", "task": TASK, "id": task_id, "root_id": task_id,
-                    "argsrepr": "()", "kwargsrepr": repr({"label": label})},
-        "properties": {"delivery_info": {"exchange": "", "routing_key": queue},
-                       "body_encoding": None, "priority": 0, "delivery_tag": task_id,
-                       "correlation_id": task_id},
+        "headers": {
+            "lang": "py",
+            "task": TASK,
+            "id": task_id,
+            "root_id": task_id,
+            "argsrepr": "()",
+            "kwargsrepr": repr({"label": label}),
+        },
+        "properties": {
+            "delivery_info": {"exchange": "", "routing_key": queue},
+            "body_encoding": None,
+            "priority": 0,
+            "delivery_tag": task_id,
+            "correlation_id": task_id,
+        },
     }
     return json.dumps([message_id, queue, 0, message])
 
@@ -59,12 +69,18 @@ def test_a_role_without_grants_learns_nothing_and_stops_nothing(roles: Roles) ->
     env = Env(roles.pg_url, roles.schema)
     with psycopg.connect(roles.pg_url, autocommit=True) as admin:
         # Where the tasks record their runs: the test's table, written as the superuser.
-        admin.execute(sql.SQL(
-            "CREATE TABLE {}.task_runs (seq bigserial PRIMARY KEY, task_id text NOT NULL,"
-            " label text, pid integer, at timestamptz NOT NULL DEFAULT clock_timestamp())"
-        ).format(sql.Identifier(roles.schema)))
-    worker = start_worker(env, "intruded", queues="celery", environ={
-        "PGQ_BROKER_URL": roles.url(roles.worker), "PGQ_AUTO_MIGRATE": "false"})
+        admin.execute(
+            sql.SQL(
+                "CREATE TABLE {}.task_runs (seq bigserial PRIMARY KEY, task_id text NOT NULL,"
+                " label text, pid integer, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            ).format(sql.Identifier(roles.schema))
+        )
+    worker = start_worker(
+        env,
+        "intruded",
+        queues="celery",
+        environ={"PGQ_BROKER_URL": roles.url(roles.worker), "PGQ_AUTO_MIGRATE": "false"},
+    )
     try:
         check(roles, env, worker)
     finally:
@@ -81,9 +97,11 @@ def check(roles: Roles, env: Env, worker: Worker) -> None:
 
     def message_rows() -> list[tuple[Any, ...]]:
         with psycopg.connect(roles.pg_url) as admin:
-            return admin.execute(sql.SQL(
-                "SELECT id, lease, visible_at, read_ct FROM {}.message ORDER BY id"
-            ).format(schema)).fetchall()
+            return admin.execute(
+                sql.SQL("SELECT id, lease, visible_at, read_ct FROM {}.message ORDER BY id").format(
+                    schema
+                )
+            ).fetchall()
 
     # Every channel the intruder can name or derive: the queue's and the worker's
     # control queue's (queue_channel is public), and those of earlier pgq versions.
@@ -95,12 +113,19 @@ def check(roles: Roles, env: Env, worker: Worker) -> None:
     with psycopg.connect(roles.libpq(roles.nobody), autocommit=True) as evil:
         # It can read, count and write none of pgq's tables.
         with psycopg.connect(roles.pg_url) as admin:
-            tables = [t for (t,) in admin.execute(
-                "SELECT tablename FROM pg_tables WHERE schemaname = %s", [roles.schema])]
+            tables = [
+                t
+                for (t,) in admin.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", [roles.schema]
+                )
+            ]
         assert len(tables) >= 10
         for table in tables:
-            for statement in ("SELECT * FROM {}.{}", "SELECT count(*) FROM {}.{}",
-                              "DELETE FROM {}.{}"):
+            for statement in (
+                "SELECT * FROM {}.{}",
+                "SELECT count(*) FROM {}.{}",
+                "DELETE FROM {}.{}",
+            ):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     evil.execute(sql.SQL(statement).format(schema, sql.Identifier(table)))
 
@@ -118,18 +143,30 @@ def check(roles: Roles, env: Env, worker: Worker) -> None:
         before = message_rows()
         assert len(before) == 1  # the delayed task, waiting for its time
         ids = [*range(1, 40), before[0][0]]  # guesses, and the real id
-        garbage = ["not json", "[]", "{}", "null", "\\u0000", "x" * 7999,
-                   json.dumps({"ack": ids}), json.dumps({"release": ids})]
+        garbage = [
+            "not json",
+            "[]",
+            "{}",
+            "null",
+            "\\u0000",
+            "x" * 7999,
+            json.dumps({"ack": ids}),
+            json.dumps({"release": ids}),
+        ]
         forged = [hand_off(n, "celery", "forged") for n in ids]
         for channel in channels:
             payloads = [*garbage, *forged]
-            evil.execute("SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
-                         [channel, payloads])
+            evil.execute(
+                "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p", [channel, payloads]
+            )
             for _ in range(50):  # bare wake-ups: one per transaction, or Postgres merges them
                 evil.execute("SELECT pg_notify(%s, '')", [channel])
 
-    wait_for(lambda: "notification(s) with a payload" in worker.output(), 20,
-             "the worker to report the notifications it dropped")
+    wait_for(
+        lambda: "notification(s) with a payload" in worker.output(),
+        20,
+        "the worker to report the notifications it dropped",
+    )
     after = client.send_task(TASK, kwargs={"label": "after-flood"}).id
     wait_for(lambda: "after-flood" in runs(), 20, "a task published after the flood to run")
     client.close()

@@ -101,23 +101,42 @@ def hostile(pg_url: str) -> Iterator[Hostile]:
     with admin(pg_url) as conn:
         superuser = conn.execute("SELECT current_user").fetchone()
         assert superuser is not None
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
-            sql.Identifier(role), sql.Literal(password)))
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(password)
+            )
+        )
         # The rights of the user that owns the test schemas, so its worker can use them.
-        conn.execute(sql.SQL("GRANT {} TO {}").format(
-            sql.Identifier(superuser[0]), sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT {} TO {}").format(sql.Identifier(superuser[0]), sql.Identifier(role))
+        )
         # `pgq demo` creates (and drops) a schema of its own.
-        conn.execute(sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
-            sql.Identifier(dbname), sql.Identifier(role)))
-        conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN PASSWORD {}").format(
-            sql.Identifier(refused), sql.Literal(refused_password)))
+        conn.execute(
+            sql.SQL("GRANT CREATE ON DATABASE {} TO {}").format(
+                sql.Identifier(dbname), sql.Identifier(role)
+            )
+        )
+        conn.execute(
+            sql.SQL("CREATE ROLE {} NOLOGIN PASSWORD {}").format(
+                sql.Identifier(refused), sql.Literal(refused_password)
+            )
+        )
     try:
-        yield Hostile(role, password, refused, refused_password, f"{netloc}:{port}",
-                      quote(dbname, safe=""), urlencode(params) + "&" if params else "")
+        yield Hostile(
+            role,
+            password,
+            refused,
+            refused_password,
+            f"{netloc}:{port}",
+            quote(dbname, safe=""),
+            urlencode(params) + "&" if params else "",
+        )
     finally:
         with admin(pg_url) as conn:
-            conn.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
-                         " WHERE usename = %s", [role])
+            conn.execute(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s",
+                [role],
+            )
             for name in (role, refused):
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
@@ -135,16 +154,24 @@ def test_the_url_carries_its_secrets_where_libpq_reads_them(hostile: Hostile) ->
 
 
 def sessions_of(env: Env, role: str, application_name: str) -> int:
-    return int(env.scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND application_name = %s",
-        role, application_name))
+    return int(
+        env.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND application_name = %s",
+            role,
+            application_name,
+        )
+    )
 
 
 def celery(env: Env, url: str, *args: str) -> str:
     """A `celery` command on ``url``; its whole output (stdout and stderr)."""
     result = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, *args], cwd=ROOT,
-        env=env.environ(PGQ_BROKER_URL=url), capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "celery", "-A", APP, *args],
+        cwd=ROOT,
+        env=env.environ(PGQ_BROKER_URL=url),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
@@ -208,9 +235,20 @@ def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostil
         port = free_port()
         with flower_log.open("wb") as out:
             flower = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", APP, "flower",
-                 "--address=127.0.0.1", f"--port={port}"],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    APP,
+                    "flower",
+                    "--address=127.0.0.1",
+                    f"--port={port}",
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env=env.environ(PGQ_BROKER_URL=url, FLOWER_UNAUTHENTICATED_API="true"),
             )
         base = f"http://127.0.0.1:{port}"
@@ -228,8 +266,10 @@ def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostil
         assert not leaks(api), api
         assert json.loads(api)[node]["stats"]["broker"]["hostname"] == shown
         assert json.loads(api)[node]["conf"]["broker_url"] == shown
-        pages = {path: get(base + path) for path in
-                 ("/workers", f"/worker/{quote(node)}", "/broker", "/tasks")}
+        pages = {
+            path: get(base + path)
+            for path in ("/workers", f"/worker/{quote(node)}", "/broker", "/tasks")
+        }
         for path, (_status, page) in pages.items():
             assert not leaks(page), (path, page)
         assert shown in html.unescape(pages[f"/worker/{quote(node)}"][1])
@@ -251,29 +291,50 @@ def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostil
 def pgq(*args: str, url: str, env: Env) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     environ.update(PGQ_URL=url, PGQ_SCHEMA=env.schema)
-    return subprocess.run([*pgq_command(), *args], capture_output=True, text=True,
-                          env=environ, timeout=120, cwd="/")
+    return subprocess.run(
+        [*pgq_command(), *args], capture_output=True, text=True, env=environ, timeout=120, cwd="/"
+    )
 
 
 def test_every_pgq_command_and_error_shows_the_url_masked(env: Env, hostile: Hostile) -> None:
     url, shown = hostile.url(), mask_url(hostile.url())
     commands = (
-        ("migrate",), ("status",), ("status", "--json"), ("purge", "celery"),
-        ("dead", "list"), ("dead", "list", "--json"), ("dead", "requeue", "--all"),
-        ("dead", "purge", "--yes"), ("dead", "rehook", "1"), ("barrier", "show", "x"),
-        ("metrics",), ("demo",),
+        ("migrate",),
+        ("status",),
+        ("status", "--json"),
+        ("purge", "celery"),
+        ("dead", "list"),
+        ("dead", "list", "--json"),
+        ("dead", "requeue", "--all"),
+        ("dead", "purge", "--yes"),
+        ("dead", "rehook", "1"),
+        ("barrier", "show", "x"),
+        ("metrics",),
+        ("demo",),
     )
     # Independent processes: side by side, a few at a time.
     with ThreadPoolExecutor(4) as pool:
-        runs = dict(zip(
-            (" ".join(args) for args in commands),
-            pool.map(lambda args: pgq(*args, url=url, env=env), commands), strict=True,
-        ))
+        runs = dict(
+            zip(
+                (" ".join(args) for args in commands),
+                pool.map(lambda args: pgq(*args, url=url, env=env), commands),
+                strict=True,
+            )
+        )
     for command, result in runs.items():
         assert not leaks(result.stdout + result.stderr), (command, result.stdout, result.stderr)
         assert "Traceback" not in result.stderr, (command, result.stderr)
-    for command in ("migrate", "status", "purge celery", "dead list", "dead list --json",
-                    "dead requeue --all", "dead purge --yes", "metrics", "demo"):
+    for command in (
+        "migrate",
+        "status",
+        "purge celery",
+        "dead list",
+        "dead list --json",
+        "dead requeue --all",
+        "dead purge --yes",
+        "metrics",
+        "demo",
+    ):
         assert runs[command].returncode == 0, (command, runs[command].stderr)
     assert f"pgq schema {env.schema!r} at {shown} is up to date" in runs["migrate"].stdout
     assert runs["status"].stdout.startswith(f"pgq schema {env.schema!r} at {shown}\n")
@@ -295,17 +356,24 @@ def test_every_pgq_command_and_error_shows_the_url_masked(env: Env, hostile: Hos
         "bad scheme": ("migrate", url.replace("pgq://", "postgres://")),
     }
     with ThreadPoolExecutor(4) as pool:
-        errors = dict(zip(bad, pool.map(lambda case: pgq(case[0], url=case[1], env=env),
-                                        bad.values()), strict=True))
+        errors = dict(
+            zip(
+                bad,
+                pool.map(lambda case: pgq(case[0], url=case[1], env=env), bad.values()),
+                strict=True,
+            )
+        )
     for what, result in errors.items():
         assert result.returncode == 1, (what, result.stdout, result.stderr)
         lines = result.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("Error: "), (what, result.stderr)
         assert not leaks(result.stdout + result.stderr), (what, result.stderr)
     assert errors["unreachable"].stderr.startswith(
-        f"Error: cannot connect to Postgres at {mask_url(unreachable)}: ")
+        f"Error: cannot connect to Postgres at {mask_url(unreachable)}: "
+    )
     assert errors["refused"].stderr.startswith(
-        f"Error: cannot connect to Postgres at {mask_url(refused)}: ")
+        f"Error: cannot connect to Postgres at {mask_url(refused)}: "
+    )
     assert "is not permitted to log in" in errors["refused"].stderr
     assert "malformed broker URL" in errors["raw slash"].stderr
 
@@ -316,14 +384,20 @@ def test_metrics_exporter_shows_the_url_masked_when_scrapes_fail(
     url, shown = hostile.url(), mask_url(hostile.url())
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     environ.update(PGQ_URL=url, PGQ_SCHEMA=env.schema)
-    proc = subprocess.Popen([*pgq_command(), "metrics", "--serve", "0"], env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*pgq_command(), "metrics", "--serve", "0"],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         banner = proc.stdout.readline()
         assert banner.startswith(f"serving metrics of pgq schema {env.schema!r} at {shown} on "), (
-            banner)
+            banner
+        )
         endpoint = banner.rsplit(" ", 1)[1].strip()
         status, body = get(endpoint)
         assert status == 200 and "pgq_" in body, body
@@ -332,8 +406,10 @@ def test_metrics_exporter_shows_the_url_masked_when_scrapes_fail(
         # has to connect, and is refused.
         with admin(env.pg_url) as conn:
             conn.execute(sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(hostile.role)))
-            conn.execute("SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
-                         " WHERE usename = %s", [hostile.role])
+            conn.execute(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity WHERE usename = %s",
+                [hostile.role],
+            )
         status, body = get(endpoint)
         assert status == 503, body
         assert not leaks(body), body
@@ -353,14 +429,33 @@ def test_worker_that_cannot_connect_logs_the_masked_url_only(env: Env, hostile: 
     log = Path(tempfile.mkstemp(prefix="pgq-worker-unreachable-", suffix=".log")[1])
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", APP, "worker", "-P", "solo", "-l", "info",
-             "--without-gossip", "--without-mingle", "--without-heartbeat"],
-            cwd=ROOT, env=env.environ(PGQ_BROKER_URL=url), stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                APP,
+                "worker",
+                "-P",
+                "solo",
+                "-l",
+                "info",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=ROOT,
+            env=env.environ(PGQ_BROKER_URL=url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
-        wait_for(lambda: "Cannot connect to" in log.read_text(errors="replace"), 60,
-                 "the worker to report that it cannot connect")
+        wait_for(
+            lambda: "Cannot connect to" in log.read_text(errors="replace"),
+            60,
+            "the worker to report that it cannot connect",
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -17,25 +17,35 @@ def test_worker_killing_task_is_dead_lettered_after_max_attempts(env: Env) -> No
     import psycopg
 
     with psycopg.connect(env.pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL(
-            "CREATE TABLE {}.poison_log (sender text, queue text, task_id text,"
-            " identity jsonb, attempts int, dead_letter_id bigint)"
-        ).format(sql.Identifier(env.schema)))
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.poison_log (sender text, queue text, task_id text,"
+                " identity jsonb, attempts int, dead_letter_id bigint)"
+            ).format(sql.Identifier(env.schema))
+        )
     attempts = 3
     environ = {"PGQ_MAX_ATTEMPTS_CELERY": str(attempts), "PGQ_VISIBILITY_TIMEOUT": "1"}
     # Positional organization_id, keyword execution_id: both layouts are recovered.
     result = env.client().send_task(TASK, args=[42], kwargs={"execution_id": "exec-7"})
 
     for delivery in range(1, attempts + 1):
-        worker = start_worker(env, f"solo{delivery}", pool="solo", concurrency=1,
-                              app=APP, environ=environ, may_exit=True)
+        worker = start_worker(
+            env,
+            f"solo{delivery}",
+            pool="solo",
+            concurrency=1,
+            app=APP,
+            environ=environ,
+            may_exit=True,
+        )
         wait_for(lambda d=delivery: len(env.runs()) >= d, 30, f"delivery {delivery}")
         assert worker.proc.wait(30) != 0  # os._exit(1) took the worker down
     # One more worker: its claim finds the message past max_attempts.
     last = start_worker(env, "solo-last", pool="solo", concurrency=1, app=APP, environ=environ)
     try:
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.poison_log"), 30,
-                 "the poison hook")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.poison_log"), 30, "the poison hook"
+        )
     finally:
         last.stop()
 
@@ -55,9 +65,11 @@ def test_worker_killing_task_is_dead_lettered_after_max_attempts(env: Env) -> No
         " 'attempts', attempts, 'dead_letter_id', dead_letter_id) FROM {schema}.poison_log"
     )
     assert told == {
-        "sender": TASK, "task_id": result.id,
+        "sender": TASK,
+        "task_id": result.id,
         "identity": {"organization_id": 42, "execution_id": "exec-7"},
-        "attempts": attempts, "dead_letter_id": dead["id"],
+        "attempts": attempts,
+        "dead_letter_id": dead["id"],
     }
 
 
@@ -68,14 +80,20 @@ def test_an_undecodable_body_is_dead_lettered_not_dropped(env: Env) -> None:
 
     with Connection(env.broker_url, transport_options={"schema": env.schema}) as conn:
         Producer(conn).publish(
-            "{not json", routing_key="celery", serializer=None,
-            content_type="application/json", content_encoding="utf-8",
+            "{not json",
+            routing_key="celery",
+            serializer=None,
+            content_type="application/json",
+            content_encoding="utf-8",
             headers={"task": "tests.acceptance.app.mark", "id": "bad-body", "lang": "py"},
         )
     with workers(env, "decoder", concurrency=1):
         # Celery logs "Can't decode message body" and acks it: pgq keeps it instead.
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter"), 30,
-                 "the undecodable message in dead_letter")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter"),
+            30,
+            "the undecodable message in dead_letter",
+        )
     assert env.runs() == []
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
     reason = env.scalar("SELECT reason FROM {schema}.dead_letter")
@@ -96,24 +114,31 @@ def test_a_worker_dead_letters_every_row_it_cannot_run_and_goes_on(env: Env, poo
     shapes = hostile_rows()
     client = env.client()
     with psycopg.connect(env.pg_url, autocommit=True) as conn:
-        insert = sql.SQL("INSERT INTO {}.message (queue, payload) VALUES ('celery', %s::json)"
-                         ).format(sql.Identifier(env.schema))
+        insert = sql.SQL(
+            "INSERT INTO {}.message (queue, payload) VALUES ('celery', %s::json)"
+        ).format(sql.Identifier(env.schema))
         client.send_task("tests.acceptance.app.mark", args=["first"])
         for _, text in shapes:
             conn.execute(insert, [text])
         client.send_task("tests.acceptance.app.mark", args=["last"])
-    worker = start_worker(env, f"fuzz-{pool}", pool=pool, concurrency=2,
-                          environ={"PGQ_MAX_MESSAGE_BYTES": "4096"})
+    worker = start_worker(
+        env, f"fuzz-{pool}", pool=pool, concurrency=2, environ={"PGQ_MAX_MESSAGE_BYTES": "4096"}
+    )
     try:
-        wait_for(lambda: sorted(r[1] for r in env.runs()) == ["first", "last"], 60,
-                 "both real tasks")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 60,
-                 "every row to leave the queue")
+        wait_for(
+            lambda: sorted(r[1] for r in env.runs()) == ["first", "last"], 60, "both real tasks"
+        )
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "every row to leave the queue",
+        )
         client.send_task("tests.acceptance.app.mark", args=["after"])
         wait_for(lambda: len(env.runs()) == 3, 30, "a task sent after them")
         assert worker.proc.poll() is None, "the worker stopped"
     finally:
         worker.stop()
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == len(shapes), (
-        "every bad row is kept: none lost, none run")
+        "every bad row is kept: none lost, none run"
+    )
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter WHERE reason = ''") == 0

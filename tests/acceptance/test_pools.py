@@ -30,14 +30,20 @@ def test_a_pool_runs_each_task_once_in_priority_order_and_dead_letters_what_it_c
     for priority, label in sent[:30]:
         client.send_task(MARK, args=[label], priority=priority)
     with psycopg.connect(env.pg_url, autocommit=True) as conn:
-        conn.execute(sql.SQL("INSERT INTO {}.message (queue, payload) VALUES ('celery', '[1]')")
-                     .format(sql.Identifier(env.schema)))
+        conn.execute(
+            sql.SQL("INSERT INTO {}.message (queue, payload) VALUES ('celery', '[1]')").format(
+                sql.Identifier(env.schema)
+            )
+        )
     for priority, label in sent[30:]:
         client.send_task(MARK, args=[label], priority=priority)
     with workers(env, f"{pool}-1", pool=pool, concurrency=1) as (worker,):
         wait_for(lambda: len(env.runs()) >= len(sent), 60, f"{len(sent)} runs on {pool}")
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30,
-                 "every message acked or dead-lettered")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            30,
+            "every message acked or dead-lettered",
+        )
         # Idle now: a task sent next is woken for, not polled for.
         started = time.monotonic()
         client.send_task(MARK, args=["late"])
@@ -72,8 +78,11 @@ def test_a_pool_s_killed_worker_s_task_runs_again_once_and_a_long_one_keeps_its_
     # A task that runs for three visibility timeouts: renewed, never redelivered.
     client.send_task(SLOW, args=["long", 3 * vt])
     with workers(env, f"{pool}-survivor", pool=pool, concurrency=2, environ=environ):
-        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 60,
-                 "both tasks to finish and be acked")
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            60,
+            "both tasks to finish and be acked",
+        )
     runs = [(r[0], r[1]) for r in env.runs()]
     assert runs.count((crashed.id, "crash")) == 2  # killed once, run again once
     assert [label for _, label in runs].count("long") == 1

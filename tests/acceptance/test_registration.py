@@ -32,7 +32,11 @@ with Connection(sys.argv[1], transport_options={'schema': sys.argv[2]}) as conn:
 def test_scheme_resolves_without_importing_the_package(env: Env) -> None:
     out = subprocess.run(
         [sys.executable, "-c", ZERO_IMPORT, env.broker_url, env.schema],
-        capture_output=True, text=True, timeout=60, cwd="/", env=env.environ(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env=env.environ(),
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -61,8 +65,12 @@ def test_import_registers_too() -> None:
     paths = [str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     out = subprocess.run(
-        [sys.executable, "-S", "-c", PROBE], capture_output=True, text=True, timeout=60,
-        cwd="/", env=env,
+        [sys.executable, "-S", "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["unknown-before", "pg_transport.transport"]

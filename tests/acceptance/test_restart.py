@@ -101,8 +101,7 @@ def publish(env: Env, total: int, label: str = "r") -> list[str]:
     client = env.client()
     with client.producer_or_acquire() as producer:
         return [
-            client.send_task(MARK, args=[f"{label}{n}"], producer=producer).id
-            for n in range(total)
+            client.send_task(MARK, args=[f"{label}{n}"], producer=producer).id for n in range(total)
         ]
 
 
@@ -123,11 +122,15 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
     started_before = cluster.start_time()
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(VT), "TEST_PREFETCH": str(PREFETCH)}
 
-    with workers(env, "r1", "r2", app=SOAK_APP, concurrency=CONCURRENCY,
-                 environ=environ) as running:
+    with workers(
+        env, "r1", "r2", app=SOAK_APP, concurrency=CONCURRENCY, environ=environ
+    ) as running:
         t_ready = time.monotonic()
-        wait_for(lambda: (runs_recorded(env) or 0) >= RESTART_AFTER, 60,
-                 f"{RESTART_AFTER} runs before the restart")
+        wait_for(
+            lambda: (runs_recorded(env) or 0) >= RESTART_AFTER,
+            60,
+            f"{RESTART_AFTER} runs before the restart",
+        )
         runs_before = runs_recorded(env)
         t_restart = time.monotonic()
         cluster.restart(mode)
@@ -140,13 +143,16 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
         # the server was still going down waits out Celery's retry interval (2 s) while
         # the other drains. So each worker is seen back, then given work of its own: idle
         # and listening, each is woken for part of a fresh batch.
-        wait_for(lambda: all(reconnected(w) for w in running), 60,
-                 "every worker to connect again")
+        wait_for(lambda: all(reconnected(w) for w in running), 60, "every worker to connect again")
         after_ids = publish(env, AFTER, label="a")
-        wait_for(lambda: distinct_runs(env) == TOTAL + AFTER, 60,
-                 f"the {AFTER} tasks published after the restart to run")
-        wait_for(lambda: messages_left(env) == 0, 30,
-                 "the tasks published after the restart to be acked")
+        wait_for(
+            lambda: distinct_runs(env) == TOTAL + AFTER,
+            60,
+            f"the {AFTER} tasks published after the restart to run",
+        )
+        wait_for(
+            lambda: messages_left(env) == 0, 30, "the tasks published after the restart to be acked"
+        )
         alive = {w.name: w.proc.poll() is None for w in running}
         lost = {w.name: w.output().count("Connection to broker lost") for w in running}
         failed_acks = sum(w.output().count("Couldn't ack") for w in running)

@@ -24,8 +24,7 @@ REDIS_DB = 11
 
 @pytest.fixture
 def targets(pg_url: str) -> Iterator[dict[str, Target]]:
-    args = parse_args(["--brokers", "pgq,redis", "--pg-url", pg_url,
-                       "--redis-db", str(REDIS_DB)])
+    args = parse_args(["--brokers", "pgq,redis", "--pg-url", pg_url, "--redis-db", str(REDIS_DB)])
     with targets_of(args) as made:
         assert "pgq" in made  # (only Redis may be left out)
         yield made
@@ -39,8 +38,9 @@ def test_pgq_publishes_one_at_a_time_and_in_batches(
     assert set(rates) == expected
     assert all(len(found) == ROUNDS and min(found) > 0 for found in rates.values())
     target = targets["pgq"]
-    query = sql.SQL("SELECT count(*), count(DISTINCT xmin::text) FROM {}.message"
-                    " WHERE queue = %s").format(sql.Identifier(target.transport_options["schema"]))
+    query = sql.SQL(
+        "SELECT count(*), count(DISTINCT xmin::text) FROM {}.message WHERE queue = %s"
+    ).format(sql.Identifier(target.transport_options["schema"]))
     with psycopg.connect(pg_url, autocommit=True) as conn:
         [(messages, transactions)] = conn.execute(query, (target.queue,)).fetchall()
     # The untimed first publish, then each round's one-at-a-time and batched publishes:
@@ -48,13 +48,20 @@ def test_pgq_publishes_one_at_a_time_and_in_batches(
     assert messages == 1 + ROUNDS * TASKS * 2
     assert transactions == 1 + ROUNDS * TASKS + ROUNDS * 3
     if "redis" in targets:
-        assert redis.Redis.from_url(targets["redis"].broker_url).llen(
-            targets["redis"].queue) == 1 + ROUNDS * TASKS
+        assert (
+            redis.Redis.from_url(targets["redis"].broker_url).llen(targets["redis"].queue)
+            == 1 + ROUNDS * TASKS
+        )
 
 
 def test_the_summary_sets_every_way_against_redis() -> None:
-    found = summary({"redis": [100.0, 300.0, 200.0], "pgq": [150.0, 160.0, 170.0],
-                     "pgq batch 100": [400.0, 500.0, 450.0]})
+    found = summary(
+        {
+            "redis": [100.0, 300.0, 200.0],
+            "pgq": [150.0, 160.0, 170.0],
+            "pgq batch 100": [400.0, 500.0, 450.0],
+        }
+    )
     assert found["redis"] == {"rate": 200.0, "ratio_to_redis": 1.0}
     assert found["pgq"]["ratio_to_redis"] == 0.8
     assert found["pgq batch 100"]["ratio_to_redis"] == 2.25
@@ -64,8 +71,18 @@ def test_the_summary_sets_every_way_against_redis() -> None:
 def test_the_command_prints_json_and_a_table(
     pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--brokers", "pgq", "--tasks", "3", "--rounds", "1", "--batch-size", "2",
-            "--pg-url", pg_url]
+    argv = [
+        "--brokers",
+        "pgq",
+        "--tasks",
+        "3",
+        "--rounds",
+        "1",
+        "--batch-size",
+        "2",
+        "--pg-url",
+        pg_url,
+    ]
     assert main([*argv, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["batch_size"] == 2 and set(found["ways"]) == {"pgq", "pgq batch 2"}

@@ -85,8 +85,9 @@ def test_benchmark_reports_every_broker(pg_url: str, tmp_path: Path) -> None:
         else:
             assert result["reason"], name
     assert report["brokers"]["pgq-async"]["status"] == "ok", report["brokers"]["pgq-async"]
-    compared = {n for n, r in report["brokers"].items()
-                if not n.startswith("pgq") and r["status"] == "ok"}
+    compared = {
+        n for n, r in report["brokers"].items() if not n.startswith("pgq") and r["status"] == "ok"
+    }
     for table in ("ratios", "ratios_async"):
         assert set(report[table]) == compared
         for metrics in report[table].values():
@@ -117,8 +118,12 @@ def test_ratios_compare_only_brokers_with_numbers() -> None:
             "latency": {"p50_ms": p50, "p99_ms": p50 * 2},
         }
 
-    brokers = {"pgq": ok(100, 4), "pgq-async": ok(150, 3), "redis": ok(200, 2),
-               "sqla": {"status": "skipped"}}
+    brokers = {
+        "pgq": ok(100, 4),
+        "pgq-async": ok(150, 3),
+        "redis": ok(200, 2),
+        "sqla": {"status": "skipped"},
+    }
     table = ratios(brokers)
     assert set(table) == {"redis"}  # pgq's variants are not compared with each other
     assert table["redis"] == {"publish": 0.5, "drain": 0.5, "latency_p50": 2.0, "latency_p99": 2.0}
@@ -126,7 +131,10 @@ def test_ratios_compare_only_brokers_with_numbers() -> None:
 
 
 def test_publish_rates_are_compared_with_pgbench() -> None:
-    brokers = {"pgq": {"status": "ok", "publish": {"rate": 1000.0}},
-               "pgq-async": {"status": "failed"}, "redis": {"status": "ok"}}
+    brokers = {
+        "pgq": {"status": "ok", "publish": {"rate": 1000.0}},
+        "pgq-async": {"status": "failed"},
+        "redis": {"status": "ok"},
+    }
     assert pgbench_ratios(brokers, {"status": "ok", "tps": 4000.0}) == {"pgq": 0.25}
     assert pgbench_ratios(brokers, {"status": "skipped", "reason": "no pgbench"}) == {}

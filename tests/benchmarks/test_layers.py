@@ -36,16 +36,15 @@ REDIS_DB = 12
 def targets(pg_url: str) -> Iterator[dict[str, Target]]:
     # Made as the command makes them, Redis left out where none answers (a Redis
     # database of the test's own; fresh pgq schemas: a process migrates a schema once).
-    args = parse_args(["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url,
-                       "--redis-db", str(REDIS_DB)])
+    args = parse_args(
+        ["--brokers", "pgq,pgq-async,redis", "--pg-url", pg_url, "--redis-db", str(REDIS_DB)]
+    )
     with targets_of(args) as made:
         assert {"pgq", "pgq-async"} <= set(made)  # (only Redis may be left out)
         yield made
 
 
-def test_every_publish_is_timed_at_every_depth(
-    targets: dict[str, Target], pg_url: str
-) -> None:
+def test_every_publish_is_timed_at_every_depth(targets: dict[str, Target], pg_url: str) -> None:
     found = measure(targets, TASKS, ROUNDS)
     assert set(found) == set(targets)
     for name, layers in found.items():
@@ -79,8 +78,11 @@ def test_nothing_stays_patched(targets: dict[str, Target]) -> None:
 
 def test_a_round_trip_outside_any_publish_is_not_counted() -> None:
     layers = Layers()
-    layers.seconds = {"apply_async": [3.0, 5.0, 4.0], "call": [2.0, 3.0, 2.5],
-                      "wire": [1.0, 1.0, 2.0]}
+    layers.seconds = {
+        "apply_async": [3.0, 5.0, 4.0],
+        "call": [2.0, 3.0, 2.5],
+        "wire": [1.0, 1.0, 2.0],
+    }
     layers.published, layers.elapsed = 3, 12.0
     summary = layers.summary()
     assert summary["apply_async_us"] == 4.0e6
@@ -91,9 +93,11 @@ def test_a_round_trip_outside_any_publish_is_not_counted() -> None:
 
 
 def test_without_python_compares_with_redis_as_measured() -> None:
-    found = {"redis": {"apply_async_us": 300.0, "without_python_us": 200.0},
-             "pgq": {"apply_async_us": 360.0, "without_python_us": 310.0},
-             "pgq-async": {"apply_async_us": 270.0, "without_python_us": 200.0}}
+    found = {
+        "redis": {"apply_async_us": 300.0, "without_python_us": 200.0},
+        "pgq": {"apply_async_us": 360.0, "without_python_us": 310.0},
+        "pgq-async": {"apply_async_us": 270.0, "without_python_us": 200.0},
+    }
     assert without_python(found) == {"pgq": 300.0 / 310.0, "pgq-async": 1.5}
     assert without_python({"pgq": found["pgq"]}) == {}  # nothing to compare with
 
@@ -111,8 +115,9 @@ def test_pgq_s_insert_is_run_with_a_message_the_run_published(
     # pgbench's rows went into the first pgq target's queue, each with that payload.
     target = targets["pgq"]
     schema = sql.Identifier(target.transport_options["schema"])
-    query = sql.SQL("SELECT count(DISTINCT payload::text), count(*) FROM {}.message "
-                    "WHERE queue = %s").format(schema)
+    query = sql.SQL(
+        "SELECT count(DISTINCT payload::text), count(*) FROM {}.message WHERE queue = %s"
+    ).format(schema)
     with psycopg.connect(pg_url, autocommit=True) as conn:
         [(payloads, rows)] = conn.execute(query, (target.queue,)).fetchall()
     assert rows > 2 + 1 + 10  # measure's publishes (and the untimed one), and pgbench's

@@ -104,6 +104,7 @@ SELECT pg_stat_get_xact_tuples_updated(%(table)s::regclass),
        pg_stat_get_xact_tuples_hot_updated(%(table)s::regclass)
 """
 
+
 def expected(rows: int) -> dict[str, tuple[int, int, int]]:
     """queue: (ready, in flight, delayed), by FILL's rules."""
     counts: dict[str, list[int]] = {}
@@ -112,7 +113,6 @@ def expected(rows: int) -> dict[str, tuple[int, int, int]]:
         state = 1 if g % 41 == 1 else 2 if g % 37 == 0 else 0
         counts.setdefault(queue, [0, 0, 0])[state] += 1
     return {q: (c[0], c[1], c[2]) for q, c in sorted(counts.items())}
-
 
 
 def timed(run: Callable[[], Any], runs: int = RUNS) -> tuple[float, Any]:
@@ -184,8 +184,10 @@ def test_status_and_autoscaling_queries_at_one_million_messages(
         seconds, status = timed(lambda: collect(filled))
         figures = {q.queue: (q.ready, q.in_flight, q.delayed) for q in status.queues}
         assert figures == want
-        report["status"] = {"median_ms": round(seconds * 1000, 1),
-                            "explain": explain(conn, status_sql)}
+        report["status"] = {
+            "median_ms": round(seconds * 1000, 1),
+            "explain": explain(conn, status_sql),
+        }
 
         # -- docs/monitoring.md's autoscaling queries, per queue --
         queries = autoscaling_queries()
@@ -199,14 +201,17 @@ def test_status_and_autoscaling_queries_at_one_million_messages(
                 else:
                     assert row is not None and 0 <= row[0] <= 1000  # FILL's oldest: 1000 s
                 autoscaling[f"{kind}:{queue}"] = {
-                    "median_ms": round(seconds * 1000, 2), "explain": explain(conn, query),
+                    "median_ms": round(seconds * 1000, 2),
+                    "explain": explain(conn, query),
                 }
             oldest = sql.SQL(OLDEST_READY).format(
-                schema=sql.Identifier(schema), queue=sql.Literal(queue))
+                schema=sql.Identifier(schema), queue=sql.Literal(queue)
+            )
             seconds, row = timed(partial(fetch_one, conn, oldest))
             assert row is not None and 990 < row[0] < 1100
             autoscaling[f"oldest_ready_exact:{queue}"] = {
-                "median_ms": round(seconds * 1000, 2), "explain": explain(conn, oldest),
+                "median_ms": round(seconds * 1000, 2),
+                "explain": explain(conn, oldest),
             }
         report["autoscaling"] = autoscaling
 
@@ -242,13 +247,16 @@ def test_status_and_autoscaling_queries_at_one_million_messages(
         seconds, _ = timed(lambda: conn.execute(query).fetchone())
         age_plan = explain(conn, query)
         proposal["oldest_ready_exact:default"] = {
-            "median_ms": round(seconds * 1000, 2), "explain": age_plan,
+            "median_ms": round(seconds * 1000, 2),
+            "explain": age_plan,
         }
         rewritten = sql.SQL(PROPOSED_STATUS).format(**ident)
         seconds, rows = timed(lambda: conn.execute(rewritten).fetchall())
         assert {r[0]: (r[1], r[2], r[3]) for r in rows} == want
-        proposal["status_per_queue"] = {"median_ms": round(seconds * 1000, 1),
-                                        "explain": explain(conn, rewritten)}
+        proposal["status_per_queue"] = {
+            "median_ms": round(seconds * 1000, 1),
+            "explain": explain(conn, rewritten),
+        }
         report["proposal"] = proposal
 
     print(json.dumps(report, indent=2))

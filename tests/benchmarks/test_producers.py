@@ -74,8 +74,9 @@ def test_every_burst_starts_on_an_empty_queue(target: Target, pg_url: str) -> No
 
 
 def test_a_producer_that_fails_is_named_not_waited_for(target: Target) -> None:
-    unreachable = Target("pgq://127.0.0.1:1/test", target.queue,
-                         dict(target.transport_options), dict(target.env))
+    unreachable = Target(
+        "pgq://127.0.0.1:1/test", target.queue, dict(target.transport_options), dict(target.env)
+    )
     with pytest.raises(RuntimeError, match=r"(?s)a producer failed:.*cannot connect to Postgres"):
         burst(unreachable, 2, TASKS, timeout=60.0)
 
@@ -87,27 +88,46 @@ def test_a_rate_is_every_publish_over_the_first_start_to_the_last_end() -> None:
 
 @pytest.mark.parametrize(
     ("parse", "argv", "named"),
-    [(parse_args, ["--producers", "2,0"], "at least 1"),
-     (parse_args, ["--producers", "two"], "whole numbers"),
-     (parse_args, ["--producers", ","], "no producer count"),
-     (parse_args, ["--brokers", "rabbitmq"], "rabbitmq"),
-     # benchmarks.layers, whose broker arguments the producers command takes
-     (layers.parse_args, ["--brokers", "pgq,rabbitmq"], "rabbitmq"),
-     (layers.parse_args, ["--tasks", "0"], "at least 1"),
-     # the pgbench run's length, checked alike by both commands that take it
-     (layers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
-     (brokers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
-     # the message table's fill factor, as Postgres takes it
-     (table_health.parse_args, ["--fillfactor", "5"],
-      "--fillfactor: must be between 10 and 100, got 5"),
-     (table_health.parse_args, ["--fillfactor", "ninety"],
-      "--fillfactor: must be a whole number, got 'ninety'")],
-    ids=["producers-zero", "producers-word", "producers-none", "producers-broker",
-         "layers-broker", "layers-tasks", "layers-pgbench-seconds", "brokers-pgbench-seconds",
-         "table-health-fillfactor-range", "table-health-fillfactor-word"],
+    [
+        (parse_args, ["--producers", "2,0"], "at least 1"),
+        (parse_args, ["--producers", "two"], "whole numbers"),
+        (parse_args, ["--producers", ","], "no producer count"),
+        (parse_args, ["--brokers", "rabbitmq"], "rabbitmq"),
+        # benchmarks.layers, whose broker arguments the producers command takes
+        (layers.parse_args, ["--brokers", "pgq,rabbitmq"], "rabbitmq"),
+        (layers.parse_args, ["--tasks", "0"], "at least 1"),
+        # the pgbench run's length, checked alike by both commands that take it
+        (layers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
+        (brokers.parse_args, ["--pgbench-seconds", "-1"], "--pgbench-seconds: must be >= 0"),
+        # the message table's fill factor, as Postgres takes it
+        (
+            table_health.parse_args,
+            ["--fillfactor", "5"],
+            "--fillfactor: must be between 10 and 100, got 5",
+        ),
+        (
+            table_health.parse_args,
+            ["--fillfactor", "ninety"],
+            "--fillfactor: must be a whole number, got 'ninety'",
+        ),
+    ],
+    ids=[
+        "producers-zero",
+        "producers-word",
+        "producers-none",
+        "producers-broker",
+        "layers-broker",
+        "layers-tasks",
+        "layers-pgbench-seconds",
+        "brokers-pgbench-seconds",
+        "table-health-fillfactor-range",
+        "table-health-fillfactor-word",
+    ],
 )
 def test_bad_arguments_are_named(
-    parse: Callable[[list[str]], object], argv: list[str], named: str,
+    parse: Callable[[list[str]], object],
+    argv: list[str],
+    named: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
@@ -118,8 +138,19 @@ def test_bad_arguments_are_named(
 def test_the_command_reports_each_count_of_producers(
     pg_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--brokers", "pgq", "--producers", "2,1", "--tasks", "3", "--rounds", "1",
-            "--pg-url", pg_url, "--json"]
+    argv = [
+        "--brokers",
+        "pgq",
+        "--producers",
+        "2,1",
+        "--tasks",
+        "3",
+        "--rounds",
+        "1",
+        "--pg-url",
+        pg_url,
+        "--json",
+    ]
     assert main(argv) == 0
     found = json.loads(capsys.readouterr().out)
     assert list(found) == ["pgq"] and list(found["pgq"]) == ["1", "2"]

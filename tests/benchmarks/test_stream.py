@@ -30,9 +30,24 @@ def _sink() -> None:
 def test_every_task_of_the_stream_runs_once(
     pg_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["--brokers", "pgq", "--tasks", str(TASKS), "--rounds", "2", "--pg-url", pg_url,
-            "--concurrency", "2", "--log-dir", str(tmp_path), "--no-save", "--json",
-            "--phase-timeout", "120"]
+    argv = [
+        "--brokers",
+        "pgq",
+        "--tasks",
+        str(TASKS),
+        "--rounds",
+        "2",
+        "--pg-url",
+        pg_url,
+        "--concurrency",
+        "2",
+        "--log-dir",
+        str(tmp_path),
+        "--no-save",
+        "--json",
+        "--phase-timeout",
+        "120",
+    ]
     assert main(argv) == 0
     found = json.loads(capsys.readouterr().out)
     pgq = found["pgq"]
@@ -49,10 +64,14 @@ def test_every_task_of_the_stream_runs_once(
 
 def test_a_broker_without_numbers_says_why() -> None:
     rounds = [
-        {"pgq": {"status": "ok", "stream": {"publish": 3.0, "through": 2.0, "lag": 0.1}},
-         "rabbitmq": {"status": "skipped", "reason": "no answer"}},
-        {"pgq": {"status": "failed", "reason": "worker exited"},
-         "rabbitmq": {"status": "failed", "reason": "timed out"}},
+        {
+            "pgq": {"status": "ok", "stream": {"publish": 3.0, "through": 2.0, "lag": 0.1}},
+            "rabbitmq": {"status": "skipped", "reason": "no answer"},
+        },
+        {
+            "pgq": {"status": "failed", "reason": "worker exited"},
+            "rabbitmq": {"status": "failed", "reason": "timed out"},
+        },
     ]
     found = summarize(rounds)
     assert found["pgq"]["status"] == "ok" and found["pgq"]["through"] == 2.0

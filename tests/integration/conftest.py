@@ -39,8 +39,9 @@ class Peek:
     def wait_for_backend(self, pid: int, condition: str, failure: str) -> None:
         """Until backend ``pid`` meets ``condition`` (SQL on its ``pg_stat_activity``
         row); ``failure`` if it has not in 10 s."""
-        self.wait_until(f"SELECT {condition} FROM pg_stat_activity WHERE pid = %s", pid,
-                        failure=failure)
+        self.wait_until(
+            f"SELECT {condition} FROM pg_stat_activity WHERE pid = %s", pid, failure=failure
+        )
 
     def wait_until(self, query: str, *params: Any, failure: str) -> None:
         """Until ``query`` answers one row, true; ``failure`` if it has not in 10 s."""
@@ -54,8 +55,10 @@ class Peek:
 
     def expire_leases(self) -> None:
         """What the passing of a visibility timeout does, without waiting for it."""
-        self("UPDATE {schema}.message SET visible_at = now() - interval '1 second'"
-             " WHERE visible_at > now()")
+        self(
+            "UPDATE {schema}.message SET visible_at = now() - interval '1 second'"
+            " WHERE visible_at > now()"
+        )
 
 
 @pytest.fixture
@@ -89,8 +92,12 @@ def idle_consumer(broker_url: str, options: dict[str, Any], queue: Queue) -> Ite
     times its messages arrived; on the way out, waits for the thread to end."""
     got: list[float] = []
     with Connection(broker_url, transport_options=options) as consumer_conn:
-        consumer = Consumer(consumer_conn, [queue], accept=["json"],
-                            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())])
+        consumer = Consumer(
+            consumer_conn,
+            [queue],
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())],
+        )
         consumer.consume()
         thread = threading.Thread(target=consumer_conn.drain_events, kwargs={"timeout": 20})
         thread.start()

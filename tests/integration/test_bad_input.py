@@ -115,8 +115,11 @@ def attempts_until_failure(url: str, schema: str) -> tuple[int, BaseException]:
     with Connection(url, transport_options={"schema": schema}) as conn:
         try:
             conn.ensure_connection(
-                errback=lambda exc, interval: seen.append(exc), max_retries=3,
-                interval_start=0, interval_step=0, reraise_as_library_errors=False,
+                errback=lambda exc, interval: seen.append(exc),
+                max_retries=3,
+                interval_start=0,
+                interval_step=0,
+                reraise_as_library_errors=False,
             )
         except BaseException as exc:  # the final error is what the test inspects
             return len(seen) + 1, exc
@@ -184,9 +187,7 @@ def test_wrong_password_says_authentication_failed_without_the_password(
 
 
 @pytest.mark.usefixtures("no_libpq_password")
-def test_missing_password_says_none_was_supplied(
-    scram_cluster: ScramCluster, schema: str
-) -> None:
+def test_missing_password_says_none_was_supplied(scram_cluster: ScramCluster, schema: str) -> None:
     with pytest.raises(BrokerUnavailable) as info:
         connect(scram_cluster.url(None), schema)
     assert "no password supplied" in str(info.value)
@@ -199,8 +200,11 @@ def test_right_password_connects_to_the_throwaway_cluster(
     """The control: the cluster is up and checks passwords, it does not refuse everything."""
     connect(scram_cluster.url(scram_cluster.password), schema)
     with psycopg.connect(
-        host="127.0.0.1", port=scram_cluster.port, user="postgres",
-        password=scram_cluster.password, dbname="postgres",
+        host="127.0.0.1",
+        port=scram_cluster.port,
+        user="postgres",
+        password=scram_cluster.password,
+        dbname="postgres",
     ) as conn:
         row = conn.execute("SELECT to_regclass(%s)", [f"{schema}.message"]).fetchone()
     assert row is not None and row[0] is not None
@@ -221,8 +225,13 @@ def test_right_password_connects_to_the_throwaway_cluster(
     ],
 )
 def test_bad_environment_is_refused_at_transport_creation(
-    monkeypatch: pytest.MonkeyPatch, broker_url: str, pg_url: str, schema: str,
-    name: str, value: str, problem: str,
+    monkeypatch: pytest.MonkeyPatch,
+    broker_url: str,
+    pg_url: str,
+    schema: str,
+    name: str,
+    value: str,
+    problem: str,
 ) -> None:
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigurationError) as info:
@@ -280,9 +289,7 @@ def role(pg_url: str, admin: psycopg.Connection[Any], schema: str) -> Iterator[R
     finally:
         # The schema goes first (its fixture drops it too, harmlessly), then whatever
         # the role owns or was granted, then the role.
-        admin.execute(
-            sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-        )
+        admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
         admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
         admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
@@ -387,8 +394,9 @@ def test_granted_role_connects(
     ident = {"s": sql.Identifier(schema), "r": sql.Identifier(role.name)}
     admin.execute(sql.SQL("GRANT USAGE ON SCHEMA {s} TO {r}").format(**ident))
     admin.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {r}")
-        .format(**ident)
+        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {s} TO {r}").format(
+            **ident
+        )
     )
     with Connection(role.url, transport_options={"schema": schema}) as conn:
         queue = conn.SimpleQueue("granted")

@@ -118,8 +118,14 @@ def messages(peek: Peek) -> list[dict[str, Any]]:
     ):
         args, kwargs, _embed = json.loads(payload["body"])
         out.append(
-            {"queue": queue, "priority": priority, "headers": payload["headers"],
-             "task": payload["headers"]["task"], "args": args, "kwargs": kwargs}
+            {
+                "queue": queue,
+                "priority": priority,
+                "headers": payload["headers"],
+                "task": payload["headers"]["task"],
+                "args": args,
+                "kwargs": kwargs,
+            }
         )
     return out
 
@@ -161,8 +167,9 @@ def test_dispatch_arms_and_queues_parts_with_headers_not_kwargs(
 def test_a_part_with_a_countdown_waits_in_postgres(app: Celery, db: Backend, peek: Peek) -> None:
     parts = [app.signature("t.part", args=[0]), app.signature("t.part", args=[1], countdown=60)]
     Barrier(app).dispatch("b1", parts, app.signature("t.collect"))
-    assert peek("SELECT visible_at > now() + interval '50 s' FROM {schema}.message"
-                " ORDER BY id") == [(False,), (True,)]
+    assert peek(
+        "SELECT visible_at > now() + interval '50 s' FROM {schema}.message ORDER BY id"
+    ) == [(False,), (True,)]
 
 
 def test_dispatching_an_armed_id_is_refused_and_queues_nothing(
@@ -262,8 +269,11 @@ def test_a_failed_part_fails_the_barrier_and_fires_the_errback_once(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
 ) -> None:
     d = Barrier(app).dispatch(
-        "b1", sigs(app, 3), app.signature("t.collect"),
-        errback=app.signature("t.err", kwargs={"label": "x"}), metadata={"execution": 42},
+        "b1",
+        sigs(app, 3),
+        app.signature("t.collect"),
+        errback=app.signature("t.err", kwargs={"label": "x"}),
+        metadata={"execution": 42},
     )
     assert done(db, conn, "b1", 0) == st.COUNTED
     assert st.part_failed(db, conn, "b1", 1, "ValueError('boom')") == st.FAILED
@@ -276,10 +286,17 @@ def test_a_failed_part_fails_the_barrier_and_fires_the_errback_once(
     assert errbacks[0]["headers"]["id"] == d.errback_id
     assert errbacks[0]["headers"][HEADER_ROLE] == "errback"
     assert errbacks[0]["kwargs"] == {"label": "x"}
-    assert errbacks[0]["args"] == [{
-        "barrier_id": "b1", "status": "failed", "part": 1, "total": 3, "remaining": 2,
-        "reason": "part 1 failed: ValueError('boom')", "metadata": {"execution": 42},
-    }]
+    assert errbacks[0]["args"] == [
+        {
+            "barrier_id": "b1",
+            "status": "failed",
+            "part": 1,
+            "total": 3,
+            "remaining": 2,
+            "reason": "part 1 failed: ValueError('boom')",
+            "metadata": {"execution": 42},
+        }
+    ]
     assert not [m for m in messages(peek) if m["task"] == "t.collect"]
 
 
@@ -313,8 +330,9 @@ def test_a_result_that_is_not_json_fails_the_barrier(app: Celery, db: Backend, p
 
 
 def test_a_poisoned_part_fails_the_barrier(app: Celery, db: Backend, peek: Peek) -> None:
-    Barrier(app).dispatch("b1", sigs(app, 2), app.signature("t.collect"),
-                          errback=app.signature("t.err"))
+    Barrier(app).dispatch(
+        "b1", sigs(app, 2), app.signature("t.collect"), errback=app.signature("t.err")
+    )
     # Part 1 went past max_attempts: the transport moved it to dead_letter and sends
     # message_poisoned (a poisoned message never reaches task_failure).
     ((dead_id, task_id),) = peek(
@@ -328,8 +346,14 @@ def test_a_poisoned_part_fails_the_barrier(app: Celery, db: Backend, peek: Peek)
     try:
         for _ in range(2):  # `pgq dead rehook` may send it again: no second errback
             responses = message_poisoned.send(
-                sender="t.part", queue="celery", task_id=task_id, identity={}, args=[],
-                kwargs={}, attempts=5, dead_letter_id=dead_id,
+                sender="t.part",
+                queue="celery",
+                task_id=task_id,
+                identity={},
+                args=[],
+                kwargs={},
+                attempts=5,
+                dead_letter_id=dead_id,
             )
             assert not [r for _, r in responses if isinstance(r, BaseException)]
     finally:
@@ -361,10 +385,15 @@ def test_worker_ready_starts_a_sweeper_and_shutdown_stops_it(
 # -- the callback's dedup -----------------------------------------------------------
 def deliver_callback(app: Celery, barrier_id: str, results: Any = ("r0",)) -> Any:
     """What a worker does with the callback message: run it with marker and header."""
-    return app.tasks["t.collect"].apply(
-        args=[list(results)], kwargs={TRANSPORT_MARKER: True},
-        headers={HEADER_BARRIER: barrier_id},
-    ).get(propagate=True)
+    return (
+        app.tasks["t.collect"]
+        .apply(
+            args=[list(results)],
+            kwargs={TRANSPORT_MARKER: True},
+            headers={HEADER_BARRIER: barrier_id},
+        )
+        .get(propagate=True)
+    )
 
 
 def fired(app: Celery, db: Backend, conn: psycopg.Connection[Any], bid: str) -> None:
@@ -383,7 +412,8 @@ def test_callback_redelivered_after_completed_is_skipped(
     assert deliver_callback(app, "b1") == 1
     assert status(peek, "b1") == ("completed", 0)
     assert deliver_callback(app, "b1") == {
-        "status": "skipped_duplicate_callback", "barrier_id": "b1"
+        "status": "skipped_duplicate_callback",
+        "barrier_id": "b1",
     }
     assert len(calls.callback) == 1 and effects(peek) == 1
     assert calls.callback[0][1] == {}  # the marker never reaches the body
@@ -406,7 +436,11 @@ def test_callback_redelivered_after_fired_runs_again(
 
 @pytest.mark.parametrize("elsewhere", ["failed", "expired"])
 def test_a_status_set_elsewhere_does_not_suppress_the_first_run(
-    app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek, calls: Calls,
+    app: Celery,
+    db: Backend,
+    conn: psycopg.Connection[Any],
+    peek: Peek,
+    calls: Calls,
     elsewhere: str,
 ) -> None:
     fired(app, db, conn, "b1")
@@ -444,16 +478,22 @@ def test_concurrent_deliveries_of_one_callback_run_the_body_once(
     second.start()
     # The second delivery waits on the barrier's lock, not in the body.
     ours = f"pgq-barrier:{os.getpid()}"  # the application_name of our backend's sessions
-    wait_for(lambda: peek(
-        "SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
-        " WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = %s", ours
-    ), 10, "the second delivery to wait for the barrier's lock")
+    wait_for(
+        lambda: peek(
+            "SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = %s",
+            ours,
+        ),
+        10,
+        "the second delivery to wait for the barrier's lock",
+    )
     calls.release.set()
     first.join(10)
     second.join(10)
-    assert sorted(results, key=str) == [1, {
-        "status": "skipped_duplicate_callback", "barrier_id": "b1"
-    }]
+    assert sorted(results, key=str) == [
+        1,
+        {"status": "skipped_duplicate_callback", "barrier_id": "b1"},
+    ]
     assert len(calls.callback) == 1 and effects(peek) == 1
 
 
@@ -473,28 +513,40 @@ def stranded() -> Iterator[list[dict[str, Any]]]:
 
 
 def test_sweep_expires_past_ttl_and_stuck_barriers_once(
-    app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek,
+    app: Celery,
+    db: Backend,
+    conn: psycopg.Connection[Any],
+    peek: Peek,
     stranded: list[dict[str, Any]],
 ) -> None:
     errback = app.signature("t.err")
     for bid in ("old", "stuck", "fine"):
-        Barrier(app).dispatch(bid, sigs(app, 2), app.signature("t.collect"), errback=errback,
-                              ttl=3600, stuck_timeout=600, metadata={"who": bid})
+        Barrier(app).dispatch(
+            bid,
+            sigs(app, 2),
+            app.signature("t.collect"),
+            errback=errback,
+            ttl=3600,
+            stuck_timeout=600,
+            metadata={"who": bid},
+        )
     peek("UPDATE {schema}.barrier SET expires_at = now() - interval '1 s' WHERE id = 'old'")
-    peek("UPDATE {schema}.barrier SET progressed_at = now() - interval '601 s'"
-         " WHERE id = 'stuck'")
+    peek("UPDATE {schema}.barrier SET progressed_at = now() - interval '601 s' WHERE id = 'stuck'")
     assert sorted(sweep(app)) == ["old", "stuck"]
     assert sweep(app) == []
     assert status(peek, "old") == ("expired", 2) and status(peek, "fine") == ("armed", 2)
     assert dict(peek("SELECT id, reason FROM {schema}.barrier WHERE status = 'expired'")) == {
-        "old": "ttl", "stuck": "stuck"
+        "old": "ttl",
+        "stuck": "stuck",
     }
-    infos = {m["args"][0]["barrier_id"]: m["args"][0]
-             for m in messages(peek) if m["task"] == "t.err"}
+    infos = {
+        m["args"][0]["barrier_id"]: m["args"][0] for m in messages(peek) if m["task"] == "t.err"
+    }
     assert set(infos) == {"old", "stuck"}
     assert infos["stuck"]["status"] == "expired" and infos["stuck"]["metadata"] == {"who": "stuck"}
     assert sorted((s["barrier_id"], s["reason"], s["sender"]) for s in stranded) == [
-        ("old", "ttl", "t.collect"), ("stuck", "stuck", "t.collect")
+        ("old", "ttl", "t.collect"),
+        ("stuck", "stuck", "t.collect"),
     ]
     assert done(db, conn, "old", 0) == st.IGNORED  # late parts change nothing
 
@@ -503,8 +555,9 @@ def test_every_worker_sweeping_at_once_expires_each_barrier_once(
     app: Celery, db: Backend, peek: Peek, stranded: list[dict[str, Any]]
 ) -> None:
     for n in range(30):
-        Barrier(app).dispatch(f"b{n}", sigs(app, 1), app.signature("t.collect"),
-                              errback=app.signature("t.err"))
+        Barrier(app).dispatch(
+            f"b{n}", sigs(app, 1), app.signature("t.collect"), errback=app.signature("t.err")
+        )
     peek("UPDATE {schema}.barrier SET expires_at = now() - interval '1 s'")
     start = threading.Barrier(4)
     found: list[str] = []
@@ -526,9 +579,13 @@ def test_every_worker_sweeping_at_once_expires_each_barrier_once(
     for t in threads:
         t.join(30)
     assert errors == []
-    assert sorted(found) == sorted(f"b{n}" for n in range(30)), (per, peek(
-        "SELECT id, status, expires_at < now(), finished_at FROM {schema}.barrier"
-        " WHERE status = 'armed'"))
+    assert sorted(found) == sorted(f"b{n}" for n in range(30)), (
+        per,
+        peek(
+            "SELECT id, status, expires_at < now(), finished_at FROM {schema}.barrier"
+            " WHERE status = 'armed'"
+        ),
+    )
     assert len(stranded) == 30
     assert len([m for m in messages(peek) if m["task"] == "t.err"]) == 30
 
@@ -542,10 +599,27 @@ def test_show_and_counts(app: Celery, db: Backend, conn: psycopg.Connection[Any]
     done(db, conn, "b1", 1)
     shown = b.show("b1")
     assert shown is not None
-    assert {k: shown[k] for k in ("id", "status", "total", "remaining", "parts_done",
-                                  "parts_failed", "metadata", "fired_at")} == {
-        "id": "b1", "status": "armed", "total": 3, "remaining": 2, "parts_done": 1,
-        "parts_failed": 0, "metadata": {"k": "v"}, "fired_at": None,
+    assert {
+        k: shown[k]
+        for k in (
+            "id",
+            "status",
+            "total",
+            "remaining",
+            "parts_done",
+            "parts_failed",
+            "metadata",
+            "fired_at",
+        )
+    } == {
+        "id": "b1",
+        "status": "armed",
+        "total": 3,
+        "remaining": 2,
+        "parts_done": 1,
+        "parts_failed": 0,
+        "metadata": {"k": "v"},
+        "fired_at": None,
     }
     assert [(p["index"], p["task_id"], p["outcome"]) for p in shown["parts"]] == [
         (1, "task-1", "succeeded")
@@ -563,7 +637,11 @@ def test_cli_barrier_show(app: Celery, broker_url: str, schema: str) -> None:
     assert shown.exit_code == 0, shown.output
     report = json.loads(shown.stdout)
     assert (report["id"], report["status"], report["total"], report["remaining"]) == (
-        "cli-b", "armed", 2, 2)
+        "cli-b",
+        "armed",
+        2,
+        2,
+    )
     assert report["callback"] == {"task": "t.collect", "id": d.callback_id}
     table = invoke("barrier", "show", "cli-b", "--url", broker_url, "--schema", schema)
     assert table.exit_code == 0 and "status:         armed" in table.stdout

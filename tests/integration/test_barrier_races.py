@@ -80,8 +80,17 @@ def sessions(pg_url: str, db: Backend) -> Iterator[Callable[[int], Sessions]]:
 def arm(db: Backend, conn: psycopg.Connection[Any], bid: str, parts: int) -> None:
     # The part messages themselves do not matter here; arming with stand-ins is faster.
     outgoing = [Outgoing("parts", 0, {"body": "", "headers": {}}, f"p{i}") for i in range(parts)]
-    st.arm(db, conn, bid, outgoing, db.app.signature("t.collect"), db.app.signature("t.err"),
-           ttl=3600, stuck_timeout=3600, metadata={})
+    st.arm(
+        db,
+        conn,
+        bid,
+        outgoing,
+        db.app.signature("t.collect"),
+        db.app.signature("t.err"),
+        ttl=3600,
+        stuck_timeout=3600,
+        metadata={},
+    )
 
 
 def result(index: int) -> str:
@@ -89,8 +98,10 @@ def result(index: int) -> str:
 
 
 def callbacks(peek: Peek) -> Counter[str]:
-    rows = peek("SELECT payload->'headers'->>'pgq_barrier' FROM {schema}.message"
-                " WHERE payload->'headers'->>'task' = 't.collect'")
+    rows = peek(
+        "SELECT payload->'headers'->>'pgq_barrier' FROM {schema}.message"
+        " WHERE payload->'headers'->>'task' = 't.collect'"
+    )
     return Counter(r[0] for r in rows)
 
 
@@ -110,8 +121,10 @@ def test_parts_finishing_together_always_fire(
     assert peek("SELECT status, count(*) FROM {schema}.barrier GROUP BY 1") == [("fired", REPEAT)]
     assert callbacks(peek) == {f"b{rep}": 1 for rep in range(REPEAT)}
     # Each callback got every result, in part order.
-    bodies = peek("SELECT payload->>'body' FROM {schema}.message"
-                  " WHERE payload->'headers'->>'task' = 't.collect'")
+    bodies = peek(
+        "SELECT payload->>'body' FROM {schema}.message"
+        " WHERE payload->'headers'->>'task' = 't.collect'"
+    )
     for (body,) in bodies:
         assert json.loads(body)[0][0] == [{"part": i} for i in range(n)]
 
@@ -164,8 +177,10 @@ def test_stepped_parts_second_waits_for_first(
     transaction open; part 1 waits on the row; then part 0 commits (part 1 fires,
     with part 0's result) or rolls back (part 1 only counts: a part that did not
     commit was never counted)."""
-    with psycopg.connect(pg_url, autocommit=True) as a, \
-            psycopg.connect(pg_url, autocommit=True) as b:
+    with (
+        psycopg.connect(pg_url, autocommit=True) as a,
+        psycopg.connect(pg_url, autocommit=True) as b,
+    ):
         arm(db, a, "b", 2)
         outcome: list[str] = []
         tx = a.transaction()
@@ -210,8 +225,10 @@ def test_sweep_against_the_last_part_has_one_winner(
         racers.race(lambda i, c, bid=bid: step(i, c, bid))
     rows = peek("SELECT status, count(*) FROM {schema}.barrier GROUP BY 1")
     assert sum(n for _, n in rows) == reps
-    errbacks = peek("SELECT payload->'headers'->>'pgq_barrier' FROM {schema}.message"
-                    " WHERE payload->'headers'->>'task' = 't.err'")
+    errbacks = peek(
+        "SELECT payload->'headers'->>'pgq_barrier' FROM {schema}.message"
+        " WHERE payload->'headers'->>'task' = 't.err'"
+    )
     expired = {r[0] for r in peek("SELECT id FROM {schema}.barrier WHERE status = 'expired'")}
     fired = {r[0] for r in peek("SELECT id FROM {schema}.barrier WHERE status = 'fired'")}
     assert expired | fired == {f"b{rep}" for rep in range(reps)}

@@ -31,8 +31,10 @@ def queue(conn: Connection) -> Iterator[Any]:
 
 def our_open_transaction(rows: Peek) -> int:
     """The backend pid of this process's pgq session that has a transaction writing."""
-    found = rows("SELECT pid FROM pg_stat_activity WHERE application_name = %s"
-                 " AND backend_xid IS NOT NULL", f"pgq:{os.getpid()}")
+    found = rows(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s AND backend_xid IS NOT NULL",
+        f"pgq:{os.getpid()}",
+    )
     assert len(found) == 1, found
     return int(found[0][0])
 
@@ -95,10 +97,10 @@ def test_a_batch_keeps_each_message_s_priority_and_delay(store: Store, peek: Pee
         store.publisher.publish("q", {"n": "later"}, publish_key="a", delay=60)
         store.publisher.publish("q", {"n": "low"}, publish_key="b", priority=1)
         store.publisher.publish("q", {"n": "high"}, publish_key="c", priority=9)
-    assert peek("SELECT payload->>'n', priority, visible_at > now() + interval '50 seconds'"
-                " FROM {schema}.message ORDER BY id") == [
-        ("later", 0, True), ("low", 1, False), ("high", 9, False)
-    ]
+    assert peek(
+        "SELECT payload->>'n', priority, visible_at > now() + interval '50 seconds'"
+        " FROM {schema}.message ORDER BY id"
+    ) == [("later", 0, True), ("low", 1, False), ("high", 9, False)]
     assert [m.payload["n"] for m in store.claim(["q"], [30.0], 3, None)] == ["high", "low"]
 
 
@@ -110,9 +112,7 @@ def test_a_batch_resent_after_its_commit_landed_inserts_nothing_twice(
         with pg_transport.batch():
             for n in range(3):
                 store.publisher.publish("q", {"n": n}, publish_key=f"key-{n}")
-    assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [
-        (3, 1)
-    ]
+    assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [(3, 1)]
 
 
 def test_a_connection_terminated_in_the_middle_of_a_batch_is_replaced(
@@ -151,12 +151,16 @@ def test_a_commit_lost_with_its_session_is_sent_again(
     # The first commit that inserts a message ends its own session on the server (a
     # deferred trigger runs at COMMIT): the client loses its connection while committing.
     rows("CREATE SEQUENCE {schema}.commits")
-    rows("CREATE FUNCTION {schema}.die_once() RETURNS trigger LANGUAGE plpgsql AS $$"
-         " BEGIN IF nextval(TG_TABLE_SCHEMA || '.commits') = 1 THEN"
-         " PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); END IF;"
-         " RETURN NULL; END $$")
-    rows("CREATE CONSTRAINT TRIGGER die_once AFTER INSERT ON {schema}.message"
-         " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.die_once()")
+    rows(
+        "CREATE FUNCTION {schema}.die_once() RETURNS trigger LANGUAGE plpgsql AS $$"
+        " BEGIN IF nextval(TG_TABLE_SCHEMA || '.commits') = 1 THEN"
+        " PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); END IF;"
+        " RETURN NULL; END $$"
+    )
+    rows(
+        "CREATE CONSTRAINT TRIGGER die_once AFTER INSERT ON {schema}.message"
+        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.die_once()"
+    )
     with pg_transport.batch():
         for n in range(5):
             queue.put({"n": n})
@@ -227,25 +231,30 @@ def test_routed_copies_and_dead_letters_join_the_batch(conn: Connection, rows: P
             assert rows(MESSAGES) == [(0, 0)]
             assert rows("SELECT count(*) FROM {schema}.dead_letter") == [(0,)]
         assert rows("SELECT queue FROM {schema}.message ORDER BY queue") == [
-            ("copy-a",), ("copy-b",)
+            ("copy-a",),
+            ("copy-b",),
         ]
         assert rows("SELECT queue, reason LIKE 'unroutable%%' FROM {schema}.dead_letter") == [
             ("nobody", True)
         ]
         # The copies and the dead letter: one transaction.
-        assert rows("SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM {schema}.message"
-                    " UNION ALL SELECT xmin FROM {schema}.dead_letter) AS t") == [(1,)]
+        assert rows(
+            "SELECT count(DISTINCT xmin::text) FROM (SELECT xmin FROM {schema}.message"
+            " UNION ALL SELECT xmin FROM {schema}.dead_letter) AS t"
+        ) == [(1,)]
 
 
 def test_an_idle_consumer_is_woken_by_the_commit(broker_url: str, schema: str) -> None:
     options = {"schema": schema, "polling_interval": 60}
     queue = Queue("woken", Exchange("woken"), "woken")
-    with idle_consumer(broker_url, options, queue) as got, Connection(
-        broker_url, transport_options=options
-    ) as pub:
+    with (
+        idle_consumer(broker_url, options, queue) as got,
+        Connection(broker_url, transport_options=options) as pub,
+    ):
         with pg_transport.batch():
-            Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="woken",
-                                  declare=[queue])
+            Producer(pub).publish(
+                {"x": 1}, exchange=queue.exchange, routing_key="woken", declare=[queue]
+            )
         committed = time.monotonic()
     assert got, "the message was never delivered"
     assert got[0] - committed < 5  # the poll would have taken 60 s

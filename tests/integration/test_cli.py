@@ -40,7 +40,10 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_pgq(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*pgq_command(), *args], capture_output=True, text=True, timeout=timeout,
+        [*pgq_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=clean_env(**env),
     )
 
@@ -62,9 +65,7 @@ def message(n: int) -> dict[str, Any]:
     return {"body": f"m{n}", "properties": {}, "headers": {}}
 
 
-def test_migrate_creates_then_reports_up_to_date(
-    pg_url: str, broker_url: str, schema: str
-) -> None:
+def test_migrate_creates_then_reports_up_to_date(pg_url: str, broker_url: str, schema: str) -> None:
     first = invoke("migrate", "--url", broker_url, "--schema", schema)
     assert first.exit_code == 0, first.output
     assert f"pgq schema {schema!r}" in first.stdout
@@ -91,7 +92,9 @@ def test_url_and_schema_come_from_the_environment(
 
 
 def test_purge_deletes_waiting_messages_and_prints_the_count(
-    broker_url: str, schema: str, store: Store  # the store fixture migrates the schema
+    broker_url: str,
+    schema: str,
+    store: Store,  # the store fixture migrates the schema
 ) -> None:
     for n in range(4):
         store.publisher.publish("jobs", message(n))
@@ -170,21 +173,38 @@ def hostile_rows(store: Store, peek: Peek) -> None:
     [claimed] = store.claim([HOSTILE], [30.0], 1)
     dead_id = store.dead_letter(claimed.token, HOSTILE)
     assert dead_id is not None
-    store.identify_dead_letter(dead_id, task_id=HOSTILE, task_name=HOSTILE,
-                               identity={HOSTILE: HOSTILE}, reasons=[])
+    store.identify_dead_letter(
+        dead_id, task_id=HOSTILE, task_name=HOSTILE, identity={HOSTILE: HOSTILE}, reasons=[]
+    )
     callback = json.dumps({"task": HOSTILE, "options": {"task_id": HOSTILE}})
-    peek("INSERT INTO {schema}.barrier (id, total, remaining, callback, metadata, reason,"
-         " expires_at, stuck_timeout) VALUES (%s, 2, 1, %s, %s, %s, now() + interval '1 hour',"
-         " interval '1 hour')", HOSTILE, callback, json.dumps({HOSTILE: HOSTILE}), HOSTILE)
-    peek("INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome)"
-         " VALUES (%s, 0, %s, 'succeeded')", HOSTILE, HOSTILE)
+    peek(
+        "INSERT INTO {schema}.barrier (id, total, remaining, callback, metadata, reason,"
+        " expires_at, stuck_timeout) VALUES (%s, 2, 1, %s, %s, %s, now() + interval '1 hour',"
+        " interval '1 hour')",
+        HOSTILE,
+        callback,
+        json.dumps({HOSTILE: HOSTILE}),
+        HOSTILE,
+    )
+    peek(
+        "INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome)"
+        " VALUES (%s, 0, %s, 'succeeded')",
+        HOSTILE,
+        HOSTILE,
+    )
 
 
-@pytest.mark.parametrize("command", [
-    ["status"], ["dead", "list"], ["barrier", "show", HOSTILE],
-    ["dead", "list", "--queue", "nothing-here" + HOSTILE], ["purge", HOSTILE],
-    ["dead", "requeue", "--all"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["dead", "list"],
+        ["barrier", "show", HOSTILE],
+        ["dead", "list", "--queue", "nothing-here" + HOSTILE],
+        ["purge", HOSTILE],
+        ["dead", "requeue", "--all"],
+    ],
+)
 def test_row_values_are_escaped_in_human_output(
     broker_url: str, schema: str, store: Store, peek: Peek, command: list[str]
 ) -> None:

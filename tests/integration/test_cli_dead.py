@@ -74,17 +74,32 @@ def test_list_shows_rows_newest_first_with_identity_and_hooks(
     second = poison(store, peek, "jobs", task_message(2))
     other = poison(store, peek, "other", task_message(3))
     store.identify_dead_letter(
-        first, task_id="task-1", task_name=TASK,
-        identity={"organization_id": 7, "execution_id": 1}, reasons=[],
+        first,
+        task_id="task-1",
+        task_name=TASK,
+        identity={"organization_id": 7, "execution_id": 1},
+        reasons=[],
     )
-    store.record_hooks(first, [{"receiver": "a.ok", "ok": True},
-                               {"receiver": "a.bad", "ok": False, "error": "boom"}])
+    store.record_hooks(
+        first,
+        [{"receiver": "a.ok", "ok": True}, {"receiver": "a.bad", "ok": False, "error": "boom"}],
+    )
 
     result = dead("list", url=broker_url, schema=schema)
     assert result.exit_code == 0, result.output
     header, *lines = result.stdout.splitlines()
     assert header.split() == [
-        "ID", "QUEUE", "TASK", "TASK", "ID", "IDENTITY", "READS", "DEAD", "AT", "HOOKS", "REASON"
+        "ID",
+        "QUEUE",
+        "TASK",
+        "TASK",
+        "ID",
+        "IDENTITY",
+        "READS",
+        "DEAD",
+        "AT",
+        "HOOKS",
+        "REASON",
     ]
     assert [int(line.split()[0]) for line in lines] == [other, second, first]
     assert lines[2].split()[1:4] == ["jobs", TASK, "task-1"]
@@ -97,10 +112,17 @@ def test_list_shows_rows_newest_first_with_identity_and_hooks(
     rows = {r["id"]: r for r in as_json["dead_letters"]}
     assert list(rows) == [other, second, first]
     assert rows[first] | {"dead_at": None, "hooks": None} == {
-        "id": first, "queue": "jobs", "task_name": TASK, "task_id": "task-1",
+        "id": first,
+        "queue": "jobs",
+        "task_name": TASK,
+        "task_id": "task-1",
         "identity": {"organization_id": 7, "execution_id": 1},
-        "reason": "delivered 1 times; max_attempts is 1", "read_ct": 1,
-        "dead_at": None, "hooks_ok": 1, "hooks_failed": 1, "hooks": None,
+        "reason": "delivered 1 times; max_attempts is 1",
+        "read_ct": 1,
+        "dead_at": None,
+        "hooks_ok": 1,
+        "hooks_failed": 1,
+        "hooks": None,
     }
     assert rows[other]["hooks"] == [] and rows[other]["hooks_failed"] == 0
 
@@ -111,8 +133,9 @@ def test_list_filters_by_queue_and_limits(
     ids = [poison(store, peek, "jobs", task_message(n)) for n in range(3)]
     other = poison(store, peek, "other", task_message(9))
 
-    only = json.loads(dead("list", "--json", "--queue", "other", url=broker_url,
-                           schema=schema).stdout)
+    only = json.loads(
+        dead("list", "--json", "--queue", "other", url=broker_url, schema=schema).stdout
+    )
     assert only["total"] == 1 and [r["id"] for r in only["dead_letters"]] == [other]
 
     limited = dead("list", "--queue", "jobs", "--limit", "2", url=broker_url, schema=schema)
@@ -171,12 +194,15 @@ def test_requeue_all_and_all_of_one_queue(
         "3 dead-letter rows requeued: 2 to queue 'jobs', 1 to queue 'mail'"
     )
     assert dead_ids(peek) == []
-    assert peek("SELECT queue, count(*), max(read_ct) FROM {schema}.message"
-                " GROUP BY queue ORDER BY queue") == [("jobs", 2, 0), ("mail", 1, 0),
-                                                      ("other", 1, 0)]
+    assert peek(
+        "SELECT queue, count(*), max(read_ct) FROM {schema}.message GROUP BY queue ORDER BY queue"
+    ) == [("jobs", 2, 0), ("mail", 1, 0), ("other", 1, 0)]
     claimed = store.claim(["jobs", "mail", "other"], [30.0] * 3, 10)
     assert sorted(c.payload["headers"]["id"] for c in claimed) == [
-        "task-0", "task-1", "task-5", "task-6"
+        "task-0",
+        "task-1",
+        "task-5",
+        "task-6",
     ]
 
     nothing = dead("requeue", "--all", url=broker_url, schema=schema)
@@ -242,14 +268,17 @@ def test_purge_older_than_keeps_newer_rows(
     old = [poison(store, peek, "jobs", task_message(n)) for n in range(2)]
     old_other = poison(store, peek, "other", task_message(3))
     recent = poison(store, peek, "jobs", task_message(4))
-    peek("UPDATE {schema}.dead_letter SET dead_at = now() - interval '8 days'"
-         " WHERE id = ANY(%s)", [*old, old_other])
+    peek(
+        "UPDATE {schema}.dead_letter SET dead_at = now() - interval '8 days' WHERE id = ANY(%s)",
+        [*old, old_other],
+    )
 
     nine_days = dead("purge", "--older-than", "9d", url=broker_url, schema=schema)
     assert nine_days.stdout.strip() == "0 dead-letter rows purged (dead for longer than 9d)"
 
-    of_queue = dead("purge", "--older-than", "7d", "--queue", "other", url=broker_url,
-                    schema=schema)
+    of_queue = dead(
+        "purge", "--older-than", "7d", "--queue", "other", url=broker_url, schema=schema
+    )
     assert of_queue.exit_code == 0, of_queue.output
     assert of_queue.stdout.strip() == (
         "1 dead-letter row purged from queue 'other' (dead for longer than 7d)"
@@ -323,8 +352,10 @@ def notify_status_service(sender, **_):
 @pytest.fixture
 def app_dir(tmp_path: Path, peek: Peek) -> Path:
     (tmp_path / "poison_hooks.py").write_text(textwrap.dedent(APP.format(task=TASK)))
-    peek("CREATE TABLE {schema}.hook_calls (sender text, queue text, task_id text,"
-         " identity jsonb, args jsonb, kwargs jsonb, attempts int, dead_letter_id bigint)")
+    peek(
+        "CREATE TABLE {schema}.hook_calls (sender text, queue text, task_id text,"
+        " identity jsonb, args jsonb, kwargs jsonb, attempts int, dead_letter_id bigint)"
+    )
     return tmp_path
 
 
@@ -335,7 +366,10 @@ def rehook(
     # which must not leak into the other tests of this session.
     return subprocess.run(
         [*pgq_command(), "dead", "rehook", *args],
-        capture_output=True, text=True, timeout=60, cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
         env=clean_env(TEST_PG_URL=pg_url, TEST_SCHEMA=schema, HOOK_FAILS="1" if fails else "0"),
     )
 
@@ -346,34 +380,63 @@ def test_rehook_runs_the_apps_handlers_and_records_each_outcome(
     target = poison(store, peek, "jobs", task_message(42, organization=7))
     store.record_hooks(target, [{"receiver": "old", "ok": False, "error": "before"}])
 
-    result = rehook(str(target), "-A", "poison_hooks", "--url", broker_url, "--schema", schema,
-                    cwd=app_dir, pg_url=pg_url, schema=schema)
+    result = rehook(
+        str(target),
+        "-A",
+        "poison_hooks",
+        "--url",
+        broker_url,
+        "--schema",
+        schema,
+        cwd=app_dir,
+        pg_url=pg_url,
+        schema=schema,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stdout.splitlines() == [
         f"dead-letter row {target} of queue 'jobs': task {TASK} task-42, "
         "identity execution_id=42 organization_id=7",
         "  ok      poison_hooks.record_call",
-        "  FAILED  poison_hooks.notify_status_service: "
-        "RuntimeError('the status service is down')",
+        "  FAILED  poison_hooks.notify_status_service: RuntimeError('the status service is down')",
     ]
     assert result.stderr.splitlines() == [
         f"Error: 1 of 2 handlers failed; outcomes recorded on dead-letter row {target}"
     ]
-    assert peek("SELECT sender, queue, task_id, identity, args, kwargs, attempts, dead_letter_id"
-                " FROM {schema}.hook_calls") == [
-        (TASK, "jobs", "task-42", {"execution_id": 42, "organization_id": 7}, [7, 42],
-         {"step": "s42"}, 1, target)
+    assert peek(
+        "SELECT sender, queue, task_id, identity, args, kwargs, attempts, dead_letter_id"
+        " FROM {schema}.hook_calls"
+    ) == [
+        (
+            TASK,
+            "jobs",
+            "task-42",
+            {"execution_id": 42, "organization_id": 7},
+            [7, 42],
+            {"step": "s42"},
+            1,
+            target,
+        )
     ]
     [(hooks,)] = peek("SELECT hooks FROM {schema}.dead_letter WHERE id = %s", target)
     assert [(h["receiver"], h["ok"], h.get("error")) for h in hooks] == [
         ("poison_hooks.record_call", True, None),
-        ("poison_hooks.notify_status_service", False,
-         "RuntimeError('the status service is down')"),
+        ("poison_hooks.notify_status_service", False, "RuntimeError('the status service is down')"),
     ]
 
-    healed = rehook(str(target), "--app", "poison_hooks", "--url", broker_url, "--schema",
-                    schema, cwd=app_dir, pg_url=pg_url, schema=schema, fails=False)
+    healed = rehook(
+        str(target),
+        "--app",
+        "poison_hooks",
+        "--url",
+        broker_url,
+        "--schema",
+        schema,
+        cwd=app_dir,
+        pg_url=pg_url,
+        schema=schema,
+        fails=False,
+    )
     assert healed.returncode == 0, healed.stderr
     assert healed.stdout.splitlines()[1:] == [
         "  ok      poison_hooks.record_call",
@@ -382,8 +445,10 @@ def test_rehook_runs_the_apps_handlers_and_records_each_outcome(
     [(hooks,)] = peek("SELECT hooks FROM {schema}.dead_letter WHERE id = %s", target)
     assert [h["ok"] for h in hooks] == [True, True]
     listed = json.loads(dead("list", "--json", url=broker_url, schema=schema).stdout)
-    assert (listed["dead_letters"][0]["hooks_ok"], listed["dead_letters"][0]["hooks_failed"]) \
-        == (2, 0)
+    assert (listed["dead_letters"][0]["hooks_ok"], listed["dead_letters"][0]["hooks_failed"]) == (
+        2,
+        0,
+    )
     # The row stays dead-lettered: rehook tells the app again, it does not redeliver.
     assert dead_ids(peek) == [target]
 
@@ -394,8 +459,18 @@ def test_rehook_escapes_what_it_prints_of_the_row(
     payload = task_message(5)
     payload["headers"] = {"id": HOSTILE, "task": HOSTILE}
     target = poison(store, peek, HOSTILE, payload)
-    result = rehook(str(target), "-A", "poison_hooks", "--url", broker_url, "--schema", schema,
-                    cwd=app_dir, pg_url=pg_url, schema=schema)
+    result = rehook(
+        str(target),
+        "-A",
+        "poison_hooks",
+        "--url",
+        broker_url,
+        "--schema",
+        schema,
+        cwd=app_dir,
+        pg_url=pg_url,
+        schema=schema,
+    )
     assert result.returncode == 1, result.stderr
     assert raw_controls(result.stdout + result.stderr) == []
     assert result.stdout.splitlines()[0] == (
@@ -409,8 +484,16 @@ def test_rehook_without_handlers_changes_nothing(
     target = poison(store, peek, "jobs", task_message(1))
     recorded = [{"receiver": "old", "ok": False, "error": "before"}]
     store.record_hooks(target, recorded)
-    result = rehook(str(target), "--url", broker_url, "--schema", schema,
-                    cwd=app_dir, pg_url=pg_url, schema=schema)
+    result = rehook(
+        str(target),
+        "--url",
+        broker_url,
+        "--schema",
+        schema,
+        cwd=app_dir,
+        pg_url=pg_url,
+        schema=schema,
+    )
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
         "Error: no message_poisoned handler is connected: pass the module that connects "
@@ -431,8 +514,16 @@ def test_rehook_errors_are_one_line(
         "ImportError: half-installed dependency",
     }
     for args, expected in cases.items():
-        result = rehook(*args, "--url", broker_url, "--schema", schema,
-                        cwd=app_dir, pg_url=pg_url, schema=schema)
+        result = rehook(
+            *args,
+            "--url",
+            broker_url,
+            "--schema",
+            schema,
+            cwd=app_dir,
+            pg_url=pg_url,
+            schema=schema,
+        )
         assert result.returncode == 1, args
         assert result.stderr.splitlines() == [expected], args
 
@@ -448,9 +539,7 @@ COMMANDS = [
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-def test_missing_schema_says_to_migrate(
-    broker_url: str, schema: str, command: list[str]
-) -> None:
+def test_missing_schema_says_to_migrate(broker_url: str, schema: str, command: list[str]) -> None:
     result = invoke(*command, "--url", broker_url, "--schema", schema)
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [

@@ -43,8 +43,10 @@ def test_counts_each_state_per_queue(
     store.publisher.publish("jobs", message(2), delay=3600)
     store.publisher.publish("jobs", message(3))
     store.publisher.publish("jobs", message(4))
-    peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
-         " WHERE payload->>'body' = 'm3'")
+    peek(
+        "UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
+        " WHERE payload->>'body' = 'm3'"
+    )
     # other: only a dead letter; idle: declared, empty.
     store.publisher.publish("other", message(5))
     [other] = store.claim(["other"], [30.0], 1)
@@ -58,11 +60,9 @@ def test_counts_each_state_per_queue(
     age = queues["jobs"].pop("oldest_ready_age_s")
     assert 120 <= age < 180
     assert queues == {
-        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0,
-                 "oldest_ready_age_s": None},
+        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, "oldest_ready_age_s": None},
         "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
-        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1,
-                  "oldest_ready_age_s": None},
+        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1, "oldest_ready_age_s": None},
     }
     assert report["barriers"] == []
 
@@ -76,7 +76,14 @@ def test_counts_each_state_per_queue(
     lines = table.stdout.splitlines()
     assert lines[0] == f"pgq schema {schema!r} at {mask_url(broker_url)}"
     assert lines[1].split() == [
-        "QUEUE", "READY", "IN", "FLIGHT", "DELAYED", "DEAD", "OLDEST", "READY"
+        "QUEUE",
+        "READY",
+        "IN",
+        "FLIGHT",
+        "DELAYED",
+        "DEAD",
+        "OLDEST",
+        "READY",
     ]
     assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
     assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
@@ -112,10 +119,9 @@ def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: st
     assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0}
 
     with ExitStack() as stack:
+
         def session(application_name: str) -> None:
-            stack.enter_context(
-                psycopg.connect(lonely_database, application_name=application_name)
-            )
+            stack.enter_context(psycopg.connect(lonely_database, application_name=application_name))
 
         # Two worker processes (the transport names sessions pgq:<pid>), one with three
         # sessions (claims, LISTEN, lease renewal), and a session that is not pgq's.
@@ -147,9 +153,14 @@ def test_unreachable_server_is_one_line_without_traceback() -> None:
 
 def test_barriers_by_status(broker_url: str, schema: str, store: Store, peek: Peek) -> None:
     for n, state in enumerate(["armed", "armed", "fired", "completed"]):
-        peek("INSERT INTO {schema}.barrier (id, status, total, remaining, callback, expires_at,"
-             " stuck_timeout) VALUES (%s, %s, 1, %s, '{{}}', now() + interval '1 hour',"
-             " interval '1 hour')", f"b{n}", state, 1 if state == "armed" else 0)
+        peek(
+            "INSERT INTO {schema}.barrier (id, status, total, remaining, callback, expires_at,"
+            " stuck_timeout) VALUES (%s, %s, 1, %s, '{{}}', now() + interval '1 hour',"
+            " interval '1 hour')",
+            f"b{n}",
+            state,
+            1 if state == "armed" else 0,
+        )
     report = status(broker_url, schema)
     assert report["barriers"] == [
         {"status": "armed", "count": 2},

@@ -48,8 +48,9 @@ def doc_files() -> list[Path]:
 
 
 def blocks(path: Path, language: str) -> list[str]:
-    return [body for lang, body in FENCE.findall(path.read_text(encoding="utf-8"))
-            if lang == language]
+    return [
+        body for lang, body in FENCE.findall(path.read_text(encoding="utf-8")) if lang == language
+    ]
 
 
 def sql_blocks(path: Path) -> list[str]:
@@ -91,8 +92,17 @@ def test_the_docs_show_pgq_commands() -> None:
     pages = {p.name: pgq_lines(p) for p in doc_files()}
     shown = {tuple(resolve(args)[0]) for lines in pages.values() for args in lines}
     # Every operator command appears somewhere in the docs.
-    for expected in [("migrate",), ("status",), ("metrics",), ("purge",), ("dead", "list"),
-                     ("dead", "requeue"), ("dead", "purge"), ("dead", "rehook"), ("health",)]:
+    for expected in [
+        ("migrate",),
+        ("status",),
+        ("metrics",),
+        ("purge",),
+        ("dead", "list"),
+        ("dead", "requeue"),
+        ("dead", "purge"),
+        ("dead", "rehook"),
+        ("health",),
+    ]:
         assert expected in shown, f"`pgq {' '.join(expected)}` is not documented"
 
 
@@ -101,8 +111,9 @@ def test_every_pgq_line_parses(page: Path) -> None:
     for args in pgq_lines(page):
         path, command, rest = resolve(args)
         try:
-            with command.make_context(" ".join(["pgq", *path]), list(rest),
-                                      resilient_parsing=False):
+            with command.make_context(
+                " ".join(["pgq", *path]), list(rest), resilient_parsing=False
+            ):
                 pass
         except click.UsageError as exc:
             raise AssertionError(f"{page.name}: `pgq {shlex.join(args)}`: {exc}") from exc
@@ -208,8 +219,12 @@ def test_configuration_lists_every_option_default_and_variable() -> None:
 def test_migrating_names_only_options_pgq_refuses() -> None:
     text = (DOCS / "migrating.md").read_text(encoding="utf-8")
     table = text.split("| Redis option | on pgq |", 1)[1].split("\n\n", 1)[0]
-    removed = [key for row in table.splitlines() if "| remove" in row
-               for key in re.findall(r"`(\w+)`", row.split("|")[1])]
+    removed = [
+        key
+        for row in table.splitlines()
+        if "| remove" in row
+        for key in re.findall(r"`(\w+)`", row.split("|")[1])
+    ]
     assert len(removed) >= 8
     for key in removed:
         with pytest.raises(ConfigurationError, match="unknown pgq transport option"):
@@ -253,8 +268,12 @@ def test_autoscaling_queries_agree_with_pgq_status(
     store.publisher.publish("other", message(4))
 
     def ready_since(body: str, seconds: int) -> None:
-        peek("UPDATE {schema}.message SET visible_at = now() - make_interval(secs => %s)"
-             " WHERE payload->>'body' = %s", seconds, body)
+        peek(
+            "UPDATE {schema}.message SET visible_at = now() - make_interval(secs => %s)"
+            " WHERE payload->>'body' = %s",
+            seconds,
+            body,
+        )
 
     def status() -> dict[str, Any]:
         out = invoke("status", "--json", "--url", broker_url, "--schema", schema).stdout
@@ -262,6 +281,7 @@ def test_autoscaling_queries_agree_with_pgq_status(
 
     queries = autoscaling_queries()
     with psycopg.connect(pg_url, autocommit=True) as conn:
+
         def scalar(kind: str, queue: str) -> Any:
             rows = conn.execute(for_queue(queries[kind], schema, queue)).fetchall()
             assert len(rows) == 1 and len(rows[0]) == 1, "KEDA needs one row, one column"

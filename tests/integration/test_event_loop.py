@@ -53,7 +53,11 @@ def engine(conn: Connection) -> Engine:
 
 
 def started(
-    conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch, queue: str, prefetch: int,
+    conn: Connection,
+    hub: Hub,
+    monkeypatch: pytest.MonkeyPatch,
+    queue: str,
+    prefetch: int,
     messages: int,
 ) -> tuple[Statements, list[Any]]:
     """A consumer of ``queue`` with ``messages`` published, registered with the loop,
@@ -129,9 +133,7 @@ def test_a_stalled_loop_does_not_keep_acks_from_landing(
         time.sleep(0.05)
 
 
-def test_closing_lands_buffered_acks(
-    broker_url: str, schema: str, hub: Hub, rows: Peek
-) -> None:
+def test_closing_lands_buffered_acks(broker_url: str, schema: str, hub: Hub, rows: Peek) -> None:
     with Connection(broker_url, transport_options={"schema": schema}) as c:
         c.connect()
         c.transport._ensure_renewer = lambda: None
@@ -170,10 +172,12 @@ def test_the_poll_finds_a_delayed_message_that_fell_due(
         got = consume(c, "due", prefetch=4)
         c.transport.register_with_event_loop(c.connection, hub)
         turn_until(hub, lambda: engine(c).waiting)
-        rows("INSERT INTO {schema}.message (queue, visible_at, payload) VALUES"
-             " ('due', now() + interval '300 ms', %s)",
-             '{"body": "{}", "content-type": "application/json", "headers": {},'
-             ' "properties": {"delivery_info": {}}}')
+        rows(
+            "INSERT INTO {schema}.message (queue, visible_at, payload) VALUES"
+            " ('due', now() + interval '300 ms', %s)",
+            '{"body": "{}", "content-type": "application/json", "headers": {},'
+            ' "properties": {"delivery_info": {}}}',
+        )
         turn_until(hub, lambda: len(got) == 1, timeout=5)
 
 
@@ -299,20 +303,22 @@ def test_a_refill_waits_a_moment_for_more_free_slots(
     assert (sent.claim, sent.acks_riding) == (3, 5)
 
 
-def _claim_blocked_behind(conn: Connection, hub: Hub, rows: Peek, admin: psycopg.Connection[Any]
-                          ) -> None:
+def _claim_blocked_behind(
+    conn: Connection, hub: Hub, rows: Peek, admin: psycopg.Connection[Any]
+) -> None:
     """Put a claim on the wire that waits (in its ack) for a row ``admin`` holds locked:
     its snapshot is taken, its answer comes only once ``admin`` lets go."""
     transport = conn.transport
-    [(ident,)] = rows("INSERT INTO {schema}.message (queue, read_ct, lease, payload)"
-                      " VALUES ('elsewhere', 1, 1, '{{}}') RETURNING id")
+    [(ident,)] = rows(
+        "INSERT INTO {schema}.message (queue, read_ct, lease, payload)"
+        " VALUES ('elsewhere', 1, 1, '{{}}') RETURNING id"
+    )
     admin.execute("BEGIN")
     admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
     transport.engine.acks.add(Lease(ident, 1, "elsewhere"))
     transport.engine.on_poll()
     assert transport.engine.busy
-    rows.wait_for_lock(transport.engine.session.backend_pid,
-                       "the claim never waited for the lock")
+    rows.wait_for_lock(transport.engine.session.backend_pid, "the claim never waited for the lock")
 
 
 def _wait_on_socket(conn: Connection, needle: bytes) -> None:
@@ -352,7 +358,11 @@ def test_a_publish_behind_a_claim_in_flight_is_not_missed(
 
 @pytest.mark.parametrize("outcome", ["requeue", "reject"])
 def test_a_requeue_or_reject_on_the_loop_s_thread_never_waits_for_postgres(
-    conn: Connection, hub: Hub, rows: Peek, pg_url: str, monkeypatch: pytest.MonkeyPatch,
+    conn: Connection,
+    hub: Hub,
+    rows: Peek,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
     outcome: str,
 ) -> None:
     """Celery's prefork and solo pools decide a task's outcome in a callback the loop

@@ -18,8 +18,9 @@ def test_publish_retried_after_an_ambiguous_commit_is_not_duplicated(
     real = Publisher._insert_on
     attempts: list[int] = []
 
-    def commit_then_lose_the_connection(self: Store, conn: psycopg.Connection[Any],
-                                        params: dict[str, Any]) -> None:
+    def commit_then_lose_the_connection(
+        self: Store, conn: psycopg.Connection[Any], params: dict[str, Any]
+    ) -> None:
         real(self, conn, params)  # autocommit: the row is committed here
         attempts.append(conn.info.backend_pid)
         if len(attempts) == 1:
@@ -39,8 +40,9 @@ def test_publish_without_a_key_is_not_retried(
     real = Publisher._insert_on
     attempts: list[int] = []
 
-    def commit_then_lose_the_connection(self: Store, conn: psycopg.Connection[Any],
-                                        params: dict[str, Any]) -> None:
+    def commit_then_lose_the_connection(
+        self: Store, conn: psycopg.Connection[Any], params: dict[str, Any]
+    ) -> None:
         real(self, conn, params)
         attempts.append(1)
         with psycopg.connect(pg_url, autocommit=True) as admin:

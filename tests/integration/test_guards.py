@@ -39,8 +39,9 @@ def connect(pg_url: str) -> Iterator[Callable[[], psycopg.Connection[Any]]]:
         conn.close()
 
 
-def race(conns: list[psycopg.Connection[Any]], step: Callable[[psycopg.Connection[Any]], Any]
-         ) -> list[Any]:
+def race(
+    conns: list[psycopg.Connection[Any]], step: Callable[[psycopg.Connection[Any]], Any]
+) -> list[Any]:
     """Run ``step`` on every connection at once (threads released together)."""
     start = threading.Barrier(len(conns))
     out: list[Any] = [None] * len(conns)
@@ -66,10 +67,18 @@ def test_racing_transitions_have_one_winner(
     targets = ["COMPLETED", "ERROR"]  # the callback finishing vs a failure elsewhere
     for n in range(100):
         peek("INSERT INTO {schema}.execution VALUES (%s, 'RUNNING')", n)
-        out = race(conns, lambda c, n=n: transition(
-            c, (schema, "execution"), n, targets[conns.index(c)], ["RUNNING"],
-            id_column="exec_id", status_column="state",
-        ))
+        out = race(
+            conns,
+            lambda c, n=n: transition(
+                c,
+                (schema, "execution"),
+                n,
+                targets[conns.index(c)],
+                ["RUNNING"],
+                id_column="exec_id",
+                status_column="state",
+            ),
+        )
         winners = [o for o in out if o is not None]
         assert len(winners) == 1, out
         assert peek("SELECT state FROM {schema}.execution WHERE exec_id = %s", n) == [
@@ -144,8 +153,11 @@ def test_release_is_idempotent_and_survives_a_reaped_connection(
             pid = pooled.info.backend_pid
         # The idle pooled session is reaped (a pooler, a restart) before the release.
         peek("SELECT pg_terminate_backend(%s)", pid)
-        wait_for(lambda: not peek("SELECT 1 FROM pg_stat_activity WHERE pid = %s", pid),
-                 10, "the backend to go")
+        wait_for(
+            lambda: not peek("SELECT 1 FROM pg_stat_activity WHERE pid = %s", pid),
+            10,
+            "the backend to go",
+        )
         guards.release(connector, claim)
         assert guards.state(conn, "k") is None
         guards.release(connector, claim)  # again: nothing left, no error
@@ -155,8 +167,9 @@ def test_release_is_idempotent_and_survives_a_reaped_connection(
 
 
 # -- generations --------------------------------------------------------------------
-def schedule_successor(guards: Guards, conn: psycopg.Connection[Any], generation: int,
-                       interval: float) -> bool:
+def schedule_successor(
+    guards: Guards, conn: psycopg.Connection[Any], generation: int, interval: float
+) -> bool:
     """A periodic task finishing: schedule its successor, unless it was superseded."""
     with conn.transaction():
         if not guards.hold_generation(conn, "job", generation):  # tail check
@@ -164,20 +177,24 @@ def schedule_successor(guards: Guards, conn: psycopg.Connection[Any], generation
         conn.execute(
             "INSERT INTO schedule (key, generation, interval_s) VALUES ('job', %s, %s)"
             " ON CONFLICT (key) DO UPDATE SET generation = excluded.generation,"
-            " interval_s = excluded.interval_s", [generation, interval])
+            " interval_s = excluded.interval_s",
+            [generation, interval],
+        )
         return True
 
 
 @pytest.fixture
-def sched(guards: Guards, peek: Peek, schema: str, pg_url: str
-          ) -> Iterator[Callable[[], psycopg.Connection[Any]]]:
-    peek("CREATE TABLE {schema}.schedule (key text PRIMARY KEY, generation bigint,"
-         " interval_s float8)")
+def sched(
+    guards: Guards, peek: Peek, schema: str, pg_url: str
+) -> Iterator[Callable[[], psycopg.Connection[Any]]]:
+    peek(
+        "CREATE TABLE {schema}.schedule (key text PRIMARY KEY, generation bigint,"
+        " interval_s float8)"
+    )
     opened: list[psycopg.Connection[Any]] = []
 
     def make() -> psycopg.Connection[Any]:
-        opened.append(psycopg.connect(pg_url, autocommit=True,
-                                      options=f"-c search_path={schema}"))
+        opened.append(psycopg.connect(pg_url, autocommit=True, options=f"-c search_path={schema}"))
         return opened[-1]
 
     yield make
@@ -210,8 +227,11 @@ def test_a_replace_waits_for_a_holder_writing_under_its_tail_check(
         replace = threading.Thread(target=lambda: bumped.append(guards.bump(b_conn, "job")))
         replace.start()
         pid = b_conn.info.backend_pid
-        wait_for(lambda: peek("SELECT 1 FROM pg_locks WHERE NOT granted AND pid = %s", pid),
-                 10, "the replace to wait for A's transaction")
+        wait_for(
+            lambda: peek("SELECT 1 FROM pg_locks WHERE NOT granted AND pid = %s", pid),
+            10,
+            "the replace to wait for A's transaction",
+        )
         assert bumped == []
         a_conn.execute("INSERT INTO schedule VALUES ('job', %s, 2.0)", [a])
     replace.join(10)
@@ -242,17 +262,16 @@ def test_advisory_key_is_the_same_in_another_process() -> None:
     keys = []
     for seed in ("1", "2"):  # different hash() randomisation in each child
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code, *ids], env=env, check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code, *ids], env=env, check=True, capture_output=True, text=True
+        ).stdout
         keys.append([int(k) for k in out.split()])
     mine = [advisory_key("pgq:barrier-callback", "pgq", i) for i in ids]
     assert keys == [mine, mine]
     assert all(-(2**63) <= k < 2**63 for k in mine) and len(set(mine)) == len(ids)
 
 
-def test_id_lock_excludes_a_second_session(
-    connect: Callable[[], psycopg.Connection[Any]]
-) -> None:
+def test_id_lock_excludes_a_second_session(connect: Callable[[], psycopg.Connection[Any]]) -> None:
     a, b = connect(), connect()
     with a.transaction():
         lock_id(a, "pgq:test", "exec-42")

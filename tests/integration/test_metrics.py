@@ -148,8 +148,10 @@ def known_state(store: Store, peek: Peek) -> None:
     store.publisher.publish("jobs", message(2), delay=3600)
     store.publisher.publish("jobs", message(3))
     store.publisher.publish("jobs", message(4))
-    peek("UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
-         " WHERE payload->>'body' = 'm3'")
+    peek(
+        "UPDATE {schema}.message SET visible_at = now() - interval '120 seconds'"
+        " WHERE payload->>'body' = 'm3'"
+    )
     store.declare_queue("idle")
 
 
@@ -238,7 +240,10 @@ def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
 def served(broker_url: str, schema: str, store: Store) -> Iterator[Served]:
     proc = subprocess.Popen(
         [*pgq_command(), "metrics", "--serve", "0", "--url", broker_url, "--schema", schema],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
     )
     try:
         line = _first_line(proc, 30)
@@ -272,7 +277,9 @@ def test_serve_answers_each_scrape_with_fresh_figures(
     store.publisher.publish("later", message(10))
     _, _, body = served.get()
     assert by_queue(parse_exposition(body), "pgq_queue_ready_messages") == {
-        "idle": 0, "jobs": 3, "later": 1,
+        "idle": 0,
+        "jobs": 3,
+        "later": 1,
     }
     assert served.get("/nope")[0] == 404
     assert served.get("/")[0] == 200
@@ -300,9 +307,20 @@ def test_serve_on_a_port_in_use_is_one_line(broker_url: str, schema: str, store:
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [*pgq_command(), "metrics", "--serve", str(port), "--url", broker_url,
-             "--schema", schema],
-            capture_output=True, text=True, timeout=60, env=clean_env(),
+            [
+                *pgq_command(),
+                "metrics",
+                "--serve",
+                str(port),
+                "--url",
+                broker_url,
+                "--schema",
+                schema,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
         )
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
@@ -390,8 +408,9 @@ def handler_threads() -> int:
 
 
 def test_a_request_not_complete_by_the_deadline_is_cut_off_unanswered(store: Store) -> None:
-    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store),
-                                 request_deadline=0.5)
+    server = metrics.make_server(
+        "127.0.0.1", 0, lambda: status_report.collect(store), request_deadline=0.5
+    )
     with running(server):
         trickler = Trickler(server.port, every=0.05)
         started = time.monotonic()
@@ -404,8 +423,9 @@ def test_a_request_not_complete_by_the_deadline_is_cut_off_unanswered(store: Sto
 
 
 def test_connections_beyond_the_bound_wait_for_a_free_handler(store: Store) -> None:
-    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store),
-                                 max_handlers=2, request_deadline=1.0)
+    server = metrics.make_server(
+        "127.0.0.1", 0, lambda: status_report.collect(store), max_handlers=2, request_deadline=1.0
+    )
     seen: list[int] = []
     done = threading.Event()
 
@@ -438,8 +458,13 @@ def test_a_failed_scrape_names_no_url_and_logs_why_without_the_password(
     url = "pgq://scraper:s3cret-pw@127.0.0.1:1/metricsdb"
     connector = Connector(url_to_conninfo(url), display_url=mask_url(url))
     down = Store(connector, "pgq")
-    server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(down),
-                                 describe_error=describe, errors=(PgqError, psycopg.Error))
+    server = metrics.make_server(
+        "127.0.0.1",
+        0,
+        lambda: status_report.collect(down),
+        describe_error=describe,
+        errors=(PgqError, psycopg.Error),
+    )
     try:
         with running(server) as served_at, caplog.at_level(logging.WARNING):
             status, body = scrape(served_at)
@@ -451,11 +476,14 @@ def test_a_failed_scrape_names_no_url_and_logs_why_without_the_password(
     assert "127.0.0.1" in logged and "s3cret-pw" not in logged
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"GET /secret-path?token=abc HTTP/9.9\r\n\r\n",
-    b"POST /secret-path?token=abc HTTP/1.0\r\n\r\n",
-    b"GET /secret path?token=abc junk HTTP/1.0\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /secret-path?token=abc HTTP/9.9\r\n\r\n",
+        b"POST /secret-path?token=abc HTTP/1.0\r\n\r\n",
+        b"GET /secret path?token=abc junk HTTP/1.0\r\n\r\n",
+    ],
+)
 def test_error_answers_do_not_quote_the_request(store: Store, request_bytes: bytes) -> None:
     server = metrics.make_server("127.0.0.1", 0, lambda: status_report.collect(store))
     with running(server), socket.create_connection(("127.0.0.1", server.port), timeout=10) as c:

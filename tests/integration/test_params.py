@@ -25,8 +25,7 @@ from pg_transport.db.wire import Statement
 BIGINT = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 FLOAT = st.floats(allow_nan=False, allow_infinity=False)
 # Text Postgres can hold: anything but NUL and lone surrogates (see the tests of both).
-TEXT = st.text(alphabet=st.characters(blacklist_characters="\x00",
-                                      blacklist_categories=("Cs",)))
+TEXT = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)))
 TRICKY = ["", "NULL", "null", " spaced ", '"', "\\", '\\"', "a,b", "{x}", "é ☃ 𝄞", "\t\n"]
 
 
@@ -48,8 +47,9 @@ def same_on_server(conn: psycopg.Connection[Any], value: Any, pg_type: str) -> b
     return result.get_value(0, 0) == b"t"
 
 
-_settings = settings(max_examples=60, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+_settings = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @_settings
@@ -111,14 +111,29 @@ class Colour(enum.IntEnum):
 
 @pytest.mark.parametrize(
     "value",
-    [Decimal("1.5"), float("inf"), float("nan"), [1.0, float("inf")], [1, "a"], [[1, 2]],
-     [True, False], [1, None], Colour.RED, [Colour.RED], {"a": 1}, "a\x00b", ["a\x00b"]],
+    [
+        Decimal("1.5"),
+        float("inf"),
+        float("nan"),
+        [1.0, float("inf")],
+        [1, "a"],
+        [[1, 2]],
+        [True, False],
+        [1, None],
+        Colour.RED,
+        [Colour.RED],
+        {"a": 1},
+        "a\x00b",
+        ["a\x00b"],
+    ],
     ids=repr,
 )
 def test_what_it_does_not_write_is_left_to_psycopg(value: Any) -> None:
     left: list[Any] = []
     assert render([1, value, "x"], lambda v: left.append(v) or b"fallback") == [
-        b"1", b"fallback", b"x",
+        b"1",
+        b"fallback",
+        b"x",
     ]
     assert left == [value]
 
@@ -149,6 +164,7 @@ def test_a_lone_surrogate_is_the_same_error_as_psycopg_s(
         render([value], pytest.fail)
     with pytest.raises(UnicodeEncodeError) as theirs:
         psycopg_text(conn, value)
+
     def offending(error: UnicodeEncodeError) -> tuple[str, str]:
         return error.reason, error.object[error.start : error.end]
 
@@ -163,4 +179,4 @@ def test_a_connection_not_in_utf8_gets_psycopg_s_text(pg_url: str) -> None:
             "params_latin", "SELECT %(s)s::text = chr(233) || ' ' || chr(252), %(xs)s::text[]"
         )
         rows = statement.execute(latin, {"s": "é ü", "xs": ["é"]}, prepare=True)
-    assert rows == [(b"t", '{é}'.encode("latin-1"))]
+    assert rows == [(b"t", "{é}".encode("latin-1"))]

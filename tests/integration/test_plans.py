@@ -53,15 +53,16 @@ def generic_plan(
 ) -> dict[str, Any]:
     """The plan a pgq session runs for a named query (rolled back when analyzed)."""
     text, names = to_positional(store.q[name])
-    with psycopg.connect(store.connector.conninfo, autocommit=True) as conn, \
-            conn.transaction(force_rollback=True):
+    with (
+        psycopg.connect(store.connector.conninfo, autocommit=True) as conn,
+        conn.transaction(force_rollback=True),
+    ):
         conn.execute("SET LOCAL plan_cache_mode TO force_generic_plan")
         conn.execute(f"PREPARE pinned AS {text}")
         options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
         cur = psycopg.ClientCursor(conn)
         arguments = ", ".join(["%s"] * len(names))
-        cur.execute(f"EXPLAIN ({options}) EXECUTE pinned({arguments})",
-                    [params[n] for n in names])
+        cur.execute(f"EXPLAIN ({options}) EXECUTE pinned({arguments})", [params[n] for n in names])
         row = cur.fetchone()
         conn.execute("DEALLOCATE pinned")
     assert row is not None
@@ -84,9 +85,12 @@ BOUND = {"max_bytes": 16 << 20, "max_message_bytes": 16 << 20}
 # What a consumer's sessions run, planned once (generic): name -> (parameters, indexes).
 CONSUMER = {
     # The acks riding on a claim find their rows by primary key, the picked rows too.
-    "claim": (claim_params(["q1", "q2"], [30.0, 30.0], 16, [5, 5],
-                           [Lease(1, 1, "q1"), Lease(2, 1, "q1")]),
-              ("message_claim_idx", "message_pkey")),
+    "claim": (
+        claim_params(
+            ["q1", "q2"], [30.0, 30.0], 16, [5, 5], [Lease(1, 1, "q1"), Lease(2, 1, "q1")]
+        ),
+        ("message_claim_idx", "message_pkey"),
+    ),
     "pop": ({"queues": ["q1"], "limit": 16, **BOUND}, ("message_claim_idx", "message_pkey")),
     "ack": (TOKENS, ("message_pkey",)),
     "release": ({**TOKENS, "channel_prefix": "c"}, ("message_pkey",)),
@@ -106,9 +110,7 @@ OTHERS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONSUMER))
-def test_the_generic_plan_of_each_consumer_query_uses_its_index(
-    backlog: Store, name: str
-) -> None:
+def test_the_generic_plan_of_each_consumer_query_uses_its_index(backlog: Store, name: str) -> None:
     params, indexes = CONSUMER[name]
     nodes = scans(generic_plan(backlog, name, params))
     for index in indexes:
@@ -119,8 +121,10 @@ def test_the_generic_plan_of_each_consumer_query_uses_its_index(
 @pytest.mark.parametrize("name", sorted(OTHERS))
 def test_the_plan_of_each_other_queue_query_uses_its_index(backlog: Store, name: str) -> None:
     params, indexes = OTHERS[name]
-    with psycopg.connect(backlog.connector.conninfo, autocommit=True) as conn, \
-            conn.transaction(force_rollback=True):
+    with (
+        psycopg.connect(backlog.connector.conninfo, autocommit=True) as conn,
+        conn.transaction(force_rollback=True),
+    ):
         row = conn.execute("EXPLAIN (FORMAT JSON) " + backlog.q[name], params).fetchone()
     assert row is not None
     nodes = scans((row[0] if isinstance(row[0], list) else json.loads(row[0]))[0]["Plan"])
@@ -132,11 +136,11 @@ def test_the_plan_of_each_other_queue_query_uses_its_index(backlog: Store, name:
 def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
     """(shared buffers touched, rows the message scans threw away) of one real claim,
     rolled back."""
-    plan = generic_plan(store, "claim", claim_params([queue], [30.0], limit, [5], []),
-                        analyze=True)
+    plan = generic_plan(store, "claim", claim_params([queue], [30.0], limit, [5], []), analyze=True)
     removed = sum(
         node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
-        for node in walk(plan) if node.get("Relation Name") == "message"
+        for node in walk(plan)
+        if node.get("Relation Name") == "message"
     )
     return plan["Shared Hit Blocks"] + plan["Shared Read Blocks"], removed
 
@@ -146,13 +150,16 @@ def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, h
     # 20,000 invisible rows published before the ready ones: the head of the queue in
     # arrival order (or in priority order). Leased (claimed, not acked) or delayed (ETA),
     # a claim must go straight to the ready rows instead of stepping over every one.
-    ready = "INSERT INTO {schema}.message (queue, payload) SELECT %s, '{{}}'" \
+    ready = (
+        "INSERT INTO {schema}.message (queue, payload) SELECT %s, '{{}}'"
         " FROM generate_series(1, 10)"
+    )
     peek(ready, "plain")
     peek(
         "INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, payload)"
         " SELECT 'q', %s, now() + interval '1 hour', %s, '{{}}' FROM generate_series(1, 20000)",
-        9 if "priority" in head else 0, 0 if head == "delayed" else 1,
+        9 if "priority" in head else 0,
+        0 if head == "delayed" else 1,
     )
     peek(ready, "q")
     peek("VACUUM ANALYZE {schema}.message")
@@ -162,4 +169,3 @@ def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, h
     # The invisible head spans ~100 index leaf pages and hundreds of heap pages.
     assert touched <= baseline + 10, (touched, baseline)
     assert [c.read_ct for c in store.claim(["q"], [30.0], 4)] == [1, 1, 1, 1]
-

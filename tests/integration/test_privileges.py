@@ -68,10 +68,16 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
             "dead_letter": {"id"},
         },
         "INSERT": {
-            "message": {"queue", "priority", "visible_at", "publish_key", "payload",
-                        "expires_at"},
-            "dead_letter": {"message_id", "queue", "priority", "read_ct", "enqueued_at",
-                            "reason", "payload"},
+            "message": {"queue", "priority", "visible_at", "publish_key", "payload", "expires_at"},
+            "dead_letter": {
+                "message_id",
+                "queue",
+                "priority",
+                "read_ct",
+                "enqueued_at",
+                "reason",
+                "payload",
+            },
         },
     },
     "monitor": {
@@ -80,16 +86,32 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
             "queue": ALL,
             "message": {"id", "queue", "priority", "visible_at", "read_ct", "enqueued_at"},
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},
-            "barrier": {"id", "status", "total", "remaining", "created_at", "progressed_at",
-                        "expires_at", "stuck_timeout", "fired_at", "finished_at"},
+            "barrier": {
+                "id",
+                "status",
+                "total",
+                "remaining",
+                "created_at",
+                "progressed_at",
+                "expires_at",
+                "stuck_timeout",
+                "fired_at",
+                "finished_at",
+            },
         },
     },
     "nobody": {},
 }
 # What carries task arguments or results: no role but the worker (and owner) reads it.
-CONTENT = {("message", "payload"), ("dead_letter", "payload"), ("dead_letter", "identity"),
-           ("barrier", "callback"), ("barrier", "errback"), ("barrier", "metadata"),
-           ("barrier_part", "result")}
+CONTENT = {
+    ("message", "payload"),
+    ("dead_letter", "payload"),
+    ("dead_letter", "identity"),
+    ("barrier", "callback"),
+    ("barrier", "errback"),
+    ("barrier", "metadata"),
+    ("barrier_part", "result"),
+}
 
 
 @dataclass(frozen=True)
@@ -137,8 +159,10 @@ class Roles:
         params = conninfo_to_dict(self.pg_url)
         host = params.get("host") or "127.0.0.1"
         password = PASSWORDS.get(role.removeprefix("pgq_t_").rsplit("_", 1)[0], "")
-        return (f"postgresql://{role}:{quote(password)}@{host}:{params.get('port') or 5432}"
-                f"/{self.database}")
+        return (
+            f"postgresql://{role}:{quote(password)}@{host}:{params.get('port') or 5432}"
+            f"/{self.database}"
+        )
 
     def url(self, role: str) -> str:
         return "pgq" + self.libpq(role).removeprefix("postgresql")
@@ -149,8 +173,11 @@ class Roles:
     def substitute(self, text: str) -> str:
         names = {f"pgq_{kind}": self.role(kind) for kind in KINDS}
         names.update(pgq=self.schema, app=self.database)
-        return re.sub(r"\b(pgq_owner|pgq_worker|pgq_publisher|pgq_monitor|pgq|app)\b",
-                      lambda m: names[m.group(1)], text)
+        return re.sub(
+            r"\b(pgq_owner|pgq_worker|pgq_publisher|pgq_monitor|pgq|app)\b",
+            lambda m: names[m.group(1)],
+            text,
+        )
 
     def run_block(self, number: str) -> None:
         """One of the page's SQL blocks, as the role its first line names."""
@@ -185,8 +212,10 @@ def url_of(pg_url: str, **changes: str) -> str:
     user = quote(params.get("user") or "")
     if params.get("password"):
         user += ":" + quote(params["password"])
-    return (f"postgresql://{user}@{params.get('host') or '127.0.0.1'}"
-            f":{params.get('port') or 5432}/{quote(params.get('dbname') or '')}")
+    return (
+        f"postgresql://{user}@{params.get('host') or '127.0.0.1'}"
+        f":{params.get('port') or 5432}/{quote(params.get('dbname') or '')}"
+    )
 
 
 @contextmanager
@@ -217,8 +246,9 @@ def page_roles(pg_url: str, *, blocks: tuple[str, ...] = SUPERUSER_BLOCKS) -> It
                 made.run_block(number)
             yield made
         finally:
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                sql.Identifier(made.schema)))
+            admin.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(made.schema))
+            )
             for kind in (*reversed(KINDS), "nobody"):
                 role = sql.Identifier(made.role(kind))
                 admin.execute(sql.SQL("DROP OWNED BY {}").format(role))
@@ -276,7 +306,8 @@ def columns(roles: Roles) -> dict[str, list[tuple[str, bool]]]:
     with psycopg.connect(roles.pg_url) as admin:
         rows = admin.execute(
             "SELECT table_name, column_name, is_identity = 'YES' FROM information_schema.columns"
-            " WHERE table_schema = %s ORDER BY table_name, ordinal_position", [roles.schema],
+            " WHERE table_schema = %s ORDER BY table_name, ordinal_position",
+            [roles.schema],
         ).fetchall()
     found: dict[str, list[tuple[str, bool]]] = {}
     for table, column, identity in rows:
@@ -305,13 +336,15 @@ def what_runs(roles: Roles, role: str) -> dict[tuple[str, str, str], bool]:
                 statements = {
                     "SELECT": sql.SQL("SELECT {} FROM {} WHERE false").format(c, t),
                     "INSERT": sql.SQL("INSERT INTO {} ({}) {}SELECT NULL WHERE false").format(
-                        t, c, overriding),
+                        t, c, overriding
+                    ),
                     "UPDATE": sql.SQL("UPDATE {} SET {} = DEFAULT WHERE false").format(t, c),
                 }
                 for op, statement in statements.items():
                     outcome[(op, table, column)] = not refused(conn, statement)
             outcome[("DELETE", table, "")] = not refused(
-                conn, sql.SQL("DELETE FROM {} WHERE false").format(t))
+                conn, sql.SQL("DELETE FROM {} WHERE false").format(t)
+            )
     return outcome
 
 
@@ -320,12 +353,13 @@ def test_each_role_uses_exactly_the_columns_the_page_grants(granted: Roles, kind
     rights = RIGHTS[kind]
     if kind == "nobody":  # only what PUBLIC had before block 2: CONNECT
         with psycopg.connect(granted.pg_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
-                sql.Identifier(granted.database), sql.Identifier(granted.nobody)))
+            admin.execute(
+                sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
+                    sql.Identifier(granted.database), sql.Identifier(granted.nobody)
+                )
+            )
     outcome = what_runs(granted, granted.role(kind))
-    expected = {
-        key: allowed(rights, key[0], key[1], key[2] or "*") for key in outcome
-    }
+    expected = {key: allowed(rights, key[0], key[1], key[2] or "*") for key in outcome}
     wrong = {key: ran for key, ran in outcome.items() if ran != expected[key]}
     assert wrong == {}, f"{kind}: allowed (True) or refused (False) against the page"
     # Content is the worker's only: no payload, argument or result for anyone else.
@@ -334,8 +368,12 @@ def test_each_role_uses_exactly_the_columns_the_page_grants(granted: Roles, kind
     # No role of the page may empty a table at once, nor change the schema.
     with granted.connect(granted.role(kind)) as conn:
         for table in columns(granted):
-            assert refused(conn, sql.SQL("TRUNCATE {}.{}").format(
-                sql.Identifier(granted.schema), sql.Identifier(table))), table
+            assert refused(
+                conn,
+                sql.SQL("TRUNCATE {}.{}").format(
+                    sql.Identifier(granted.schema), sql.Identifier(table)
+                ),
+            ), table
 
 
 def statements(block: str) -> list[str]:
@@ -412,18 +450,22 @@ def test_worker_role_cannot_migrate_and_says_who_can(granted: Roles) -> None:
     with psycopg.connect(granted.pg_url, autocommit=True) as admin:
         # As if this pgq were one migration ahead of the database.
         (last,) = admin.execute(
-            sql.SQL("DELETE FROM {}.schema_version WHERE version = "
-                    "(SELECT max(version) FROM {}.schema_version) RETURNING version").format(s, s)
+            sql.SQL(
+                "DELETE FROM {}.schema_version WHERE version = "
+                "(SELECT max(version) FROM {}.schema_version) RETURNING version"
+            ).format(s, s)
         ).fetchone() or (None,)
         try:
             result = cli(granted, granted.worker, "migrate")
             assert result.exit_code == 1
-            assert (f"role {granted.worker!r} cannot create or upgrade the pgq schema"
-                    in result.stderr)
+            assert (
+                f"role {granted.worker!r} cannot create or upgrade the pgq schema" in result.stderr
+            )
             assert f"run `pgq migrate` as {granted.owner!r}" in result.stderr
         finally:
-            admin.execute(sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)")
-                          .format(s), [last])
+            admin.execute(
+                sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(s), [last]
+            )
 
 
 def test_only_the_owner_vacuums_as_the_page_says(granted: Roles) -> None:
@@ -482,25 +524,42 @@ def test_publisher_publishes_every_way_and_the_worker_gets_it(granted: Roles) ->
         Producer(publisher.channel(), exchange=tasks).publish({"n": "lost"}, routing_key="x")
         # A resent publish (the same key, as after an ambiguous commit) inserts nothing.
         channel = publisher.default_channel
-        resent = channel.prepare_message(json.dumps({"n": "keyed"}), 0, "application/json",
-                                         "utf-8", {}, {"delivery_tag": "tag-1"})
+        resent = channel.prepare_message(
+            json.dumps({"n": "keyed"}),
+            0,
+            "application/json",
+            "utf-8",
+            {},
+            {"delivery_tag": "tag-1"},
+        )
         resent["properties"]["delivery_info"].update(exchange="", routing_key="jobs")
         for _ in range(2):
             channel.connection.store.publisher.publish(
-                "jobs", resent, publish_key=f"k-{granted.tag}")
+                "jobs", resent, publish_key=f"k-{granted.tag}"
+            )
     app = publisher_app(granted, ["jobs"])
     eta_id = app.send_task("t.later", queue="jobs", countdown=3600, priority=3).id
     app.close()
 
     with psycopg.connect(granted.pg_url) as admin:
         s = sql.Identifier(granted.schema)
-        stored = admin.execute(sql.SQL(
-            "SELECT queue, priority, visible_at > now() + interval '50 minutes'"
-            " FROM {}.message ORDER BY id").format(s)).fetchall()
-        dead = admin.execute(sql.SQL("SELECT queue, reason FROM {}.dead_letter").format(s)
-                             ).fetchall()
-    assert stored == [("jobs", 7, False), ("audit", 0, False), ("jobs", 0, False),
-                      ("audit", 0, False), ("jobs", 0, False), ("jobs", 3, True)]
+        stored = admin.execute(
+            sql.SQL(
+                "SELECT queue, priority, visible_at > now() + interval '50 minutes'"
+                " FROM {}.message ORDER BY id"
+            ).format(s)
+        ).fetchall()
+        dead = admin.execute(
+            sql.SQL("SELECT queue, reason FROM {}.dead_letter").format(s)
+        ).fetchall()
+    assert stored == [
+        ("jobs", 7, False),
+        ("audit", 0, False),
+        ("jobs", 0, False),
+        ("audit", 0, False),
+        ("jobs", 0, False),
+        ("jobs", 3, True),
+    ]
     assert len(dead) == 1 and dead[0][0] == "x" and dead[0][1].startswith("unroutable")
 
     # The worker role gets every message that is due, in priority order.
@@ -518,9 +577,11 @@ def test_publisher_publishes_every_way_and_the_worker_gets_it(granted: Roles) ->
             queue.close()
     assert got == ["direct", "batched", "keyed", "routed", "batched-routed"]
     with psycopg.connect(granted.pg_url) as admin:
-        [(task_id,)] = admin.execute(sql.SQL(
-            "SELECT payload->'headers'->>'id' FROM {}.message").format(
-            sql.Identifier(granted.schema))).fetchall()
+        [(task_id,)] = admin.execute(
+            sql.SQL("SELECT payload->'headers'->>'id' FROM {}.message").format(
+                sql.Identifier(granted.schema)
+            )
+        ).fetchall()
     assert task_id == eta_id  # the ETA message waits for its time
 
 
@@ -533,11 +594,14 @@ def test_publisher_may_not_read_take_or_reroute(granted: Roles) -> None:
         [held] = conn.transport.store.claim(["jobs"], [300.0], 1)
         conn.SimpleQueue("jobs").get(timeout=10).reject(requeue=False)  # one dead letter
     with psycopg.connect(granted.pg_url) as admin:
-        before = admin.execute(sql.SQL(
-            "SELECT (SELECT array_agg((id, lease, visible_at)::text ORDER BY id) FROM {s}.message),"
-            " (SELECT count(*) FROM {s}.dead_letter), (SELECT count(*) FROM {s}.binding),"
-            " (SELECT array_agg((name, expires_ms)::text) FROM {s}.queue)").format(
-            s=sql.Identifier(granted.schema))).fetchone()
+        before = admin.execute(
+            sql.SQL(
+                "SELECT (SELECT array_agg((id, lease, visible_at)::text ORDER BY id)"
+                " FROM {s}.message), (SELECT count(*) FROM {s}.dead_letter),"
+                " (SELECT count(*) FROM {s}.binding),"
+                " (SELECT array_agg((name, expires_ms)::text) FROM {s}.queue)"
+            ).format(s=sql.Identifier(granted.schema))
+        ).fetchone()
 
     connector = Connector(granted.libpq(granted.publisher))
     store = Store(connector, granted.schema)
@@ -573,24 +637,36 @@ def test_publisher_may_not_read_take_or_reroute(granted: Roles) -> None:
     finally:
         connector.close()
     # The commands an operator runs as the worker.
-    for args in (["dead", "list"], ["dead", "requeue", "--all"], ["dead", "purge", "--yes"],
-                 ["purge", "jobs"], ["status"], ["barrier", "show", "b"]):
+    for args in (
+        ["dead", "list"],
+        ["dead", "requeue", "--all"],
+        ["dead", "purge", "--yes"],
+        ["purge", "jobs"],
+        ["status"],
+        ["barrier", "show", "b"],
+    ):
         result = cli(granted, granted.publisher, *args)
         assert result.exit_code == 1, (args, result.output)
         assert "permission denied for table" in result.stderr, (args, result.stderr)
         assert secret not in result.output
     # A fan-in barrier is armed with its parts: not the publisher's to write.
     with granted.connect(granted.publisher) as conn:
-        assert refused(conn, sql.SQL(
-            "INSERT INTO {}.barrier (id, total, remaining, callback, expires_at, stuck_timeout)"
-            " VALUES ('b', 1, 1, '{{}}', now(), '1 hour')").format(
-            sql.Identifier(granted.schema)))
+        assert refused(
+            conn,
+            sql.SQL(
+                "INSERT INTO {}.barrier (id, total, remaining, callback, expires_at, stuck_timeout)"
+                " VALUES ('b', 1, 1, '{{}}', now(), '1 hour')"
+            ).format(sql.Identifier(granted.schema)),
+        )
     with psycopg.connect(granted.pg_url) as admin:
-        after = admin.execute(sql.SQL(
-            "SELECT (SELECT array_agg((id, lease, visible_at)::text ORDER BY id) FROM {s}.message),"
-            " (SELECT count(*) FROM {s}.dead_letter), (SELECT count(*) FROM {s}.binding),"
-            " (SELECT array_agg((name, expires_ms)::text) FROM {s}.queue)").format(
-            s=sql.Identifier(granted.schema))).fetchone()
+        after = admin.execute(
+            sql.SQL(
+                "SELECT (SELECT array_agg((id, lease, visible_at)::text ORDER BY id)"
+                " FROM {s}.message), (SELECT count(*) FROM {s}.dead_letter),"
+                " (SELECT count(*) FROM {s}.binding),"
+                " (SELECT array_agg((name, expires_ms)::text) FROM {s}.queue)"
+            ).format(s=sql.Identifier(granted.schema))
+        ).fetchone()
     assert after == before
 
 
@@ -601,28 +677,39 @@ def test_a_publisher_that_declares_is_told_so_and_stores_nothing(granted: Roles)
     role, schema = granted.publisher, granted.schema
     app = Celery("web", broker=granted.url(role))
     app.conf.broker_transport_options = options(granted)
-    remedy = (r"declare it as a role that may \(the workers do when they start\), or publish"
-              r" without declaring \(no_declare=True on the queue or exchange; see"
-              r" docs/least-privilege.md\)")
-    with pytest.raises(NotPermitted, match=(
-        f"^role '{role}' may not declare exchange 'jobs' in pgq schema '{schema}' "
-        rf"\(permission denied for table exchange\): {remedy}$"
-    )) as raised:
+    remedy = (
+        r"declare it as a role that may \(the workers do when they start\), or publish"
+        r" without declaring \(no_declare=True on the queue or exchange; see"
+        r" docs/least-privilege.md\)"
+    )
+    with pytest.raises(
+        NotPermitted,
+        match=(
+            f"^role '{role}' may not declare exchange 'jobs' in pgq schema '{schema}' "
+            rf"\(permission denied for table exchange\): {remedy}$"
+        ),
+    ) as raised:
         app.send_task("t.any", queue="jobs")
     assert isinstance(raised.value.__cause__, psycopg.errors.InsufficientPrivilege)
     app.close()
     with Connection(granted.url(role), transport_options=options(granted)) as conn:
-        with pytest.raises(NotPermitted, match=(
-            f"^role '{role}' may not declare queue 'jobs' .*permission denied for table queue"
-        )):
-            Producer(conn.channel()).publish({"n": 1}, routing_key="jobs",
-                                             declare=[Queue("jobs", Exchange(""))])
+        with pytest.raises(
+            NotPermitted,
+            match=(
+                f"^role '{role}' may not declare queue 'jobs' .*permission denied for table queue"
+            ),
+        ):
+            Producer(conn.channel()).publish(
+                {"n": 1}, routing_key="jobs", declare=[Queue("jobs", Exchange(""))]
+            )
         with pytest.raises(NotPermitted, match="may not declare exchange 'events'"):
             Producer(conn.channel(), exchange=Exchange("events", type="topic")).publish(
-                {"n": 2}, routing_key="user.created")
-        with pytest.raises(NotPermitted, match=(
-            r"may not declare a binding of queue 'audit' to 'events' .*table binding"
-        )):
+                {"n": 2}, routing_key="user.created"
+            )
+        with pytest.raises(
+            NotPermitted,
+            match=(r"may not declare a binding of queue 'audit' to 'events' .*table binding"),
+        ):
             conn.default_channel.queue_bind("audit", "events", "user.#")
     # A queue not listed (task_create_missing_queues off) is refused before any SQL.
     listed = publisher_app(granted, ["jobs"])
@@ -630,8 +717,9 @@ def test_a_publisher_that_declares_is_told_so_and_stores_nothing(granted: Roles)
         listed.send_task("t.any", queue="elsewhere")
     listed.close()
     with psycopg.connect(granted.pg_url) as admin:
-        assert admin.execute(sql.SQL("SELECT count(*) FROM {}.message").format(
-            sql.Identifier(granted.schema))).fetchone() == (0,)
+        assert admin.execute(
+            sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(granted.schema))
+        ).fetchone() == (0,)
 
 
 # -- the monitor --------------------------------------------------------------------------
@@ -651,18 +739,27 @@ def a_busy_schema(roles: Roles, secret: str) -> None:
         store.dead_letter(doomed.token, f"failed: {secret}")
     with psycopg.connect(roles.pg_url, autocommit=True) as admin:
         for status in ("armed", "fired"):
-            admin.execute(sql.SQL(
-                "INSERT INTO {}.barrier (id, status, total, remaining, callback, metadata,"
-                " expires_at, stuck_timeout) VALUES (%s, %s, 2, 0, %s, %s, now(), '1 hour')"
-            ).format(sql.Identifier(roles.schema)),
-                [f"b-{status}", status, json.dumps({"kwargs": {"secret": secret}}),
-                 json.dumps({"secret": secret})])
+            admin.execute(
+                sql.SQL(
+                    "INSERT INTO {}.barrier (id, status, total, remaining, callback, metadata,"
+                    " expires_at, stuck_timeout) VALUES (%s, %s, 2, 0, %s, %s, now(), '1 hour')"
+                ).format(sql.Identifier(roles.schema)),
+                [
+                    f"b-{status}",
+                    status,
+                    json.dumps({"kwargs": {"secret": secret}}),
+                    json.dumps({"secret": secret}),
+                ],
+            )
 
 
 def queue_figures(text: str) -> list[str]:
     """The exposition's sample lines of queues and barriers, ages left out (they tick)."""
-    return sorted(line for line in text.splitlines()
-                  if line.startswith(("pgq_queue_", "pgq_barriers")) and "_age_" not in line)
+    return sorted(
+        line
+        for line in text.splitlines()
+        if line.startswith(("pgq_queue_", "pgq_barriers")) and "_age_" not in line
+    )
 
 
 def without_ages(figures: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
@@ -685,7 +782,8 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
 
     as_monitor = status(granted.url(granted.monitor))
     (seen, ages), (reference_figures, reference_ages) = map(
-        without_ages, (as_monitor, status(superuser)))
+        without_ages, (as_monitor, status(superuser))
+    )
     assert seen == reference_figures
     assert ages == pytest.approx(reference_ages, abs=1.0)
     jobs = next(q for q in as_monitor["queues"] if q["queue"] == "jobs")
@@ -709,8 +807,13 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
                 assert abs(mine - theirs) <= (1 if kind == "age" else 0), (kind, queue)
 
     # What shows content is refused, and says why.
-    for args in (["dead", "list"], ["barrier", "show", "b-armed"], ["dead", "requeue", "--all"],
-                 ["dead", "purge", "--yes"], ["purge", "jobs"]):
+    for args in (
+        ["dead", "list"],
+        ["barrier", "show", "b-armed"],
+        ["dead", "requeue", "--all"],
+        ["dead", "purge", "--yes"],
+        ["purge", "jobs"],
+    ):
         result = cli(granted, granted.monitor, *args)
         assert result.exit_code == 1, (args, result.output)
         assert "permission denied for table" in result.stderr, (args, result.stderr)
@@ -718,8 +821,12 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
         assert secret not in result.output
     with granted.connect(granted.monitor) as monitor:
         for table in ("message", "dead_letter", "barrier", "barrier_part"):
-            assert refused(monitor, sql.SQL("SELECT * FROM {}.{}").format(
-                sql.Identifier(granted.schema), sql.Identifier(table))), table
+            assert refused(
+                monitor,
+                sql.SQL("SELECT * FROM {}.{}").format(
+                    sql.Identifier(granted.schema), sql.Identifier(table)
+                ),
+            ), table
 
 
 # -- connecting, upgrading, running the blocks again -------------------------------------
@@ -740,28 +847,39 @@ def privileges(roles: Roles) -> dict[str, Any]:
     """Every privilege on the schema, its tables and columns, the database, and the
     default privileges in the schema (ACL items sorted: their order means nothing)."""
     with psycopg.connect(roles.pg_url) as admin:
+
         def rows(query: str) -> list[Any]:
             return admin.execute(query, {"schema": roles.schema, "db": roles.database}).fetchall()
 
         return {
-            "schema": rows("SELECT ARRAY(SELECT unnest(nspacl)::text ORDER BY 1)"
-                           " FROM pg_namespace WHERE nspname = %(schema)s"),
-            "tables": rows("SELECT c.relname, ARRAY(SELECT unnest(c.relacl)::text ORDER BY 1)"
-                           " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                           " WHERE n.nspname = %(schema)s ORDER BY 1"),
-            "columns": rows("SELECT c.relname, a.attname,"
-                            " ARRAY(SELECT unnest(a.attacl)::text ORDER BY 1)"
-                            " FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid"
-                            " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                            " WHERE n.nspname = %(schema)s AND a.attacl IS NOT NULL"
-                            " ORDER BY 1, 2"),
-            "defaults": rows("SELECT d.defaclrole::regrole::text, d.defaclobjtype,"
-                             " ARRAY(SELECT unnest(d.defaclacl)::text ORDER BY 1)"
-                             " FROM pg_default_acl d JOIN pg_namespace n"
-                             " ON n.oid = d.defaclnamespace WHERE n.nspname = %(schema)s"
-                             " ORDER BY 1, 2"),
-            "database": rows("SELECT ARRAY(SELECT unnest(datacl)::text ORDER BY 1)"
-                             " FROM pg_database WHERE datname = %(db)s"),
+            "schema": rows(
+                "SELECT ARRAY(SELECT unnest(nspacl)::text ORDER BY 1)"
+                " FROM pg_namespace WHERE nspname = %(schema)s"
+            ),
+            "tables": rows(
+                "SELECT c.relname, ARRAY(SELECT unnest(c.relacl)::text ORDER BY 1)"
+                " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %(schema)s ORDER BY 1"
+            ),
+            "columns": rows(
+                "SELECT c.relname, a.attname,"
+                " ARRAY(SELECT unnest(a.attacl)::text ORDER BY 1)"
+                " FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %(schema)s AND a.attacl IS NOT NULL"
+                " ORDER BY 1, 2"
+            ),
+            "defaults": rows(
+                "SELECT d.defaclrole::regrole::text, d.defaclobjtype,"
+                " ARRAY(SELECT unnest(d.defaclacl)::text ORDER BY 1)"
+                " FROM pg_default_acl d JOIN pg_namespace n"
+                " ON n.oid = d.defaclnamespace WHERE n.nspname = %(schema)s"
+                " ORDER BY 1, 2"
+            ),
+            "database": rows(
+                "SELECT ARRAY(SELECT unnest(datacl)::text ORDER BY 1)"
+                " FROM pg_database WHERE datname = %(db)s"
+            ),
         }
 
 
@@ -786,13 +904,16 @@ def test_running_the_blocks_again_changes_nothing_and_replaces_earlier_grants(
     with granted.connect(granted.owner) as owner:
         owner.execute(granted.substitute(EARLIER_MONITOR_BLOCK))
     with granted.connect(granted.monitor) as monitor:
-        monitor.execute(sql.SQL("SELECT payload FROM {}.message").format(
-            sql.Identifier(granted.schema)))
+        monitor.execute(
+            sql.SQL("SELECT payload FROM {}.message").format(sql.Identifier(granted.schema))
+        )
     granted.run_block("5")
     assert privileges(granted) == once
     with granted.connect(granted.monitor) as monitor:
-        assert refused(monitor, sql.SQL("SELECT payload FROM {}.message").format(
-            sql.Identifier(granted.schema)))
+        assert refused(
+            monitor,
+            sql.SQL("SELECT payload FROM {}.message").format(sql.Identifier(granted.schema)),
+        )
 
 
 def test_what_a_later_migration_adds_is_the_workers_only(granted: Roles) -> None:
@@ -821,22 +942,47 @@ def test_what_a_later_migration_adds_is_the_workers_only(granted: Roles) -> None
 
 def test_a_celery_worker_runs_what_a_publisher_role_sends(granted: Roles, tmp_path: Path) -> None:
     environ = clean_env(
-        PGQ_URL=granted.url(granted.worker), PGQ_SCHEMA=granted.schema,
-        PGQ_AUTO_MIGRATE="false", PGQ_HEALTH_FILE=str(tmp_path / "hb"), PYTHONUNBUFFERED="1",
+        PGQ_URL=granted.url(granted.worker),
+        PGQ_SCHEMA=granted.schema,
+        PGQ_AUTO_MIGRATE="false",
+        PGQ_HEALTH_FILE=str(tmp_path / "hb"),
+        PYTHONUNBUFFERED="1",
     )
     log = tmp_path / "worker.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "fleet", "worker", "-Q", "default",
-             "-P", "threads", "-c", "2", "-l", "info", "--without-gossip", "--without-mingle",
-             "--without-heartbeat"],
-            cwd=EXAMPLES, env=environ, stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "fleet",
+                "worker",
+                "-Q",
+                "default",
+                "-P",
+                "threads",
+                "-c",
+                "2",
+                "-l",
+                "info",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+            cwd=EXAMPLES,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     worker = Worker(proc, log, "least-privilege")
     try:
-        wait_for(lambda: " ready." in worker.output() or proc.poll() is not None, 60,
-                 "the worker to be ready")
+        wait_for(
+            lambda: " ready." in worker.output() or proc.poll() is not None,
+            60,
+            "the worker to be ready",
+        )
         assert proc.poll() is None, worker.output()
         client = publisher_app(granted, ["default"])
         first = client.send_task("fleet.add", args=[2, 3], priority=5).id
@@ -844,10 +990,14 @@ def test_a_celery_worker_runs_what_a_publisher_role_sends(granted: Roles, tmp_pa
             batched = [client.send_task("fleet.add", args=[n, n]).id for n in range(3)]
         client.close()
         for task_id in (first, *batched):
-            wait_for(lambda t=task_id: f"fleet.add[{t}] succeeded" in worker.output(), 30,
-                     "the publisher's tasks to run as the worker role")
+            wait_for(
+                lambda t=task_id: f"fleet.add[{t}] succeeded" in worker.output(),
+                30,
+                "the publisher's tasks to run as the worker role",
+            )
     finally:
         worker.stop()
     with psycopg.connect(granted.pg_url) as admin:
-        assert admin.execute(sql.SQL("SELECT count(*) FROM {}.message").format(
-            sql.Identifier(granted.schema))).fetchone() == (0,)
+        assert admin.execute(
+            sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(granted.schema))
+        ).fetchone() == (0,)

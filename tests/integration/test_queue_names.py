@@ -56,7 +56,9 @@ class Peek:
     def tables_intact(self) -> bool:
         found = self.rows(
             "SELECT to_regclass(%s), to_regclass(%s), to_regclass(%s)",
-            f"{self.schema}.message", f"{self.schema}.queue", f"{self.schema}.dead_letter",
+            f"{self.schema}.message",
+            f"{self.schema}.queue",
+            f"{self.schema}.dead_letter",
         )
         return all(value is not None for value in found[0])
 
@@ -175,7 +177,11 @@ def test_all_names_side_by_side(conn: Connection, peek: Peek, schema: str) -> No
     ],
 )
 def test_direct_exchange_with_odd_names(
-    conn: Connection, peek: Peek, schema: str, exchange_key: str, queue_key: str,
+    conn: Connection,
+    peek: Peek,
+    schema: str,
+    exchange_key: str,
+    queue_key: str,
     routing_key: str,
 ) -> None:
     exchange_name = real_name(NAMES[exchange_key], schema)
@@ -237,8 +243,11 @@ def test_waiting_consumer_is_woken_by_a_publish(
     try:
         # The consumer LISTENs before its first claim, which finds nothing: from here
         # on, only a wake-up (or the 120 s poll) can deliver the message.
-        wait_for(lambda: connection.transport.engine.waiting or not thread.is_alive(), 30,
-                 "the consumer to wait")
+        wait_for(
+            lambda: connection.transport.engine.waiting or not thread.is_alive(),
+            30,
+            "the consumer to wait",
+        )
         with Connection(broker_url, transport_options=options) as publisher:
             publisher.SimpleQueue(name).put({"woke": name})
         thread.join(30)

@@ -30,7 +30,6 @@ class PgqFixtures:
             conn.connect()
             yield conn
 
-
     @pytest.fixture
     def dead_letters(self, pg_url: str, schema: str) -> Callable[[], list[tuple[Any, ...]]]:
         """(queue, reason) of every dead letter: where pgq keeps what it cannot route."""
@@ -39,7 +38,9 @@ class PgqFixtures:
             with psycopg.connect(pg_url) as conn:
                 return conn.execute(
                     sql.SQL("SELECT queue, reason FROM {}.dead_letter ORDER BY id").format(
-                        sql.Identifier(schema))).fetchall()
+                        sql.Identifier(schema)
+                    )
+                ).fetchall()
 
         return read
 

@@ -75,4 +75,6 @@ def test_the_longest_keys_compile_and_match(pg: psycopg.Connection[Any], unit: s
     routing = key.replace("*", "w").replace("#", "v")
     expected = amqp_matches(words(key), words(routing))
     assert matched(pg, binding_pattern(key), [routing, routing + ".x"]) == [
-        expected, amqp_matches(words(key), words(routing + ".x"))]
+        expected,
+        amqp_matches(words(key), words(routing + ".x")),
+    ]

@@ -51,17 +51,17 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
     assert transport.connector.prepare_threshold == 5
 
 
-def test_idle_consumer_is_woken_by_notify_not_by_polling(
-    broker_url: str, schema: str
-) -> None:
+def test_idle_consumer_is_woken_by_notify_not_by_polling(broker_url: str, schema: str) -> None:
     options = {"schema": schema, "polling_interval": 30}
     queue = Queue("wake", Exchange("wake"), "wake")
-    with idle_consumer(broker_url, options, queue) as got, Connection(
-        broker_url, transport_options=options
-    ) as pub:
+    with (
+        idle_consumer(broker_url, options, queue) as got,
+        Connection(broker_url, transport_options=options) as pub,
+    ):
         sent = time.monotonic()
-        Producer(pub).publish({"x": 1}, exchange=queue.exchange, routing_key="wake",
-                              declare=[queue])
+        Producer(pub).publish(
+            {"x": 1}, exchange=queue.exchange, routing_key="wake", declare=[queue]
+        )
     assert got, "the message was never delivered"
     assert got[0] - sent < 5  # the poll would have taken 30 s
 
@@ -153,8 +153,9 @@ def test_concurrent_declares_of_one_new_exchange_agree_on_its_type(
             start = threading.Barrier(2)
             seen: list[str] = []
 
-            def declare(s: Any, name: str = name, start: threading.Barrier = start,
-                        seen: list[str] = seen) -> None:
+            def declare(
+                s: Any, name: str = name, start: threading.Barrier = start, seen: list[str] = seen
+            ) -> None:
                 start.wait()
                 seen.append(s.declare_exchange(name, "topic"))
 
@@ -225,8 +226,9 @@ def test_a_batch_waiting_behind_a_blocked_delivery_keeps_its_lease(
                 with Connection(broker_url, transport_options=options) as rival:
                     assert rival.transport.store.claim(["blocked"], [1.0], 10) == []
                 time.sleep(0.2)
-            assert rows("SELECT count(*) FROM {schema}.message WHERE read_ct = 1"
-                        " AND visible_at > now()") == [(2,)]
+            assert rows(
+                "SELECT count(*) FROM {schema}.message WHERE read_ct = 1 AND visible_at > now()"
+            ) == [(2,)]
         finally:
             release.set()
             thread.join(20)

@@ -39,8 +39,11 @@ from tests.integration.test_cli import invoke
 # The statements pgq's sessions run (schema.sql and the migrations run only in
 # ``pgq migrate``, DDL whose defaults are bound to functions when it runs).
 SQL_FILES = [
-    *(p for p in Path(pg_transport.__file__).parent.joinpath("sql").glob("*.sql")
-      if p.name != "schema.sql"),
+    *(
+        p
+        for p in Path(pg_transport.__file__).parent.joinpath("sql").glob("*.sql")
+        if p.name != "schema.sql"
+    ),
     Path(pg_transport.__file__).parent.parent / "barrier" / "guards.sql",
 ]
 
@@ -53,8 +56,10 @@ class Role:
     def libpq(self) -> str:
         params = conninfo_to_dict(self.pg_url)
         host = params.get("host") or "127.0.0.1"
-        return (f"postgresql://{self.name}@{host}:{params.get('port') or 5432}"
-                f"/{params.get('dbname', '')}")
+        return (
+            f"postgresql://{self.name}@{host}:{params.get('port') or 5432}"
+            f"/{params.get('dbname', '')}"
+        )
 
     def broker(self) -> str:
         return "pgq" + self.libpq().removeprefix("postgresql")
@@ -87,13 +92,15 @@ def make_role(pg_url: str) -> Iterator[Callable[[str], Role]]:
 
 def task_payload(name: str, kwargs: dict[str, Any], task_id: str | None = None) -> str:
     """A Celery (protocol 2) message as kombu stores it: JSON text of the row's payload."""
-    return json.dumps({
-        "body": json.dumps([[], kwargs, {}]),
-        "content-type": "application/json",
-        "content-encoding": "utf-8",
-        "headers": {"task": name, "id": task_id or str(uuid.uuid4())},
-        "properties": {"delivery_info": {}, "body_encoding": None, "priority": 0},
-    })
+    return json.dumps(
+        {
+            "body": json.dumps([[], kwargs, {}]),
+            "content-type": "application/json",
+            "content-encoding": "utf-8",
+            "headers": {"task": name, "id": task_id or str(uuid.uuid4())},
+            "properties": {"delivery_info": {}, "body_encoding": None, "priority": 0},
+        }
+    )
 
 
 class Consuming:
@@ -102,8 +109,12 @@ class Consuming:
     def __init__(self, conn: Connection, queue: str, way: str) -> None:
         self.conn, self.way = conn, way
         self.got: list[Any] = []
-        consumer = Consumer(conn, [Queue(queue)], accept=["json"],
-                            callbacks=[lambda body, message: self._take(body, message)])
+        consumer = Consumer(
+            conn,
+            [Queue(queue)],
+            accept=["json"],
+            callbacks=[lambda body, message: self._take(body, message)],
+        )
         consumer.qos(prefetch_count=10)
         consumer.consume()
         self.hub: Hub | None = None
@@ -153,8 +164,9 @@ def consuming(broker_url: str, schema: str, way: str) -> Iterator[Callable[..., 
     opened: list[tuple[Connection, Consuming]] = []
 
     def start(queue: str, **options: Any) -> Consuming:
-        conn = Connection(broker_url, transport_options={
-            "schema": schema, "polling_interval": 60, **options})
+        conn = Connection(
+            broker_url, transport_options={"schema": schema, "polling_interval": 60, **options}
+        )
         conn.connect()
         consuming = Consuming(conn, queue, way)
         opened.append((conn, consuming))
@@ -170,8 +182,12 @@ def consuming(broker_url: str, schema: str, way: str) -> Iterator[Callable[..., 
 
 
 def test_notifications_of_a_role_without_grants_run_nothing_and_stop_nothing(
-    consuming: Callable[..., Consuming], conn: Connection, rows: Peek,
-    make_role: Callable[[str], Role], schema: str, caplog: pytest.LogCaptureFixture,
+    consuming: Callable[..., Consuming],
+    conn: Connection,
+    rows: Peek,
+    make_role: Callable[[str], Role],
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Garbage, forged hand-offs naming a real message, and floods on every channel the
     intruder can name: the consumer delivers, acks and releases none of it, keeps
@@ -213,11 +229,11 @@ def test_a_listener_without_grants_learns_no_payload(
         evil.execute(sql.SQL("LISTEN {}").format(sql.Identifier(f"pgq_{schema}")))
         producer = Producer(conn.channel())
         producer.publish({"api_key": secret}, routing_key="billing")  # default exchange
-        producer.publish({"api_key": secret}, exchange=queue.exchange,
-                         routing_key="charge", declare=[queue])  # routed
+        producer.publish(
+            {"api_key": secret}, exchange=queue.exchange, routing_key="charge", declare=[queue]
+        )  # routed
         heard = list(evil.notifies(timeout=2.0, stop_after=2))
-    assert [(n.channel, n.payload) for n in heard] == [
-        (queue_channel(schema, "billing"), "")] * 2
+    assert [(n.channel, n.payload) for n in heard] == [(queue_channel(schema, "billing"), "")] * 2
 
 
 # -- search_path ------------------------------------------------------------------------
@@ -234,21 +250,81 @@ def called_functions() -> set[str]:
 # Argument lists a planted look-alike is given: the types pgq passes, as exact matches
 # (an exact match beats pg_catalog's polymorphic or "any" functions wherever ``public``
 # is on the search_path at all).
-PLANTED_ARGS = ["", "text", "text[]", "bigint[]", "integer[]", "double precision[]", "json",
-                "bytea", "text, text", "text, name", "bigint", "integer", "double precision",
-                "text, text, boolean", "text, bigint, bigint", "text, integer, integer"]
+PLANTED_ARGS = [
+    "",
+    "text",
+    "text[]",
+    "bigint[]",
+    "integer[]",
+    "double precision[]",
+    "json",
+    "bytea",
+    "text, text",
+    "text, name",
+    "bigint",
+    "integer",
+    "double precision",
+    "text, text, boolean",
+    "text, bigint, bigint",
+    "text, integer, integer",
+]
 
 
 def unqualified_calls(text: str) -> list[str]:
     """Function calls in ``text`` not named by schema (SQL keywords that take
     parentheses, alias column lists and table column lists aside)."""
-    keywords = {"values", "in", "any", "all", "array", "exists", "coalesce", "least",
-                "greatest", "nullif", "cast", "from", "filter", "over", "key", "unique",
-                "check", "references", "as", "on", "conflict", "and", "or", "not", "where",
-                "with", "select", "into", "using", "lateral", "join", "by", "when", "then",
-                "else", "case", "recursive", "materialized", "is", "like", "set", "returning",
-                "row", "rows", "distinct", "union", "limit", "vacuum", "operator",
-                "extract"}
+    keywords = {
+        "values",
+        "in",
+        "any",
+        "all",
+        "array",
+        "exists",
+        "coalesce",
+        "least",
+        "greatest",
+        "nullif",
+        "cast",
+        "from",
+        "filter",
+        "over",
+        "key",
+        "unique",
+        "check",
+        "references",
+        "as",
+        "on",
+        "conflict",
+        "and",
+        "or",
+        "not",
+        "where",
+        "with",
+        "select",
+        "into",
+        "using",
+        "lateral",
+        "join",
+        "by",
+        "when",
+        "then",
+        "else",
+        "case",
+        "recursive",
+        "materialized",
+        "is",
+        "like",
+        "set",
+        "returning",
+        "row",
+        "rows",
+        "distinct",
+        "union",
+        "limit",
+        "vacuum",
+        "operator",
+        "extract",
+    }
     found = []
     for line in text.splitlines():
         code = re.sub(r"'[^']*'", "''", line.split("--", 1)[0])
@@ -275,42 +351,58 @@ def planted(make_role: Callable[[str], Role], pg_url: str) -> Iterator[str]:
     intruder = make_role("planter")
     seq = f"pwned_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(pg_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(
-            sql.Identifier(intruder.name)))
+        admin.execute(
+            sql.SQL("GRANT CREATE ON SCHEMA public TO {}").format(sql.Identifier(intruder.name))
+        )
     planted_functions: list[str] = []
     with intruder.connect() as evil:
         evil.execute(sql.SQL("CREATE SEQUENCE public.{}").format(sql.Identifier(seq)))
-        evil.execute(sql.SQL("GRANT USAGE, UPDATE ON SEQUENCE public.{} TO PUBLIC").format(
-            sql.Identifier(seq)))
-        body = sql.SQL("LANGUAGE plpgsql AS $f$ BEGIN PERFORM nextval({}); RETURN NULL; END $f$"
-                       ).format(sql.Literal(f"public.{seq}"))
+        evil.execute(
+            sql.SQL("GRANT USAGE, UPDATE ON SEQUENCE public.{} TO PUBLIC").format(
+                sql.Identifier(seq)
+            )
+        )
+        body = sql.SQL(
+            "LANGUAGE plpgsql AS $f$ BEGIN PERFORM nextval({}); RETURN NULL; END $f$"
+        ).format(sql.Literal(f"public.{seq}"))
         for name in sorted(called_functions()):
             for args in PLANTED_ARGS:
                 signature = sql.SQL("public.{}({})").format(sql.Identifier(name), sql.SQL(args))
-                evil.execute(sql.SQL("CREATE FUNCTION {} RETURNS text {}").format(
-                    signature, body))
+                evil.execute(sql.SQL("CREATE FUNCTION {} RETURNS text {}").format(signature, body))
                 planted_functions.append(signature.as_string(evil))
-        for op, left, right in [("=", "bigint", "bigint"), ("=", "text", "text"),
-                                ("=", "integer", "integer"), ("||", "text", "text"),
-                                ("<=", "timestamptz", "timestamptz"),
-                                ("+", "timestamptz", "interval")]:
+        for op, left, right in [
+            ("=", "bigint", "bigint"),
+            ("=", "text", "text"),
+            ("=", "integer", "integer"),
+            ("||", "text", "text"),
+            ("<=", "timestamptz", "timestamptz"),
+            ("+", "timestamptz", "interval"),
+        ]:
             fn = sql.Identifier(f"op_{uuid.uuid4().hex[:8]}")
-            evil.execute(sql.SQL(
-                "CREATE FUNCTION public.{}(a {}, b {}) RETURNS boolean {}").format(
-                fn, sql.SQL(left), sql.SQL(right), body))
-            evil.execute(sql.SQL(
-                "CREATE OPERATOR public.{} (LEFTARG = {}, RIGHTARG = {}, FUNCTION = public.{})"
-            ).format(sql.SQL(op), sql.SQL(left), sql.SQL(right), fn))
+            evil.execute(
+                sql.SQL("CREATE FUNCTION public.{}(a {}, b {}) RETURNS boolean {}").format(
+                    fn, sql.SQL(left), sql.SQL(right), body
+                )
+            )
+            evil.execute(
+                sql.SQL(
+                    "CREATE OPERATOR public.{} (LEFTARG = {}, RIGHTARG = {}, FUNCTION = public.{})"
+                ).format(sql.SQL(op), sql.SQL(left), sql.SQL(right), fn)
+            )
     assert len(planted_functions) > 100
     yield seq
     with psycopg.connect(pg_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("REVOKE CREATE ON SCHEMA public FROM {}").format(
-            sql.Identifier(intruder.name)))
+        admin.execute(
+            sql.SQL("REVOKE CREATE ON SCHEMA public FROM {}").format(sql.Identifier(intruder.name))
+        )
 
 
 @pytest.mark.parametrize("own_sessions", [True, False], ids=["pinned", "pooled"])
 def test_functions_planted_in_public_are_never_called(
-    planted: str, make_role: Callable[[str], Role], pg_url: str, own_sessions: bool,
+    planted: str,
+    make_role: Callable[[str], Role],
+    pg_url: str,
+    own_sessions: bool,
 ) -> None:
     """A worker role's whole round trip — publish direct and routed, claim, ack,
     requeue, renew, reject to dead letters, poison, pop, maintenance, the CLI — with
@@ -321,13 +413,23 @@ def test_functions_planted_in_public_are_never_called(
     worker = make_role("worker")
     schema = f"pgq_t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_url, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
-            sql.Identifier(schema), sql.Identifier(worker.name)))
+        admin.execute(
+            sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+                sql.Identifier(schema), sql.Identifier(worker.name)
+            )
+        )
         if own_sessions:
-            admin.execute(sql.SQL("ALTER ROLE {} SET search_path = public, pg_catalog").format(
-                sql.Identifier(worker.name)))
-    options = {"schema": schema, "use_notify": own_sessions, "max_attempts": 2,
-               "polling_interval": 0.1}
+            admin.execute(
+                sql.SQL("ALTER ROLE {} SET search_path = public, pg_catalog").format(
+                    sql.Identifier(worker.name)
+                )
+            )
+    options = {
+        "schema": schema,
+        "use_notify": own_sessions,
+        "max_attempts": 2,
+        "polling_interval": 0.1,
+    }
     try:
         with Connection(worker.broker(), transport_options=options) as conn:
             conn.connect()
@@ -336,8 +438,7 @@ def test_functions_planted_in_public_are_never_called(
             routed = Queue("audit", topic, routing_key="user.*")
             producer = Producer(conn.channel())
             producer.publish({"n": 1}, routing_key="jobs", declare=[Queue("jobs")])
-            producer.publish({"n": 2}, exchange=topic, routing_key="user.created",
-                             declare=[routed])
+            producer.publish({"n": 2}, exchange=topic, routing_key="user.created", declare=[routed])
             jobs = conn.SimpleQueue("jobs")
             first = jobs.get(timeout=10)
             first.requeue()
@@ -355,20 +456,24 @@ def test_functions_planted_in_public_are_never_called(
             assert conn.default_channel.basic_get("jobs", no_ack=True) is None
             transport.maintain()
         with psycopg.connect(pg_url, autocommit=True) as admin:
-            dead = admin.execute(sql.SQL("SELECT reason FROM {}.dead_letter ORDER BY id").format(
-                sql.Identifier(schema))).fetchall()
+            dead = admin.execute(
+                sql.SQL("SELECT reason FROM {}.dead_letter ORDER BY id").format(
+                    sql.Identifier(schema)
+                )
+            ).fetchall()
         expected = ["rejected without requeue", "delivered 2 times; max_attempts is 2"]
         assert [r[0][: len(e)] for r, e in zip(dead, expected, strict=True)] == expected
-        for args in (["status"], ["dead", "list"], ["dead", "requeue", "--all"],
-                     ["purge", "jobs"]):
+        for args in (["status"], ["dead", "list"], ["dead", "requeue", "--all"], ["purge", "jobs"]):
             result = invoke(*args, "--url", worker.broker(), "--schema", schema)
             assert result.exit_code == 0, (args, result.output)
     finally:
         with psycopg.connect(pg_url, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                sql.Identifier(schema)))
-            [(called,)] = admin.execute(sql.SQL("SELECT is_called FROM public.{}").format(
-                sql.Identifier(planted))).fetchall()
+            admin.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+            )
+            [(called,)] = admin.execute(
+                sql.SQL("SELECT is_called FROM public.{}").format(sql.Identifier(planted))
+            ).fetchall()
     assert called is False, "a function planted in public was called by pgq"
 
 
@@ -389,8 +494,16 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
         return {}
     if kind == 5:
         return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
-    keys = ["body", "properties", "headers", "content-type", "delivery_info",
-            "body_encoding", "\u0000", "x"]
+    keys = [
+        "body",
+        "properties",
+        "headers",
+        "content-type",
+        "delivery_info",
+        "body_encoding",
+        "\u0000",
+        "x",
+    ]
     return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
 
 
@@ -406,17 +519,25 @@ def hostile_rows() -> list[tuple[str, str]]:
         ("a body that is a number", json.dumps({**good, "body": 7})),
         ("properties that are a list", json.dumps({**good, "properties": [1]})),
         ("headers that are a string", json.dumps({**good, "headers": "h"})),
-        ("delivery_info that is a string",
-         json.dumps({**good, "properties": {"delivery_info": "x"}})),
-        ("an unknown body encoding",
-         json.dumps({**good, "properties": {"body_encoding": "rot13"}})),
-        ("a base64 body that does not decode",
-         json.dumps({**good, "properties": {"body_encoding": "base64"}, "body": "@@@"})),
+        (
+            "delivery_info that is a string",
+            json.dumps({**good, "properties": {"delivery_info": "x"}}),
+        ),
+        (
+            "an unknown body encoding",
+            json.dumps({**good, "properties": {"body_encoding": "rot13"}}),
+        ),
+        (
+            "a base64 body that does not decode",
+            json.dumps({**good, "properties": {"body_encoding": "base64"}, "body": "@@@"}),
+        ),
         ("a content type that is a number", json.dumps({**good, "content-type": 5})),
         ("nested past Python's recursion limit", '{"a": ' + "[" * 5000 + "]" * 5000 + "}"),
         ("NUL escapes everywhere", json.dumps({**good, "headers": {"task": "a\u0000b"}})),
-        ("larger than max_message_bytes",
-         json.dumps({**good, "body": json.dumps([["y" * 50_000], {}, {}])})),
+        (
+            "larger than max_message_bytes",
+            json.dumps({**good, "body": json.dumps([["y" * 50_000], {}, {}])}),
+        ),
     ]
     rng = random.Random(31)
     shapes += [(f"random shape {n}", json.dumps(random_json(rng))) for n in range(40)]
@@ -424,7 +545,10 @@ def hostile_rows() -> list[tuple[str, str]]:
 
 
 def test_rows_no_publisher_would_write_are_dead_lettered_and_consuming_goes_on(
-    consuming: Callable[..., Consuming], conn: Connection, rows: Peek, app: Celery,
+    consuming: Callable[..., Consuming],
+    conn: Connection,
+    rows: Peek,
+    app: Celery,
 ) -> None:
     """Every row either reaches the consumer as a message or ends in dead_letter with
     its reason and a ``message_poisoned`` signal; the consumer never stops, and takes
@@ -455,8 +579,13 @@ def test_rows_no_publisher_would_write_are_dead_lettered_and_consuming_goes_on(
     assert all(reason for _, reason in dead)
     assert sorted(poisoned) == [ident for ident, _ in dead]
     reasons = " | ".join(reason for _, reason in dead)
-    for expected in ("not an object", "no body", "exceeds max_message_bytes",
-                     "does not decode", "body_encoding"):
+    for expected in (
+        "not an object",
+        "no body",
+        "exceeds max_message_bytes",
+        "does not decode",
+        "body_encoding",
+    ):
         assert expected in reasons
 
 
@@ -478,8 +607,10 @@ def test_a_poisoned_identity_jsonb_refuses_is_kept_sanitised_and_signalled(
     payload["body"] = body
     try:
         # Delivered once already (read_ct 1) and max_attempts 1: poisoned at the claim.
-        rows("INSERT INTO {schema}.message (queue, read_ct, payload) VALUES ('p', 1, %s)",
-             json.dumps(payload))
+        rows(
+            "INSERT INTO {schema}.message (queue, read_ct, payload) VALUES ('p', 1, %s)",
+            json.dumps(payload),
+        )
         jobs = consuming("p", max_attempts=1)
         jobs.until(lambda: len(signalled) == 1)
     finally:

@@ -18,8 +18,11 @@ from tests.integration.conftest import Peek
 
 def dead_rows(peek: Peek, count: int) -> None:
     """``count`` messages through the table, then the statistics made current."""
-    peek("INSERT INTO {schema}.message (queue, payload)"
-         " SELECT 'q', '{{}}' FROM generate_series(1, %s)", count)
+    peek(
+        "INSERT INTO {schema}.message (queue, payload)"
+        " SELECT 'q', '{{}}' FROM generate_series(1, %s)",
+        count,
+    )
     peek("DELETE FROM {schema}.message")
     # The deleting session reports its statistics at the end of its next transaction.
     peek("SELECT pg_stat_force_next_flush()")
@@ -27,8 +30,7 @@ def dead_rows(peek: Peek, count: int) -> None:
 
 
 def heap_pages(peek: Peek, table: str = "message") -> int:
-    ((pages,),) = peek("SELECT pg_relation_size(%s::regclass) / 8192",
-                       f"{peek.schema}.{table}")
+    ((pages,),) = peek("SELECT pg_relation_size(%s::regclass) / 8192", f"{peek.schema}.{table}")
     return int(pages)
 
 
@@ -51,10 +53,16 @@ def stranger(pg_url: str, schema: str, store: Store) -> Iterator[str]:
     role = f"{schema}_stranger"
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
-            sql.Identifier(schema), sql.Identifier(role)))
-        admin.execute(sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA {} TO {}").format(
-            sql.Identifier(schema), sql.Identifier(role)))
+        admin.execute(
+            sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+                sql.Identifier(schema), sql.Identifier(role)
+            )
+        )
+        admin.execute(
+            sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA {} TO {}").format(
+                sql.Identifier(schema), sql.Identifier(role)
+            )
+        )
     yield role
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))

@@ -37,7 +37,8 @@ def slow_connector(pg_url: str, peek: Peek) -> Iterator[Connector]:
     if not superuser:
         pytest.skip("commit_delay may be set by a superuser only")
     connector = Connector(
-        pg_url, application_name=SLOW,
+        pg_url,
+        application_name=SLOW,
         setup=(f"SET commit_delay = {COMMIT_DELAY_US}", "SET commit_siblings = 0"),
     )
     yield connector
@@ -86,8 +87,10 @@ def listener(pg_url: str, store: Store) -> Iterator[psycopg.Connection[tuple[obj
 
 
 def slow_backends(peek: Peek) -> list[int]:
-    rows = peek("SELECT pid FROM pg_stat_activity WHERE application_name = %s ORDER BY pid",
-                f"{SLOW}:{os.getpid()}")
+    rows = peek(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s ORDER BY pid",
+        f"{SLOW}:{os.getpid()}",
+    )
     return [int(pid) for (pid,) in rows]
 
 
@@ -216,9 +219,11 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     slow.bind("tasks", "q", "k", "")
     [pid] = slow_backends(peek)
     outcome: list[tuple[str | None, int]] = []
-    thread = threading.Thread(target=lambda: outcome.append(
-        slow.publisher.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
-    ))
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            slow.publisher.publish_routed("tasks", "k", PAYLOAD, publish_tag="once")
+        )
+    )
     thread.start()
     xid = wait_for_insert(peek, pid)  # its commit now waits out the slow flush
     peek("SELECT pg_terminate_backend(%s)", pid)
@@ -228,8 +233,10 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     # The cut-off transaction committed its copy (a commit under way is not stopped),
     # and its answer was lost with the session: the publish sent again inserted nothing
     # and woke the queue's listeners all the same.
-    assert peek("SELECT xmin::text FROM {schema}.message WHERE queue = 'q' AND publish_key"
-                " = md5('once' || 'q')") == [(xid,)]
+    assert peek(
+        "SELECT xmin::text FROM {schema}.message WHERE queue = 'q' AND publish_key"
+        " = md5('once' || 'q')"
+    ) == [(xid,)]
     assert received(listener) == slow.channel("q")
 
 

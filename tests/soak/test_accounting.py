@@ -31,8 +31,7 @@ def test_a_kill_before_the_first_run_or_after_the_rerun_explains_nothing() -> No
 
 
 def test_a_termination_explains_only_when_no_kill_does() -> None:
-    runs = [("a", "w0g0", at(1)), ("a", "w1g0", at(8)), ("b", "w0g0", at(1)),
-            ("b", "w1g0", at(9))]
+    runs = [("a", "w0g0", at(1)), ("a", "w1g0", at(8)), ("b", "w0g0", at(1)), ("b", "w1g0", at(9))]
     events = [("terminate", "w0g0", at(2)), ("kill", "w0g0", at(8.5))]
     counts, _ = classify(runs, events, ["a", "b"])
     assert counts["explained_by_terminations"] == 1  # a: the kill came after its rerun

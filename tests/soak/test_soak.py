@@ -23,10 +23,26 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_chaos_soak_runs_every_task_and_explains_every_duplicate(pg_url: str) -> None:
     tasks = int(os.environ.get("PGQ_SOAK_TASKS", "4000"))
     cmd = [
-        sys.executable, "-m", "benchmarks.soak", "--tasks", str(tasks), "--workers", "2",
-        "--vt", "5", "--task-ms", "20", "--kill-every", "4", "--terminate-every", "3",
-        "--max-seconds", "600",
-        "--url", pg_url, "--json",
+        sys.executable,
+        "-m",
+        "benchmarks.soak",
+        "--tasks",
+        str(tasks),
+        "--workers",
+        "2",
+        "--vt",
+        "5",
+        "--task-ms",
+        "20",
+        "--kill-every",
+        "4",
+        "--terminate-every",
+        "3",
+        "--max-seconds",
+        "600",
+        "--url",
+        pg_url,
+        "--json",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=800)
     assert proc.stdout, f"no report (exit {proc.returncode}):\n{proc.stderr}"

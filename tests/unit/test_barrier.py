@@ -31,14 +31,17 @@ def test_the_marker_is_the_contract_name() -> None:
 
 def test_message_has_the_virtual_transport_layout(app: Celery) -> None:
     sig = app.signature("t.x", args=[1], kwargs={"a": 2}, task_id="tid")
-    out = task_message(app, sig, args_prefix=([9],), extra_kwargs={"m": True},
-                       headers={"pgq_barrier": "b"})
+    out = task_message(
+        app, sig, args_prefix=([9],), extra_kwargs={"m": True}, headers={"pgq_barrier": "b"}
+    )
     p = out.payload
     assert (out.queue, out.priority, out.task_id) == ("celery", 0, "tid")
     assert p["content-type"] == "application/json" and p["content-encoding"] == "utf-8"
-    assert json.loads(p["body"]) == [[[9], 1], {"a": 2, "m": True},
-                                     {"callbacks": None, "errbacks": None, "chain": None,
-                                      "chord": None}]
+    assert json.loads(p["body"]) == [
+        [[9], 1],
+        {"a": 2, "m": True},
+        {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+    ]
     assert p["headers"]["task"] == "t.x" and p["headers"]["id"] == "tid"
     assert p["headers"]["pgq_barrier"] == "b"
     props = p["properties"]
@@ -57,8 +60,9 @@ def test_routing_and_priority(app: Celery) -> None:
 
 
 def test_binary_bodies_are_base64_and_compression_is_kept(app: Celery) -> None:
-    out = task_message(app, app.signature("t.x", args=[b"\x00"], serializer="pickle",
-                                          compression="zlib"))
+    out = task_message(
+        app, app.signature("t.x", args=[b"\x00"], serializer="pickle", compression="zlib")
+    )
     p = out.payload
     assert p["properties"]["body_encoding"] == "base64"
     assert p["headers"]["compression"] == "application/x-gzip"
@@ -111,8 +115,9 @@ def test_settings_defaults_conf_and_environment() -> None:
         ({"pgq_barrier_ttl": float("inf")}, {}, "finite"),
     ],
 )
-def test_bad_settings_name_key_and_value(conf: dict[str, Any], env: dict[str, str],
-                                         message: str) -> None:
+def test_bad_settings_name_key_and_value(
+    conf: dict[str, Any], env: dict[str, str], message: str
+) -> None:
     with pytest.raises(ConfigurationError, match=message.replace("(", "\\(")):
         BarrierSettings.from_sources(conf, env)
 

@@ -22,8 +22,12 @@ def result(
 ) -> dict[str, Any]:
     return {
         "status": "ok",
-        "publish": {"rate": publish, "tasks": 10, "broker_call_us": call_us,
-                    "client_us": 1e6 / publish - call_us},
+        "publish": {
+            "rate": publish,
+            "tasks": 10,
+            "broker_call_us": call_us,
+            "client_us": 1e6 / publish - call_us,
+        },
         "drain": {"rate": drain, "tasks": 10, "duplicates": 0},
         "latency": {"p50_ms": 0.0, "p99_ms": 0.0, "samples_ms": samples},
     }
@@ -42,7 +46,10 @@ def test_rates_are_the_median_round_and_latency_pools_every_probe() -> None:
     ]
     combined = combine(rounds, ["pgq", "redis"])
     assert combined["pgq"]["publish"] == {
-        "rate": 200, "tasks": 30, "broker_call_us": 800, "client_us": 4200,  # 9300, 2433, 4200
+        "rate": 200,
+        "tasks": 30,
+        "broker_call_us": 800,
+        "client_us": 4200,  # 9300, 2433, 4200
     }
     assert combined["pgq"]["drain"]["rate"] == 800
     latency = combined["pgq"]["latency"]
@@ -69,16 +76,17 @@ def test_publishers_take_turns_and_a_failing_one_stops_alone() -> None:
             if fail_after is not None and len([c for c in calls if c[0] == name]) >= fail_after:
                 raise ConnectionError("broker went away")
             calls.append((name, n))
+
         return publish
 
     outcome = publish_interleaved(
         {"a": publisher("a"), "b": publisher("b"), "c": publisher("c", fail_after=2)},
-        count=7, chunk=3, timeout=60,
+        count=7,
+        chunk=3,
+        timeout=60,
     )
     # A first task alone each, then turns of 3 (reversed every other pass).
-    assert calls == [("a", 1), ("b", 1), ("c", 1),
-                     ("a", 3), ("b", 3), ("c", 3),
-                     ("b", 3), ("a", 3)]
+    assert calls == [("a", 1), ("b", 1), ("c", 1), ("a", 3), ("b", 3), ("c", 3), ("b", 3), ("a", 3)]
     assert outcome["a"]["tasks"] == outcome["b"]["tasks"] == 7  # type: ignore[index]
     assert isinstance(outcome["c"], PhaseError) and "broker went away" in str(outcome["c"])
 
@@ -131,17 +139,29 @@ def test_probes_take_turns_warm_up_uncounted_and_a_failing_one_stops_alone() -> 
             if seq == fail_at:
                 raise TimeoutError("worker stopped answering")
             return took + seq, took / 10
+
         return one
 
     outcome = latency_interleaved(
         {"a": prober("a", 1.0), "b": prober("b", 2.0), "c": prober("c", 3.0, fail_at=2)},
-        samples=3, max_gap=0.0, warmup=1,
+        samples=3,
+        max_gap=0.0,
+        warmup=1,
     )
     # One probe each per pass, in reverse order every other pass; c stops at its failure.
-    assert calls == [("a", 0), ("b", 0), ("c", 0),
-                     ("c", 1), ("b", 1), ("a", 1),
-                     ("a", 2), ("b", 2), ("c", 2),
-                     ("b", 3), ("a", 3)]
+    assert calls == [
+        ("a", 0),
+        ("b", 0),
+        ("c", 0),
+        ("c", 1),
+        ("b", 1),
+        ("a", 1),
+        ("a", 2),
+        ("b", 2),
+        ("c", 2),
+        ("b", 3),
+        ("a", 3),
+    ]
     a, b, c = outcome["a"], outcome["b"], outcome["c"]
     assert not isinstance(a, PhaseError) and not isinstance(b, PhaseError)
     # The warm-up pass (seq 0) is not counted.

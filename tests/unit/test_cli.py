@@ -62,15 +62,16 @@ HOSTILE = "a\x1b[31mred\x1b]0;title\x07\rover\x08\u202eevil\u2066\x9b\u2028\ud80
 def test_printable_escapes_every_control_format_and_separator_character() -> None:
     shown = printable(HOSTILE)
     assert shown == (
-        "a\\x1b[31mred\\x1b]0;title\\x07\\rover\\x08\\u202eevil\\u2066\\x9b\\u2028"
-        "\\ud800\\tb\\nc"
+        "a\\x1b[31mred\\x1b]0;title\\x07\\rover\\x08\\u202eevil\\u2066\\x9b\\u2028\\ud800\\tb\\nc"
     )
     assert shown.isprintable()
     assert printable(shown) == shown  # escaping twice changes nothing
 
 
-@pytest.mark.parametrize("text", ["jobs", "reports.daily", "ünï cödé", "日本語 queue", "a\\x1b",
-                                  "emoji \U0001f600", 'say "hi"'])
+@pytest.mark.parametrize(
+    "text",
+    ["jobs", "reports.daily", "ünï cödé", "日本語 queue", "a\\x1b", "emoji \U0001f600", 'say "hi"'],
+)
 def test_printable_leaves_ordinary_text_alone(text: str) -> None:
     assert printable(text) == text
     assert quoted(text) == f"'{text}'"

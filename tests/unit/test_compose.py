@@ -143,8 +143,10 @@ def parse_yaml(text: str) -> Any:
 def _block(lines: list[tuple[int, str, int]], i: int, indent: int) -> tuple[Any, int]:
     if lines[i][1] == "-" or lines[i][1].startswith("- "):
         seq: list[Any] = []
-        while i < len(lines) and lines[i][0] == indent and (
-            lines[i][1] == "-" or lines[i][1].startswith("- ")
+        while (
+            i < len(lines)
+            and lines[i][0] == indent
+            and (lines[i][1] == "-" or lines[i][1].startswith("- "))
         ):
             _, text, lineno = lines[i]
             item = text[1:].strip()
@@ -190,8 +192,13 @@ _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}
 # What the compose file needs set, each a password (docker.md: `.env`), here any value.
 SECRETS = {
     name: f"{name.lower().replace('_', '-')}-value"
-    for name in ("POSTGRES_PASSWORD", "OWNER_PASSWORD", "WORKER_PASSWORD",
-                 "PUBLISHER_PASSWORD", "MONITOR_PASSWORD")
+    for name in (
+        "POSTGRES_PASSWORD",
+        "OWNER_PASSWORD",
+        "WORKER_PASSWORD",
+        "PUBLISHER_PASSWORD",
+        "MONITOR_PASSWORD",
+    )
 }
 
 
@@ -289,7 +296,7 @@ def test_parser_reads_the_subset() -> None:
     text = (
         "# comment\n"
         "a: 1\n"
-        "b: \"x # not a comment\"  # a comment\n"
+        'b: "x # not a comment"  # a comment\n'
         "c:\n"
         "  - one\n"
         "  - 'it''s'\n"
@@ -297,7 +304,7 @@ def test_parser_reads_the_subset() -> None:
         "    k: v\n"
         "d: [CMD, \"pgq\", 'health', 3]\n"
         "e:\n"
-        "f: \"no\"\n"
+        'f: "no"\n'
         "g: no\n"
         "h: 2s\n"
         "i: pgq://u:${P:?set P, see x.md}@h:5432/db\n"
@@ -317,8 +324,17 @@ def test_parser_reads_the_subset() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["a: &anchor 1\n", "a: *alias\n", "a: |\n  text\n", "a: {b: 1}\n", "a: 1\n  b: 2\n",
-     "a: 1\na: 2\n", "- a: 1\n", "a: [x, [y]]\n", "---\na: 1\n"],
+    [
+        "a: &anchor 1\n",
+        "a: *alias\n",
+        "a: |\n  text\n",
+        "a: {b: 1}\n",
+        "a: 1\n  b: 2\n",
+        "a: 1\na: 2\n",
+        "- a: 1\n",
+        "a: [x, [y]]\n",
+        "---\na: 1\n",
+    ],
 )
 def test_parser_refuses_what_it_does_not_read(text: str) -> None:
     with pytest.raises(YamlSubsetError):
@@ -369,9 +385,9 @@ def test_every_worker_scales_and_waits_for_the_migration_and_grants() -> None:
         # host port can be bound by one replica only.
         assert "container_name" not in svc, name
         assert "ports" not in svc, name
-        assert svc["depends_on"] == {
-            "grants": {"condition": "service_completed_successfully"}
-        }, name
+        assert svc["depends_on"] == {"grants": {"condition": "service_completed_successfully"}}, (
+            name
+        )
         assert svc.get("restart") == "unless-stopped", name
         assert command_of(svc)[:4] == ["celery", "-A", "fleet", "worker"], name
 
@@ -488,8 +504,12 @@ def test_dockerfile_copies_what_the_fleet_runs() -> None:
 # The role of docs/least-privilege.md each service runs as, and the variable holding
 # its password.
 ROLE_OF = {"migrate": "pgq_owner", "grants": "pgq_owner", "metrics": "pgq_monitor"}
-PASSWORD_OF = {"pgq_owner": "OWNER_PASSWORD", "pgq_worker": "WORKER_PASSWORD",
-               "pgq_publisher": "PUBLISHER_PASSWORD", "pgq_monitor": "MONITOR_PASSWORD"}
+PASSWORD_OF = {
+    "pgq_owner": "OWNER_PASSWORD",
+    "pgq_worker": "WORKER_PASSWORD",
+    "pgq_publisher": "PUBLISHER_PASSWORD",
+    "pgq_monitor": "MONITOR_PASSWORD",
+}
 INITDB = COMPOSE.parent / "initdb"
 GRANTS = COMPOSE.parent / "grants.sql"
 
@@ -534,8 +554,12 @@ def test_no_password_has_a_default_and_compose_refuses_to_start_without_them() -
     for name, op, message in uses:
         assert op == ":?", f"${{{name}{op}{message}}}: a variable with a default"
         assert name in message and "docs/docker.md" in message
-    urls = [str(v) for svc in load_compose()["services"].values()
-            for v in (svc.get("environment") or {}).values() if "://" in str(v)]
+    urls = [
+        str(v)
+        for svc in load_compose()["services"].values()
+        for v in (svc.get("environment") or {}).values()
+        if "://" in str(v)
+    ]
     assert len(urls) == len(load_compose()["services"]) - 2  # all but postgres and grants
     for url in urls:  # the password part is a variable, always
         assert re.fullmatch(r"pgq://\w+:\$\{\w+:\?[^}]*\}@postgres:5432/pgq", url), url

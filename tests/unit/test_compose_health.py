@@ -147,8 +147,11 @@ def test_the_default_location_is_a_private_directory_pgq_health_reads(
     assert ok.exit_code == 0, ok.output
     # And so does the command run as a process of its own, given the same $TMPDIR.
     result = subprocess.run(
-        [sys.executable, "-m", "pg_transport.ops.cli", "health"], capture_output=True, text=True,
-        timeout=60, env={**os.environ, "TMPDIR": str(private_tmp)},
+        [sys.executable, "-m", "pg_transport.ops.cli", "health"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(private_tmp)},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"healthy: worker pid {os.getpid()}")
@@ -177,16 +180,16 @@ def make_unsafe(directory: Path, how: str) -> str:
     return "belongs to uid 65534, not to this user"
 
 
-@pytest.mark.parametrize("how", ["world-writable", "group-readable", "symlink",
-                                 "someone else's"])
+@pytest.mark.parametrize("how", ["world-writable", "group-readable", "symlink", "someone else's"])
 def test_an_unsafe_default_directory_is_refused_by_worker_and_check(
     private_tmp: Path, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     directory = health.default_dir()
     refusal = make_unsafe(directory, how)
     health.Heartbeat(health.default_file()).start()
-    [warning] = [r.getMessage() for r in caplog.records
-                 if "cannot write the pgq heartbeat" in r.getMessage()]
+    [warning] = [
+        r.getMessage() for r in caplog.records if "cannot write the pgq heartbeat" in r.getMessage()
+    ]
     assert refusal in warning and health.FILE_ENV in warning
     assert not health.default_file().exists()
 

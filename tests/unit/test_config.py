@@ -93,8 +93,16 @@ def test_option_from_transport_options_and_env(
 
 @pytest.mark.parametrize(
     ("raw", "expected"),
-    [("1", True), ("TRUE", True), (" Yes ", True), ("on", True),
-     ("0", False), ("false", False), ("No", False), ("OFF", False)],
+    [
+        ("1", True),
+        ("TRUE", True),
+        (" Yes ", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("OFF", False),
+    ],
 )
 def test_boolean_spellings(raw: str, expected: bool) -> None:
     assert options(None, PGQ_USE_NOTIFY=raw).use_notify is expected
@@ -195,10 +203,18 @@ def test_any_non_positive_vt_is_refused(vt: float) -> None:
         ({"PGQ_VISIBILITY_TIMEOUT": "nan"}, "PGQ_VISIBILITY_TIMEOUT", "nan", "not a finite"),
         ({"PGQ_VISIBILITY_TIMEOUT": "inf"}, "PGQ_VISIBILITY_TIMEOUT", "inf", "not a finite"),
         ({"PGQ_VISIBILITY_TIMEOUT": "1e300"}, "PGQ_VISIBILITY_TIMEOUT", "1e300", "must be <="),
-        ({"PGQ_VISIBILITY_TIMEOUT_CELERY": "-1"}, "PGQ_VISIBILITY_TIMEOUT_CELERY", "-1",
-         "must be > 0"),
-        ({"PGQ_VISIBILITY_TIMEOUT_CELERY": "ten"}, "PGQ_VISIBILITY_TIMEOUT_CELERY", "ten",
-         "not a number"),
+        (
+            {"PGQ_VISIBILITY_TIMEOUT_CELERY": "-1"},
+            "PGQ_VISIBILITY_TIMEOUT_CELERY",
+            "-1",
+            "must be > 0",
+        ),
+        (
+            {"PGQ_VISIBILITY_TIMEOUT_CELERY": "ten"},
+            "PGQ_VISIBILITY_TIMEOUT_CELERY",
+            "ten",
+            "not a number",
+        ),
         ({"PGQ_MAX_ATTEMPTS": "0"}, "PGQ_MAX_ATTEMPTS", "'0'", "must be >= 1"),
         ({"PGQ_MAX_ATTEMPTS": "2.5"}, "PGQ_MAX_ATTEMPTS", "2.5", "not a whole number"),
         ({"PGQ_MAX_ATTEMPTS_CELERY": "x"}, "PGQ_MAX_ATTEMPTS_CELERY", "'x'", "not a number"),
@@ -229,12 +245,21 @@ def test_bad_environment_is_refused_naming_variable_and_value(
         ({"visibility_timeout": math.inf}, ["visibility_timeout", "inf"], "not a finite"),
         ({"visibility_timeout": math.nan}, ["visibility_timeout", "nan"], "not a finite"),
         ({"visibility_timeout": 10**400}, ["visibility_timeout", "1000000"], "must be <="),
-        ({"queue_visibility_timeouts": {"slow": -1}},
-         ["queue_visibility_timeouts", "'slow'", "-1"], "must be > 0"),
-        ({"queue_visibility_timeouts": {"slow": 0}},
-         ["queue_visibility_timeouts", "'slow'", "=0"], "must be > 0"),
-        ({"queue_visibility_timeouts": [("slow", 5)]},
-         ["queue_visibility_timeouts", "'slow'"], "must be a mapping"),
+        (
+            {"queue_visibility_timeouts": {"slow": -1}},
+            ["queue_visibility_timeouts", "'slow'", "-1"],
+            "must be > 0",
+        ),
+        (
+            {"queue_visibility_timeouts": {"slow": 0}},
+            ["queue_visibility_timeouts", "'slow'", "=0"],
+            "must be > 0",
+        ),
+        (
+            {"queue_visibility_timeouts": [("slow", 5)]},
+            ["queue_visibility_timeouts", "'slow'"],
+            "must be a mapping",
+        ),
         ({"queue_max_attempts": {"q": 0}}, ["queue_max_attempts", "'q'", "=0"], "must be >= 1"),
         ({"max_attempts": 1.5}, ["max_attempts", "1.5"], "not a whole number"),
         ({"max_attempts": 2**40}, ["max_attempts", str(2**40)], "must be <="),

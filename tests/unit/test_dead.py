@@ -21,8 +21,15 @@ def invoke(*args: str) -> Result:
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [
-        ("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800), ("2w", 1209600),
-        ("1h30m", 5400), ("1.5h", 5400), (" 7D ", 604800), ("0s", 0),
+        ("90s", 90),
+        ("30m", 1800),
+        ("12h", 43200),
+        ("7d", 604800),
+        ("2w", 1209600),
+        ("1h30m", 5400),
+        ("1.5h", 5400),
+        (" 7D ", 604800),
+        ("0s", 0),
     ],
 )
 def test_durations(text: str, seconds: float) -> None:
@@ -46,8 +53,7 @@ def test_help_lists_status_and_the_dead_commands() -> None:
 
 @pytest.mark.parametrize(
     "command",
-    [["status"], ["dead", "list"], ["dead", "requeue"], ["dead", "purge"],
-     ["dead", "rehook", "1"]],
+    [["status"], ["dead", "list"], ["dead", "requeue"], ["dead", "purge"], ["dead", "rehook", "1"]],
 )
 def test_every_command_takes_url_and_schema(command: list[str]) -> None:
     result = invoke(*command, "--help")
@@ -62,8 +68,10 @@ def test_every_command_takes_url_and_schema(command: list[str]) -> None:
         (["dead", "purge", "--older-than", "soon", "--url", NOWHERE], "bad duration 'soon'"),
         (["dead", "list", "--url", "postgres://h/db"], "malformed broker URL"),
         (["status", "--url", NOWHERE, "--schema", "no-dashes"], "schema='no-dashes'"),
-        (["dead", "rehook", "1", "-A", "pgq_no_such_app_module", "--url", NOWHERE],
-         "cannot import app module 'pgq_no_such_app_module'"),
+        (
+            ["dead", "rehook", "1", "-A", "pgq_no_such_app_module", "--url", NOWHERE],
+            "cannot import app module 'pgq_no_such_app_module'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(args: list[str], expected: str) -> None:

@@ -34,7 +34,9 @@ def test_kwargs_win_over_positional() -> None:
 
 def test_positional_fallback() -> None:
     assert identity.recover(TASK, [7, "x", "e-1"], {}) == (
-        {"execution_id": "e-1", "organization_id": 7}, [])
+        {"execution_id": "e-1", "organization_id": 7},
+        [],
+    )
 
 
 def test_short_args_give_a_reason_not_an_exception() -> None:
@@ -71,24 +73,36 @@ def test_register_refuses_bad_indexes(bad: Any) -> None:
         identity.register("t", execution_id=bad)
 
 
-@given(args=st.recursive(st.none() | st.integers() | st.text(), st.lists, max_leaves=8),
-       kwargs=st.recursive(st.none() | st.integers() | st.text(),
-                           lambda c: st.dictionaries(st.text(), c), max_leaves=8))
+@given(
+    args=st.recursive(st.none() | st.integers() | st.text(), st.lists, max_leaves=8),
+    kwargs=st.recursive(
+        st.none() | st.integers() | st.text(), lambda c: st.dictionaries(st.text(), c), max_leaves=8
+    ),
+)
 def test_recover_never_raises(args: Any, kwargs: Any) -> None:
     found, why = identity.recover(TASK, args, kwargs)
     assert isinstance(found, dict) and isinstance(why, list)
 
 
 def payload(body: Any, content_type: str = "application/json", **headers: Any) -> dict[str, Any]:
-    return {"body": body, "content-type": content_type, "headers": headers,
-            "properties": {"delivery_info": {}}}
+    return {
+        "body": body,
+        "content-type": content_type,
+        "headers": headers,
+        "properties": {"delivery_info": {}},
+    }
 
 
 def test_decode_protocol_2_json() -> None:
     body = json.dumps([[1, 2, 3], {"execution_id": "e"}, {}])
     got = decode(payload(body, id="tid", task=TASK))
     assert (got.task_id, got.task_name, got.args, got.kwargs, got.reasons) == (
-        "tid", TASK, [1, 2, 3], {"execution_id": "e"}, [])
+        "tid",
+        TASK,
+        [1, 2, 3],
+        {"execution_id": "e"},
+        [],
+    )
 
 
 def test_decode_protocol_2_base64_body() -> None:
@@ -106,8 +120,9 @@ def test_decode_protocol_1() -> None:
 
 def test_decode_yaml_and_msgpack_where_installed() -> None:
     yaml = pytest.importorskip("yaml")
-    got = decode(payload(yaml.safe_dump([[1], {"k": 2}, {}]), "application/x-yaml", id="t",
-                         task=TASK))
+    got = decode(
+        payload(yaml.safe_dump([[1], {"k": 2}, {}]), "application/x-yaml", id="t", task=TASK)
+    )
     assert (got.args, got.kwargs) == ([1], {"k": 2})
     msgpack = pytest.importorskip("msgpack")
     packed = base64.b64encode(msgpack.packb([[3], {}, {}])).decode()
@@ -121,8 +136,12 @@ def test_pickle_is_never_unpickled() -> None:
         def __reduce__(self) -> Any:
             return (exec, ("raise SystemExit('unpickled!')",))
 
-    p = payload(base64.b64encode(pickle.dumps(Boom())).decode(),
-                "application/x-python-serialize", id="t", task=TASK)
+    p = payload(
+        base64.b64encode(pickle.dumps(Boom())).decode(),
+        "application/x-python-serialize",
+        id="t",
+        task=TASK,
+    )
     p["properties"]["body_encoding"] = "base64"
     got = decode(p)
     assert got.task_id == "t" and got.args is None

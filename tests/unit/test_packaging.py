@@ -40,7 +40,12 @@ def runtime_requirements() -> list[Requirement]:
 def test_the_runtime_dependencies_are_the_ones_checked_here() -> None:
     # A dependency added without a bound would fail below; this pins what "below" saw.
     assert {r.name for r in runtime_requirements()} == {
-        "celery", "kombu", "psycopg", "tenacity", "click", "pgserver",
+        "celery",
+        "kombu",
+        "psycopg",
+        "tenacity",
+        "click",
+        "pgserver",
     }
 
 
@@ -62,4 +67,3 @@ def test_installed_versions_satisfy_the_declared_ranges(requirement: Requirement
         f"installed {requirement.name} {installed} is outside {requirement.specifier}: "
         "test it, then move the bound"
     )
-

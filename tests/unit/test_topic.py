@@ -41,8 +41,7 @@ def amqp_matches(binding: list[str], routing: list[str]) -> bool:
             return r == len(routing)
         if binding[b] == "#":
             return any(rest_matches(b + 1, i) for i in range(r, len(routing) + 1))
-        return (r < len(routing) and binding[b] in ("*", routing[r])
-                and rest_matches(b + 1, r + 1))
+        return r < len(routing) and binding[b] in ("*", routing[r]) and rest_matches(b + 1, r + 1)
 
     return rest_matches(0, 0)
 

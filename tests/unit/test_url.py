@@ -140,9 +140,7 @@ def test_any_quoted_password_reaches_libpq_intact(password: str) -> None:
         ("pgq://u:K7q\udcffZx9@h/db", "a character that UTF-8 cannot encode"),
     ],
 )
-def test_malformed_url_is_a_configuration_error_naming_the_problem(
-    url: str, problem: str
-) -> None:
+def test_malformed_url_is_a_configuration_error_naming_the_problem(url: str, problem: str) -> None:
     with pytest.raises(ConfigurationError) as info:
         url_to_conninfo(url)
     message = str(info.value)
@@ -154,7 +152,7 @@ def test_malformed_url_is_a_configuration_error_naming_the_problem(
 def quotes(message: str, url: str, width: int = 5) -> bool:
     """Whether ``message`` holds any ``width`` characters in a row of ``url``'s text."""
     text = url.partition("://")[2] or url
-    return any(text[i:i + width] in message for i in range(len(text) - width + 1))
+    return any(text[i : i + width] in message for i in range(len(text) - width + 1))
 
 
 def test_wrong_scheme_message_shows_the_expected_form() -> None:
@@ -199,14 +197,40 @@ HOSTILE = {
 }
 # Where libpq reads the raw (unencoded) password intact; anywhere else it reads
 # something else, and pgq refuses the URL or shows what libpq read (no password).
-RAW_IN_USER_PART = {"hash", "question mark", "colon", "ampersand", "equals", "single quote",
-                    "double quote", "backslash", "non-ASCII", "semicolon", "comma",
-                    "the mask itself", "the user and database name", "the port",
-                    "a query value"}
-RAW_IN_QUERY = {"hash", "question mark", "slash", "at", "colon", "single quote",
-                "double quote", "backslash", "non-ASCII", "semicolon", "comma",
-                "the mask itself", "the user and database name", "the port",
-                "a query value"}
+RAW_IN_USER_PART = {
+    "hash",
+    "question mark",
+    "colon",
+    "ampersand",
+    "equals",
+    "single quote",
+    "double quote",
+    "backslash",
+    "non-ASCII",
+    "semicolon",
+    "comma",
+    "the mask itself",
+    "the user and database name",
+    "the port",
+    "a query value",
+}
+RAW_IN_QUERY = {
+    "hash",
+    "question mark",
+    "slash",
+    "at",
+    "colon",
+    "single quote",
+    "double quote",
+    "backslash",
+    "non-ASCII",
+    "semicolon",
+    "comma",
+    "the mask itself",
+    "the user and database name",
+    "the port",
+    "a query value",
+}
 
 SHOWN = f"pgq://{USER}:{MASK}@{HOST}:{PORT}/{DB}?sslmode=prefer"
 SHOWN_SSL = f"pgq://{USER}@{HOST}:{PORT}/{DB}?sslmode=prefer&sslpassword={MASK}"
@@ -216,20 +240,35 @@ TAIL = f"{HOST}:{PORT}/{DB}"
 # Each way a URL carries a password: (the URL, the key libpq reads it as, the URL shown).
 WAYS: dict[str, tuple[Callable[[str], str], str, str]] = {
     "encoded in the user part": (
-        lambda pw: f"pgq://{USER}:{quote(pw, safe='')}@{TAIL}?sslmode=prefer", "password", SHOWN),
+        lambda pw: f"pgq://{USER}:{quote(pw, safe='')}@{TAIL}?sslmode=prefer",
+        "password",
+        SHOWN,
+    ),
     "encoded ?password=": (
         lambda pw: f"pgq://{USER}@{TAIL}?password={quote(pw, safe='')}&sslmode=prefer",
-        "password", SHOWN),
+        "password",
+        SHOWN,
+    ),
     "encoded ?sslpassword=": (
         lambda pw: f"pgq://{USER}@{TAIL}?sslmode=prefer&sslpassword={quote(pw, safe='')}",
-        "sslpassword", SHOWN_SSL),
+        "sslpassword",
+        SHOWN_SSL,
+    ),
     "raw in the user part": (
-        lambda pw: f"pgq://{USER}:{pw}@{TAIL}?sslmode=prefer", "password", SHOWN),
+        lambda pw: f"pgq://{USER}:{pw}@{TAIL}?sslmode=prefer",
+        "password",
+        SHOWN,
+    ),
     "raw ?password=": (
-        lambda pw: f"pgq://{USER}@{TAIL}?sslmode=prefer&password={pw}", "password", SHOWN),
+        lambda pw: f"pgq://{USER}@{TAIL}?sslmode=prefer&password={pw}",
+        "password",
+        SHOWN,
+    ),
     "raw ?sslpassword=": (
-        lambda pw: f"pgq://{USER}@{TAIL}?sslmode=prefer&sslpassword={pw}", "sslpassword",
-        SHOWN_SSL),
+        lambda pw: f"pgq://{USER}@{TAIL}?sslmode=prefer&sslpassword={pw}",
+        "sslpassword",
+        SHOWN_SSL,
+    ),
 }
 
 
@@ -241,9 +280,12 @@ def carries(way: str, name: str) -> bool:
 
 def matrix() -> list[tuple[str, str, str, str, str]]:
     """(password, way, URL, the key libpq must read it as, the URL as shown)."""
-    return [(password, way, url(password), key, shown)
-            for name, password in HOSTILE.items()
-            for way, (url, key, shown) in WAYS.items() if carries(way, name)]
+    return [
+        (password, way, url(password), key, shown)
+        for name, password in HOSTILE.items()
+        for way, (url, key, shown) in WAYS.items()
+        if carries(way, name)
+    ]
 
 
 MATRIX = pytest.mark.parametrize(("password", "way", "url", "key", "shown"), matrix())
@@ -340,36 +382,48 @@ def test_a_password_kombu_would_split_at_a_raw_semicolon_is_refused() -> None:
         ("pgq://user@host/db", "pgq://user@host/db"),
         ("pgq://user:@host/db", "pgq://user@host/db"),  # libpq reads no password
         ("pgq://:pass@host/db", "pgq://:***@host/db"),
-        ("pgq://u:S3cr3t-p%40ss@h:5432/db?sslmode=require",
-         "pgq://u:***@h:5432/db?sslmode=require"),
+        (
+            "pgq://u:S3cr3t-p%40ss@h:5432/db?sslmode=require",
+            "pgq://u:***@h:5432/db?sslmode=require",
+        ),
         ("pgq://u@h/db?password=", "pgq://u:***@h/db"),  # even an empty one
-        ("pgq://u:one@h1:5432,h2:5433/db?password=two&target_session_attrs=read-write",
-         "pgq://u:***@h1:5432,h2:5433/db?target_session_attrs=read-write"),
+        (
+            "pgq://u:one@h1:5432,h2:5433/db?password=two&target_session_attrs=read-write",
+            "pgq://u:***@h1:5432,h2:5433/db?target_session_attrs=read-write",
+        ),
         ("pgq://u:p@h1,h2:5433/db", "pgq://u:***@h1,h2:5433/db"),
         ("pgq://u:p@h/db?host=a,b&port=5432", "pgq://u:***@/db?host=a,b&port=5432"),
         ("pgq://u:p@%2Fvar%2Frun%2Fpostgresql/db", "pgq://u:***@%2Fvar%2Frun%2Fpostgresql/db"),
         ("pgq://u:p@[::1]:6432/db", "pgq://u:***@[::1]:6432/db"),
-        ("pgq://u:p@h/db?options=-c%20statement_timeout%3D5000&application_name=a%26b",
-         "pgq://u:***@h/db?options=-c%20statement_timeout%3D5000&application_name=a%26b"),
-        ("pgq://u:p@h?sslmode=require&sslkey=/keys/k.pem&sslpassword=q",
-         "pgq://u:***@h/?sslmode=require&sslkey=/keys/k.pem&sslpassword=***"),
+        (
+            "pgq://u:p@h/db?options=-c%20statement_timeout%3D5000&application_name=a%26b",
+            "pgq://u:***@h/db?options=-c%20statement_timeout%3D5000&application_name=a%26b",
+        ),
+        (
+            "pgq://u:p@h?sslmode=require&sslkey=/keys/k.pem&sslpassword=q",
+            "pgq://u:***@h/?sslmode=require&sslkey=/keys/k.pem&sslpassword=***",
+        ),
         ("pgq:///db", "pgq:///db"),
         ("pgq://", "pgq://"),
     ],
 )
 def test_hosts_sockets_and_parameters_survive_masking(url: str, shown: str) -> None:
     assert mask_url(url) == shown
-    expected = {k: MASK if k in ("password", "sslpassword") else v
-                for k, v in parse_url(url).items()}
+    expected = {
+        k: MASK if k in ("password", "sslpassword") else v for k, v in parse_url(url).items()
+    }
     assert parse_url(shown) == expected
 
 
 # Any text a URL can carry: no NUL (libpq strings end there), no lone surrogates.
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
 hosts = st.lists(
-    st.text(min_size=1, alphabet=st.characters(blacklist_categories=("Cs",),
-                                                  blacklist_characters="\x00,")),
-    min_size=1, max_size=3,
+    st.text(
+        min_size=1,
+        alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00,"),
+    ),
+    min_size=1,
+    max_size=3,
 ).map(",".join)
 ports = st.integers(1, 65535).map(str) | st.just("")
 
@@ -406,8 +460,9 @@ def test_sealing_keeps_the_secrets_out_of_the_url_and_gives_them_back(
     assert parse_url(unseal(shown, credentials)) == params
     if credentials is not None:
         assert repr(credentials) == str(credentials) == f"Credentials({MASK})"
-        assert {k: v for k, v in parse_url(shown).items()
-                if k in ("password", "sslpassword")} == dict.fromkeys(credentials.as_params(), MASK)
+        assert {
+            k: v for k, v in parse_url(shown).items() if k in ("password", "sslpassword")
+        } == dict.fromkeys(credentials.as_params(), MASK)
 
 
 @given(texts)
@@ -430,8 +485,10 @@ def test_a_plain_kombu_password_joins_a_url_without_one() -> None:
 
 
 def test_the_barrier_names_a_foreign_broker_by_its_scheme_only() -> None:
-    for url, uses in (("redis://:K7q#Zx9@h:6379/0", "a redis:// broker"),
-                      ("K7q:Zx9@h", "a broker URL without a scheme")):
+    for url, uses in (
+        ("redis://:K7q#Zx9@h:6379/0", "a redis:// broker"),
+        ("K7q:Zx9@h", "a broker URL without a scheme"),
+    ):
         with pytest.raises(ConfigurationError) as info:
             backend_for(Celery("shop", broker=url))
         assert str(info.value) == f"the barrier needs a pgq:// broker, app 'shop' uses {uses}"

@@ -16,10 +16,15 @@ class BasicFunctionality:
     def test_publish_consume(self, connection: Connection) -> None:
         queue = Queue("basic", Exchange("basic"), "basic")
         got: list[Any] = []
-        with Consumer(connection, [queue], accept=["json"],
-                      callbacks=[lambda body, msg: (got.append(body), msg.ack())]):
-            Producer(connection).publish({"hello": 1}, exchange=queue.exchange,
-                                         routing_key="basic", declare=[queue])
+        with Consumer(
+            connection,
+            [queue],
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+        ):
+            Producer(connection).publish(
+                {"hello": 1}, exchange=queue.exchange, routing_key="basic", declare=[queue]
+            )
             connection.drain_events(timeout=10)
         assert got == [{"hello": 1}]
 

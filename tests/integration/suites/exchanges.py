@@ -53,14 +53,18 @@ class ExchangeTypes:
         self, connection: Connection, other_connection: Connection
     ) -> None:
         exchange = Exchange("ex.topic.words", "topic")
-        keys = {"topic-a-any": "a.#", "topic-dollar": "price.$", "topic-alt": "x|y.*",
-                "topic-class": "[ab]+.#", "topic-one": "*"}
+        keys = {
+            "topic-a-any": "a.#",
+            "topic-dollar": "price.$",
+            "topic-alt": "x|y.*",
+            "topic-class": "[ab]+.#",
+            "topic-one": "*",
+        }
         queues = {name: Queue(name, exchange, key) for name, key in keys.items()}
         for q in queues.values():
             q(connection.default_channel).declare()
         producer = Producer(other_connection)
-        for key in ["a", "a.b.c", "ab", "price.$", "price.x", "x|y.z", "x.z", "[ab]+",
-                    "aa.b"]:
+        for key in ["a", "a.b.c", "ab", "price.$", "price.x", "x|y.z", "x.z", "[ab]+", "aa.b"]:
             producer.publish({"k": key}, exchange=exchange, routing_key=key)
         got = {name: [m["k"] for m in drain(connection, q)] for name, q in queues.items()}
         assert got == {
@@ -114,8 +118,13 @@ class ExchangeTypes:
     ) -> None:
         Exchange("ex.lonely", "direct")(connection.default_channel).declare()
         Producer(connection).publish({"lost": False}, exchange="ex.lonely", routing_key="nobody")
-        assert dead_letters() == [("nobody", "unroutable: no queue bound for exchange"
-                                   " 'ex.lonely' (direct), routing key 'nobody'")]
+        assert dead_letters() == [
+            (
+                "nobody",
+                "unroutable: no queue bound for exchange"
+                " 'ex.lonely' (direct), routing key 'nobody'",
+            )
+        ]
 
     def test_redeclare_with_another_type_is_refused(self, connection: Connection) -> None:
         Exchange("ex.typed", "direct")(connection.default_channel).declare()

@@ -24,10 +24,10 @@ class MessageTTL:
         queue = Queue("exp-q", Exchange("exp-q"), "exp-q")
         queue(connection.default_channel).declare()
         producer = Producer(connection)
-        producer.publish({"n": "short"}, exchange=queue.exchange, routing_key="exp-q",
-                         expiration=0.1)
-        producer.publish({"n": "long"}, exchange=queue.exchange, routing_key="exp-q",
-                         expiration=60)
+        producer.publish(
+            {"n": "short"}, exchange=queue.exchange, routing_key="exp-q", expiration=0.1
+        )
+        producer.publish({"n": "long"}, exchange=queue.exchange, routing_key="exp-q", expiration=60)
         time.sleep(0.2)  # letting the TTL pass is the thing under test
         simple = connection.SimpleQueue(queue)
         message = simple.get(timeout=2)
