@@ -50,12 +50,12 @@ class BlockingDriver:
         if engine.timers is not self or not self._fds:
             self._fds = engine.start(self)
             self._next_poll = 0.0
-        engine.acks.start()
+        engine.looping(True)
         try:
             self._drain(timeout)
         finally:
             # Past this call nothing lands a buffered ack soon: the caller lands its own.
-            engine.acks.pause()
+            engine.looping(False)
 
     def _drain(self, timeout: float | None) -> None:
         engine = self.engine

@@ -91,6 +91,7 @@ class Engine:
         self._refill: Handle | None = None
         self._refill_due = False
         self._loop_thread = 0
+        self._looping = False
         self._kick_due = False
         # Claimed, not yet handed to kombu: id -> (lease, vt). Renewed too.
         self._undelivered: dict[int, tuple[Lease, float]] = {}
@@ -113,7 +114,7 @@ class Engine:
         self._timers = timers
         self._loop_thread = threading.get_ident()
         self._kick_due = False
-        self.acks.start()
+        self.looping(True)
         return [self.session.fileno(), self.pipe.fileno()]
 
     def stop(self) -> None:
@@ -145,9 +146,22 @@ class Engine:
         self.pipe.close()
 
     def on_loop_thread(self) -> bool:
-        """Whether the caller runs on the driver's own thread (in a callback the loop
-        runs): the thread that must never wait for a round trip."""
-        return self._timers is not None and threading.get_ident() == self._loop_thread
+        """Whether the caller runs in the driver's loop (in a callback the loop runs, on
+        its thread): the thread that must never wait for a round trip."""
+        return (
+            self._timers is not None
+            and self._looping
+            and threading.get_ident() == self._loop_thread
+        )
+
+    def looping(self, inside: bool) -> None:
+        """A blocking driver enters (True) or leaves (False) its loop: outside it, acks
+        and outcomes land where they are made (nothing else would land them soon)."""
+        self._looping = inside
+        if inside:
+            self.acks.start()
+        else:
+            self.acks.pause()
 
     @property
     def busy(self) -> bool:
