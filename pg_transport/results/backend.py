@@ -215,6 +215,28 @@ class PgqBackend(AsyncBackendMixin, Backend):
                 f"max_result_bytes ({self.options.max_result_bytes}): it was not stored"
             )
 
+    def _too_large(self, task_id: str, state: str, size: int) -> tuple[dict[str, Any], str]:
+        """What is stored instead of a meta larger than ``max_result_bytes``.
+
+        A successful result raises :class:`ResultTooLarge` (an ``EncodeError``: Celery then
+        stores the task as failed with it). A failure or a state whose meta is too large
+        (the task_extended arguments, say) is stored without its extended fields, the
+        failure as ``ResultTooLarge`` naming the size, so a waiter is never left waiting.
+        """
+        error = ResultTooLarge(
+            f"the result of task {task_id} is {size} bytes encoded, more than "
+            f"max_result_bytes ({self.options.max_result_bytes}): it was not stored"
+        )
+        if state == states.SUCCESS:
+            raise error
+        if state in self.EXCEPTION_STATES:
+            state, result = states.FAILURE, self.prepare_exception(error)
+        else:
+            result = None
+        meta = self._get_result_meta(result=result, state=state, traceback=None, request=None)
+        meta["task_id"] = task_id
+        return meta, state
+
     # -- tasks --------------------------------------------------------------------------
     def _store_result(
         self,
@@ -230,7 +252,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         )
         meta["task_id"] = bytes_to_str(task_id)
         content_type, content_encoding, payload = self._encoded(meta)
-        self._check_size(task_id, "result", payload)
+        if len(payload) > self.options.max_result_bytes:
+            meta, state = self._too_large(task_id, state, len(payload))
+            content_type, content_encoding, payload = self._encoded(meta)
         params = {
             "task_id": meta["task_id"],
             "status": state,

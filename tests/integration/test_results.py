@@ -322,6 +322,10 @@ def test_bad_input_gets_one_clear_error(pg_url: str, schema: str) -> None:
     with pytest.raises(ResultTooLarge, match="more than max_result_bytes \\(4096\\)"):
         app.backend.store_result("big", "x" * 10_000, states.SUCCESS)
     assert app.backend.get_task_meta("big")["status"] == states.PENDING
+    # A failure too large to keep is stored as one that says so, never left unstored.
+    app.backend.store_result("big-failure", ValueError("y" * 10_000), states.FAILURE)
+    meta = app.backend.get_task_meta("big-failure")
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ResultTooLarge)
 
 
 def test_a_role_without_grants_gets_one_clear_error(pg_url: str, schema: str) -> None:
