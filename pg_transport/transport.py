@@ -59,6 +59,7 @@ from pg_transport.errors import (
     SchemaError,
 )
 from pg_transport.qos import TOKEN
+from pg_transport.results import deadletters
 from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
@@ -336,6 +337,10 @@ class Transport(virtual.Transport):
             if qos is not None:
                 held.extend(qos.held())
         return held
+
+
+# A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).
+deadletters.connect()
 
 
 def _client_url(client: Any) -> str:

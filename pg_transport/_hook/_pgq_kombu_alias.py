@@ -52,6 +52,11 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
+    # Two copies of this module may be loaded (the installed one, and the package's when
+    # ``import pg_transport`` runs without site): each finder steps over all of them,
+    # by this marker, or they would ask each other for ever.
+    pgq_alias_finder = True
+
     def find_spec(
         self,
         fullname: str,
@@ -61,7 +66,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if fullname not in _WATCHED:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "pgq_alias_finder", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -80,7 +85,7 @@ def install() -> None:
             _register(loaded)
         else:
             waiting = True
-    if waiting and not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    if waiting and not any(getattr(f, "pgq_alias_finder", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
 
 

@@ -112,6 +112,13 @@ class Undeliverable:
                 attempts=claimed.read_ct,
                 reason=claimed.fault or reason,
             )
+            poison.tell_dead_lettered(
+                dead_letter_id=dead_id,
+                queue=claimed.queue,
+                payload=claimed.payload or {},
+                reason=claimed.fault or reason,
+                settled=False,
+            )
         except (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable) as exc:
             logger.warning(
                 "pgq: could not dead-letter message %d (%s): it is delivered "

@@ -1,7 +1,8 @@
 """A Celery app with pgq as broker and result backend, for the result backend's tests.
 
 Configured by environment: PGQ_BROKER_URL, PGQ_SCHEMA (read by the transport and the
-backend), TEST_PG_URL (where tasks record that they ran), TEST_RESULT_SERIALIZER.
+backend), TEST_PG_URL (where tasks record that they ran), TEST_RESULT_SERIALIZER, and
+TEST_RESULT_BACKEND (another result backend than pgq's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from psycopg import sql
 URL = os.environ.get("PGQ_BROKER_URL", "pgq://")
 SERIALIZER = os.environ.get("TEST_RESULT_SERIALIZER", "json")
 
-app = Celery("results", broker=URL, backend=URL)
+app = Celery("results", broker=URL, backend=os.environ.get("TEST_RESULT_BACKEND") or URL)
 app.conf.update(
     task_acks_late=True,
     worker_prefetch_multiplier=1,
