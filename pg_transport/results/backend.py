@@ -17,12 +17,15 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import psycopg
 from celery import states
 from celery.backends.asynchronous import AsyncBackendMixin, BaseResultConsumer
 from celery.backends.base import Backend, compress_payload, decompress_payload
+from celery.exceptions import NotRegistered
 from celery.result import result_from_tuple
 from kombu.serialization import dumps, loads
 from kombu.utils.encoding import bytes_to_str
@@ -33,6 +36,7 @@ from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.db.url import mask_url
 from pg_transport.errors import BrokerUnreachable, NotPermitted
+from pg_transport.results.chords import Chords
 from pg_transport.results.errors import ResultTooLarge
 from pg_transport.results.expiry import REAP_LIMIT, reap_expired
 from pg_transport.results.listener import Listener, Row, listener_for, result_channel
@@ -143,6 +147,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         self.connector = _connector(url_to_conninfo(url), mask_url(url))
         self.q = load_named("results.sql", self.schema, "pg_transport.results")
         self._checked = False
+        self.chords = Chords(self)
+        # Chord parts' metas, stored with their count (see on_chord_part_return).
+        self._deferred = threading.local()
         self.result_consumer = self.ResultConsumer(
             self, self.app, self.accept, self._pending_results, self._pending_messages
         )
@@ -255,6 +262,16 @@ class PgqBackend(AsyncBackendMixin, Backend):
         if len(payload) > self.options.max_result_bytes:
             meta, state = self._too_large(task_id, state, len(payload))
             content_type, content_encoding, payload = self._encoded(meta)
+        if (
+            state in states.READY_STATES
+            and request is not None
+            and getattr(request, "chord", None)
+            and getattr(request, "group", None)
+            and self.chords.usable()
+        ):
+            # Stored in on_chord_part_return's transaction, with the part's count.
+            self._deferred_metas()[meta["task_id"]] = meta
+            return result
         params = {
             "task_id": meta["task_id"],
             "status": state,
@@ -296,6 +313,14 @@ class PgqBackend(AsyncBackendMixin, Backend):
             },
         )
         conn.execute(self.q["result_notify"], {"channel": result_channel(self.schema, task_id)})
+
+    def failure_meta(self, task_id: str, exc: BaseException) -> dict[str, Any]:
+        """The meta of a FAILURE with ``exc`` (no traceback, no request)."""
+        meta = self._get_result_meta(
+            result=self.prepare_exception(exc), state=states.FAILURE, traceback=None, request=None
+        )
+        meta["task_id"] = task_id
+        return meta  # type: ignore[no-any-return]
 
     def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
         def work(conn: psycopg.Connection[Any]) -> Any:
@@ -352,6 +377,40 @@ class PgqBackend(AsyncBackendMixin, Backend):
             lambda conn: conn.execute(self.q["group_delete"], {"group_id": group_id}),
             "delete a group",
         )
+
+    # -- chords -------------------------------------------------------------------------
+    def _deferred_metas(self) -> dict[str, Mapping[str, Any]]:
+        found: dict[str, Mapping[str, Any]] | None = getattr(self._deferred, "metas", None)
+        if found is None:
+            found = self._deferred.metas = {}
+        return found
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        group_id, results = header_result_args[0], header_result_args[1]
+        if not self.chords.takes(results, body):
+            return super().apply_chord(header_result_args, body, **kwargs)
+        self.ensure_chords_allowed()
+        self.chords.arm(group_id, results, body)
+        return None
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
+        stored = self._deferred_metas().pop(str(request.id), None)
+        if not getattr(request, "group", None) or not self.chords.usable():
+            return
+        self.chords.part_returned(request, state, result, stored)
+
+    def errback_is_in_process(self, sig: Any) -> bool:
+        """Whether Celery calls errback ``sig`` in process (it takes request, exc,
+        traceback) rather than sending it as a task with the failed task's id."""
+        try:
+            header = getattr(sig.type, "__header__", None)
+            return (
+                header is not None
+                and not isinstance(header, partial)
+                and bool(self._errback_arity_greater(sig, 1))
+            )
+        except NotRegistered:
+            return False
 
     # -- expiry -------------------------------------------------------------------------
     def cleanup(self) -> None:

@@ -113,6 +113,7 @@ def on_dead_lettered(
     if settled:
         # Celery ran the task's failure handling already (errbacks, chord part): only
         # the stored result changes, to name the dead letter.
+        request.chord = None
         backend.store_result(task_id, error, states.FAILURE, request=request)
     else:
         backend.mark_as_failure(task_id, error, request=request)

@@ -39,7 +39,7 @@ from pg_transport.db.retry import TRANSIENT, attempt, is_dead_connection
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.sql import channel_prefix, load_named
 
-__all__ = ["Listener", "Row", "Subscriber", "listener_for", "result_channel"]
+__all__ = ["Listener", "Row", "Subscriber", "listener_for", "result_channel", "stop_listeners"]
 
 logger = logging.getLogger("pg_transport.results")
 
@@ -137,6 +137,12 @@ class Listener:
             return len(self._subs)
 
     def stop(self) -> None:
+        """Stop the thread and close the session; the process's next waiter of this
+        database and schema gets a new listener."""
+        with _listeners_lock:
+            for key, found in list(_listeners.items()):
+                if found is self:
+                    del _listeners[key]
         self._stop.set()
         self._poke()
         thread = self._thread
@@ -152,7 +158,7 @@ class Listener:
 
     def _poke(self) -> None:
         # A full pipe means the thread is woken anyway.
-        with contextlib.suppress(BlockingIOError):
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
 
     def _drain_pipe(self) -> None:
@@ -295,3 +301,11 @@ def listener_for(
                 polling_interval=polling_interval,
             )
         return found
+
+
+def stop_listeners() -> None:
+    """Stop every listener of this process (its waiters wait on without wake-ups)."""
+    with _listeners_lock:
+        found = list(_listeners.values())
+    for listener in found:
+        listener.stop()

@@ -10,6 +10,7 @@
 | ``polling_interval`` | 0.5 | seconds between the batched polls when ``use_notify`` is false |
 | ``auto_migrate`` | true | create/upgrade the schema on first use |
 | ``max_result_bytes`` | 16777216 | largest encoded result stored (``ResultTooLarge`` past it) |
+| ``native_chords`` | true | count chord parts in Postgres (broker on the same database, schema) |
 
 Each is overridden by ``PGQ_RESULT_<KEY>``. An unknown key or a bad value is an error
 naming it, at the backend's creation.
@@ -62,6 +63,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "polling_interval": _positive_interval,
     "auto_migrate": _flag,
     "max_result_bytes": _bytes,
+    "native_chords": _flag,
 }
 
 
@@ -72,6 +74,7 @@ class ResultOptions:
     polling_interval: float = 0.5
     auto_migrate: bool = True
     max_result_bytes: int = 16 * 1024 * 1024
+    native_chords: bool = True
 
     @classmethod
     def from_sources(

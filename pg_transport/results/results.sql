@@ -90,3 +90,28 @@ SELECT (SELECT pg_catalog.count(*) FROM gone), (SELECT pg_catalog.count(*) FROM 
 -- name: result_reset
 -- Forget the states of tasks whose messages go back to their queues (PENDING again).
 DELETE FROM {schema}.result WHERE task_id = ANY(%(ids)s::text[])
+
+-- name: chord_part_record
+-- Record a chord part once, at its task id's place in the header (the chord's metadata
+-- lists the header's ids); a redelivered part, an unknown chord or a task that is not
+-- one of its parts inserts nothing.
+INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome, result)
+SELECT b.id, (e.ord - 1)::integer, %(task_id)s, %(outcome)s, %(result)s::json
+FROM {schema}.barrier AS b
+CROSS JOIN LATERAL pg_catalog.jsonb_array_elements_text(b.metadata -> 'ids')
+    WITH ORDINALITY AS e(task_id, ord)
+WHERE b.id = %(id)s AND e.task_id = %(task_id)s
+ON CONFLICT (barrier_id, idx) DO NOTHING
+RETURNING idx
+
+-- name: chord_results
+-- The header's stored results in part order, for the chord's body.
+SELECT r.status, r.content_type, r.content_encoding, r.meta
+FROM {schema}.barrier_part AS p
+LEFT JOIN {schema}.result AS r ON r.task_id = p.task_id
+WHERE p.barrier_id = %(id)s AND p.outcome = 'succeeded'
+ORDER BY p.idx
+
+-- name: chord_callback
+-- A chord's body (a Celery signature as JSON text).
+SELECT callback::text FROM {schema}.barrier WHERE id = %(id)s

@@ -71,6 +71,7 @@ def test_a_rejected_task_fails_within_a_second(env: Env, backend: str) -> None:
         box: dict[str, Any] = {}
         waiter = raised_at(result, box)
         waiter.join(60)
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter"), 10, "a row")
         dead_id, dead = dead_at(env)
         # Celery stores the task's own Reject first (REJECTED, a ready state); the
         # dead-lettering then ends it as FAILURE, naming the dead letter.
