@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-from celery import current_app, states
+from celery import current_app, signals, states
 from celery.app.task import Context
 from celery.backends.base import DisabledBackend
 from kombu.serialization import loads
+from kombu.utils.encoding import safe_repr
 
 from pg_transport.results.errors import DeadLettered
 from pg_transport.signals import message_dead_lettered
@@ -38,6 +40,12 @@ __all__ = ["connect", "dead_letter_error", "on_dead_lettered", "request_of"]
 logger = logging.getLogger("pg_transport.results")
 
 _SAFE = ("application/json", "application/x-yaml", "application/x-msgpack")
+
+# Task events of this worker (Flower's source): whether it sends them (-E), its name, and
+# a dispatcher of ours for the task-failed of a dead letter (the consumer's own buffers
+# task events for its event loop, which is not this thread).
+_events: dict[str, Any] = {}
+_events_lock = threading.Lock()
 
 
 def dead_letter_error(task_id: str, reason: str, dead_letter_id: int) -> DeadLettered:
@@ -111,17 +119,44 @@ def on_dead_lettered(
         return
     error = dead_letter_error(task_id, reason, dead_letter_id)
     if settled:
-        # Celery ran the task's failure handling already (errbacks, chord part): only
-        # the stored result changes, to name the dead letter.
+        # Celery ran the task's failure handling already (errbacks, chord part, its
+        # task-failed event): only the stored result changes, to name the dead letter.
         request.chord = None
         backend.store_result(task_id, error, states.FAILURE, request=request)
     else:
         backend.mark_as_failure(task_id, error, request=request)
+        _task_failed_event(app, task_id, error)
     logger.info("task %s dead-lettered (%s): result marked FAILURE", task_id, reason)
 
 
+def _task_failed_event(app: Any, task_id: str, error: BaseException) -> None:
+    """The ``task-failed`` event Celery sends for a task that raised, when this worker
+    sends task events: monitors (Flower) show the dead-lettered task failed."""
+    if not _events.get("enabled"):
+        return
+    try:
+        with _events_lock:
+            dispatcher = _events.get("dispatcher")
+            if dispatcher is None:
+                dispatcher = _events["dispatcher"] = app.events.Dispatcher(
+                    app.connection_for_write(), hostname=_events["hostname"], enabled=True
+                )
+        dispatcher.send("task-failed", uuid=task_id, exception=safe_repr(error), traceback=None)
+    except Exception:  # an event is a courtesy: the result is stored already
+        logger.warning("could not send task-failed for %s", task_id, exc_info=True)
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    dispatcher = getattr(sender, "event_dispatcher", None)
+    _events["enabled"] = bool(dispatcher is not None and dispatcher.enabled)
+    _events["hostname"] = getattr(sender, "hostname", None)
+
+
 def connect() -> None:
-    """Connect the receiver (idempotent)."""
+    """Connect the receivers (idempotent)."""
     message_dead_lettered.connect(
         on_dead_lettered, weak=False, dispatch_uid="pgq.results.dead_lettered"
+    )
+    signals.worker_ready.connect(
+        _on_worker_ready, weak=False, dispatch_uid="pgq.results.worker_ready"
     )

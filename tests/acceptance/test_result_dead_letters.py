@@ -156,3 +156,33 @@ def test_a_dead_lettered_link_error_runs_once(env: Env) -> None:
         wait_for(lambda: [r for r in env.runs() if r[1] == "errback:rejected"], 30, "the errback")
         time.sleep(1.0)  # anything more it would run comes within this second
     assert [r[1] for r in env.runs()].count("errback:rejected") == 1
+
+
+def test_a_dead_lettered_task_is_a_failed_task_to_monitors(env: Env) -> None:
+    """A worker sending task events (-E, what Flower reads) sends task-failed for a task
+    it dead-letters (here: larger than the worker's max_message_bytes)."""
+    app = client(env)
+    failed: list[dict[str, Any]] = []
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"task-failed": failed.append}, app=app)
+
+        def capture() -> None:
+            for _ in receiver.itercapture(limit=None, timeout=30, wakeup=False):
+                if failed:
+                    return
+
+        thread = threading.Thread(target=capture, daemon=True)
+        thread.start()
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.binding WHERE exchange = 'celeryev'"),
+            30,
+            "the event receiver's queue",
+        )
+        environ = {"PGQ_MAX_MESSAGE_BYTES": "4096"}
+        with workers(env, "events", app=APP, args=("-E",), environ=environ):
+            result = app.send_task(T + "echo", args=["x" * 10_000])
+            with pytest.raises(DeadLettered, match="exceeds max_message_bytes 4096"):
+                result.get(timeout=30)
+            thread.join(30)
+    assert [e["uuid"] for e in failed] == [result.id]
+    assert "DeadLettered" in failed[0]["exception"]
