@@ -111,6 +111,8 @@ CONTENT = {
     ("barrier", "errback"),
     ("barrier", "metadata"),
     ("barrier_part", "result"),
+    ("result", "meta"),
+    ("result_group", "meta"),
 }
 
 
