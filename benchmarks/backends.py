@@ -107,7 +107,11 @@ class Run:
         self.app.conf.update(
             broker_transport_options={"schema": self.schema},
             result_backend_transport_options=self.options,
-            database_engine_options={"pool_size": 20, "max_overflow": 40},
+            # Celery's database backend opens a pool per backend object, and Celery makes
+            # one per thread: hundreds of waiting threads would take hundreds of server
+            # connections. One backend for the process, with a bounded pool.
+            result_backend_thread_safe=kind == "db",
+            database_engine_options={"pool_size": 10, "max_overflow": 10},
         )
         self.log = Path(tempfile.mkstemp(prefix=f"bench-backends-{kind}-", suffix=".log")[1])
         with self.log.open("wb") as out:
@@ -192,6 +196,7 @@ def measure(
     nap: float,
     window: float,
     concurrency: int,
+    progress: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     url = ensure_database(pg_url)
     out: dict[str, dict[str, Any]] = {}
@@ -210,7 +215,9 @@ def measure(
                     figures[what] = run.waiting(max(waiters // 10, 1), nap, window)
             finally:
                 run.close()
-        out[kind] = figures
+            out[kind] = figures
+            if progress is not None:  # what is measured survives a later failure
+                progress.write_text(json.dumps(out, indent=2))
     return out
 
 
@@ -252,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=15.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the figures here as they come")
     args = parser.parse_args(argv)
     figures = measure(
         [k for k in args.backends.split(",") if k],
@@ -263,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         nap=args.nap,
         window=args.window,
         concurrency=args.concurrency,
+        progress=args.out,
     )
     print(json.dumps(figures, indent=2) if args.json else report(figures))
     return 0

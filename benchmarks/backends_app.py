@@ -24,7 +24,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     result_backend_transport_options=json.loads(os.environ.get("BENCH_RESULT_OPTIONS") or "{}"),
-    database_engine_options={"pool_size": 20, "max_overflow": 40},
+    database_engine_options={"pool_size": 10, "max_overflow": 10},
 )
 
 

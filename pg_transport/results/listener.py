@@ -231,7 +231,9 @@ class Listener:
             if ids:
                 self._read(conn, ids)
         with self._lock:
-            if self._fresh or self._stop.is_set():
+            # Notifications that came in with the answers above are in _notified, not
+            # on the socket: the next cycle takes them before waiting again.
+            if self._fresh or self._notified or self._stop.is_set():
                 return
             polling = not self.use_notify and bool(self._subs)
         timeout = self.polling_interval if polling else IDLE_WAKE
