@@ -9,8 +9,10 @@ measures, in the same run:
   task's end to the body's start (median of ``--chord-rounds``);
 - ``waiting``: ``--waiters`` callers (threads of one process) each blocked in get() on a
   slow task: Postgres transactions a second in the benchmark's database
-  (``pg_stat_database.xact_commit``) while they wait, minus the same with nobody waiting;
-  also with a tenth of the waiters, to see whether it grows with their number.
+  (``pg_stat_database.xact_commit``) while they wait, minus the same with nobody waiting
+  (each over ``--window`` seconds, after letting the sessions' statistics settle); also
+  with a tenth of the waiters, to see whether it grows with their number. The tasks nap
+  ``--nap`` seconds: none of the waited-for tasks finishes inside the windows.
 
 Backends: ``pgq`` (push-woken), ``pgq-poll`` (``use_notify`` off, one batched poll per
 0.5 s), ``redis``, ``db`` (SQLAlchemy, psycopg 3). Ratios are against Redis. ``--json``
@@ -46,6 +48,8 @@ DATABASE = "pgq_bench_backends"
 ROOT = Path(__file__).resolve().parents[1]
 REDIS = "redis://127.0.0.1:6379/14"
 BACKENDS = ("pgq", "pgq-poll", "redis", "db")
+# Seconds for a session's statistics to reach pg_stat_database (PGSTAT_IDLE_INTERVAL: 10).
+SETTLE = 12.0
 
 
 def _db_url(pg_url: str, database: str) -> str:
@@ -165,7 +169,9 @@ class Run:
 
     def waiting(self, waiters: int, nap: float, window: float) -> dict[str, float]:
         results = [self.app.send_task("bench.nap", args=[nap]) for _ in range(waiters)]
-        time.sleep(1.0)
+        # A session reports its counts up to ~10 s after it went idle: let the sends'
+        # reach the statistics before counting.
+        time.sleep(SETTLE)
         idle = xacts_per_second(self.pg_url, window)  # the tasks wait, nobody waits on them
         done = threading.Event()
 
@@ -179,7 +185,7 @@ class Run:
         threads = [threading.Thread(target=wait, args=(r,), daemon=True) for r in results]
         for t in threads:
             t.start()
-        time.sleep(2.0)  # every waiter is subscribed (or polling) by now
+        time.sleep(SETTLE)  # every waiter subscribed, and those statements counted
         busy = xacts_per_second(self.pg_url, window)
         done.set()
         return {"waiters": waiters, "xacts_per_s": busy - idle, "baseline_per_s": idle}
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chord-parts", type=int, default=1000)
     parser.add_argument("--chord-rounds", type=int, default=3)
     parser.add_argument("--waiters", type=int, default=400)
-    parser.add_argument("--nap", type=float, default=60.0)
+    parser.add_argument("--nap", type=float, default=90.0)
     parser.add_argument("--window", type=float, default=15.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--json", action="store_true")
