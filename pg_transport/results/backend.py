@@ -79,16 +79,26 @@ class ResultConsumer(BaseResultConsumer):
         self._inbox: deque[Row] = deque()
         self._arrived = threading.Condition()
         self._subscribed: set[str] = set()
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        # A child inherits the parent's subscriptions, which are the parent listener's:
+        # it starts with none (its own listener subscribes again).
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self.on_after_fork()
 
     def start(self, initial_task_id: str, **kwargs: Any) -> None:
         self.consume_from(initial_task_id)
 
     def consume_from(self, task_id: str) -> None:
+        self._forked()
         if task_id not in self._subscribed:
             self._subscribed.add(task_id)
             self.backend.listener.subscribe(task_id, self)
 
     def cancel_for(self, task_id: str) -> None:
+        self._forked()
         if task_id in self._subscribed:
             self._subscribed.discard(task_id)
             self.backend.listener.unsubscribe(task_id, self)
