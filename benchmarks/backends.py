@@ -4,9 +4,12 @@
 measures, in the same run:
 
 - ``round_trip``: apply_async -> get() returning, one task at a time on an idle worker
-  (p50/p99, ms);
+  (p50/p99, ms; the median over ``--rounds``);
 - ``chord``: a chord of ``--chord-parts`` header tasks: seconds from the header's last
-  task's end to the body's start (median of ``--chord-rounds``);
+  task's end to the body's start (the median of ``--chord-rounds`` chords a round);
+
+With ``--rounds`` above 1 the backends take turns at the round trips and chords, so that
+the machine's other load is shared out among them.
 - ``waiting``: ``--waiters`` callers (threads of one process) each blocked in get() on a
   slow task: Postgres transactions a second in the benchmark's database
   (``pg_stat_database.xact_commit``) while they wait, minus the same with nobody waiting
@@ -159,7 +162,7 @@ class Run:
         cuts = quantiles(times, n=100)
         return {"p50_ms": median(times), "p99_ms": cuts[98]}
 
-    def chord(self, parts: int, rounds: int) -> dict[str, float]:
+    def chord(self, parts: int, rounds: int) -> dict[str, Any]:
         lags = []
         for _ in range(rounds):
             header = [self.app.signature("bench.stamp") for _ in range(parts)]
@@ -202,33 +205,51 @@ def measure(
     nap: float,
     window: float,
     concurrency: int,
+    rounds: int = 1,
     progress: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     url = ensure_database(pg_url)
-    out: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
-        figures: dict[str, Any] = {}
-        for what in ("round_trip", "chord", "waiting", "waiting_tenth"):
+    out: dict[str, dict[str, Any]] = {kind: {} for kind in kinds}
+    trips: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    lags: dict[str, list[float]] = {kind: [] for kind in kinds}
+
+    def save() -> None:
+        if progress is not None:  # what is measured survives a later failure
+            progress.write_text(json.dumps(out, indent=2))
+
+    # Round trips and chords: the backends take turns, round after round, so that the
+    # machine's other load falls on all of them alike.
+    for _ in range(rounds):
+        for kind in kinds:
             run = Run(kind, url, concurrency)
             try:
-                if what == "round_trip":
-                    figures[what] = run.round_trip(probes)
-                elif what == "chord":
-                    figures[what] = run.chord(chord_parts, chord_rounds)
-                elif what == "waiting":
-                    figures[what] = run.waiting(waiters, nap, window)
-                else:
-                    figures[what] = run.waiting(max(waiters // 10, 1), nap, window)
+                trips[kind].append(run.round_trip(probes))
+                lags[kind].extend(run.chord(chord_parts, chord_rounds)["lags_s"])
             finally:
                 run.close()
-            out[kind] = figures
-            if progress is not None:  # what is measured survives a later failure
-                progress.write_text(json.dumps(out, indent=2))
+            out[kind]["round_trip"] = {
+                "p50_ms": median(t["p50_ms"] for t in trips[kind]),
+                "p99_ms": median(t["p99_ms"] for t in trips[kind]),
+                "rounds": trips[kind],
+            }
+            out[kind]["chord"] = {"lag_s": median(lags[kind]), "lags_s": lags[kind]}
+            save()
+    for kind in kinds if waiters > 0 else ():
+        for what, count in (("waiting", waiters), ("waiting_tenth", max(waiters // 10, 1))):
+            run = Run(kind, url, concurrency)
+            try:
+                out[kind][what] = run.waiting(count, nap, window)
+            finally:
+                run.close()
+            save()
     return out
 
 
 def report(figures: dict[str, dict[str, Any]]) -> str:
     base = figures.get("redis")
+    for f in figures.values():
+        for what in ("waiting", "waiting_tenth"):
+            f.setdefault(what, {"xacts_per_s": float("nan")})
     lines = [
         f"{'backend':10} {'rt p50 ms':>10} {'rt p99 ms':>10} {'chord lag s':>12} "
         f"{'xact/s N':>10} {'xact/s N/10':>12}"
@@ -259,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", default=default_pg_url())
     parser.add_argument("--probes", type=int, default=200)
     parser.add_argument("--chord-parts", type=int, default=1000)
-    parser.add_argument("--chord-rounds", type=int, default=3)
-    parser.add_argument("--waiters", type=int, default=400)
+    parser.add_argument("--chord-rounds", type=int, default=2, help="chords per round")
+    parser.add_argument("--rounds", type=int, default=1, help="turns of every backend")
+    parser.add_argument("--waiters", type=int, default=400, help="0: no waiting figures")
     parser.add_argument("--nap", type=float, default=90.0)
     parser.add_argument("--window", type=float, default=15.0)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -277,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         nap=args.nap,
         window=args.window,
         concurrency=args.concurrency,
+        rounds=args.rounds,
         progress=args.out,
     )
     print(json.dumps(figures, indent=2) if args.json else report(figures))
