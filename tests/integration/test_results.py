@@ -359,3 +359,24 @@ def test_a_role_without_grants_gets_one_clear_error(pg_url: str, schema: str) ->
 
 def test_the_alias_resolves_to_the_backend(pg_url: str, schema: str) -> None:
     assert isinstance(make_app(pg_url, schema).backend, PgqBackend)
+
+
+def test_a_reaped_connection_is_retried(pg_url: str, schema: str) -> None:
+    app = make_app(pg_url, schema, result_backend_always_retry=True)
+    backend = app.backend
+    backend.store_result("before", 1, states.SUCCESS)
+    # Every session of this process's pools, as a pooler or a restart would.
+    killed = q(
+        pg_url,
+        schema,
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE application_name = %s",
+        f"pgq:{os.getpid()}",
+    )[0][0]
+    assert killed >= 1
+    backend.store_result("after", 2, states.SUCCESS)  # on a fresh connection
+    assert backend.get_task_meta("after")["result"] == 2
+    dead = psycopg.OperationalError("server closed the connection unexpectedly")
+    assert backend.exception_safe_to_retry(dead)
+    assert not backend.exception_safe_to_retry(ResultTooLarge("too large"))
+    assert not backend.exception_safe_to_retry(psycopg.errors.InsufficientPrivilege("no"))
