@@ -143,7 +143,7 @@ class Chords:
                 if stored is not None:
                     self.backend.store_state_row(conn, task_id, dict(stored))
                 if state == states.SUCCESS:
-                    return self._succeeded(db, conn, group_id, task_id)
+                    return self._succeeded(db, conn, group_id, task_id, after)
                 return self._failed(db, conn, group_id, task_id, result, after)
 
         outcome: PartOutcome = db.run(work)
@@ -163,37 +163,50 @@ class Chords:
         return conn.execute(self.backend.q["chord_part_record"], params).fetchone() is not None
 
     def _succeeded(
-        self, db: BarrierDb, conn: psycopg.Connection[Any], group_id: str, task_id: str
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        task_id: str,
+        after: list[Any],
     ) -> PartOutcome:
         if not self._record(conn, group_id, task_id, "succeeded", None):
             return PartOutcome(recorded=False)
         row = conn.execute(db.q["barrier_count_part"], {"id": CHORD_PREFIX + group_id}).fetchone()
         if row is None or int(row[0]) > 0:
             return PartOutcome(recorded=True)
+        try:
+            values = self._header_values(conn, group_id)
+        except _Unstored as exc:
+            # A part succeeded without storing its result (ignore_result): the body can
+            # never get its arguments. The chord fails, as a join would, once.
+            return self._fail_chord(db, conn, group_id, str(exc), after)
         fired = conn.execute(db.q["barrier_fire"], {"id": CHORD_PREFIX + group_id}).fetchone()
         if fired is None:  # unreachable: we hold the row lock at remaining = 0, armed
             raise ChordError(f"chord {group_id} reached 0 but could not fire")
+        if len(values) != int(fired[1]):
+            # Never fire with a result missing: the whole completion rolls back.
+            raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {fired[1]} results")
         body = Signature.from_dict(json_loads(fired[0]), app=self.app)
-        values = self._header_values(conn, group_id, int(fired[1]))
         out = task_message(self.app, body, args_prefix=(values,))
         self._publish(db, conn, out, group_id, "callback")
         return PartOutcome(recorded=True, fired=True)
 
-    def _header_values(self, conn: psycopg.Connection[Any], group_id: str, total: int) -> list[Any]:
+    def _header_values(self, conn: psycopg.Connection[Any], group_id: str) -> list[Any]:
         # A statement of its own, after the decrement's lock: under READ COMMITTED it sees
         # every part (and result row) whose transaction committed before ours got the lock.
         rows = conn.execute(
             self.backend.q["chord_results"], {"id": CHORD_PREFIX + group_id}
         ).fetchall()
         values: list[Any] = []
-        for status, content_type, content_encoding, meta in rows:
+        for task_id, status, content_type, content_encoding, meta in rows:
             if status != states.SUCCESS:
-                # Never fire with a result missing: the whole completion rolls back.
-                raise ChordError(f"chord {group_id}: a part's result is {status or 'missing'}")
+                raise _Unstored(
+                    f"chord {group_id}: part {task_id} succeeded but its result is "
+                    f"{status or 'not stored (ignore_result?)'}"
+                )
             decoded = self.backend.decode_row(content_type, content_encoding, bytes(meta))
             values.append(decoded["result"])
-        if len(values) != total:
-            raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {total} results")
         return values
 
     def _failed(
@@ -207,7 +220,19 @@ class Chords:
     ) -> PartOutcome:
         if not self._record(conn, group_id, task_id, "failed", repr(result)):
             return PartOutcome(recorded=False)
-        reason = f"Dependency {task_id} raised {result!r}"
+        return self._fail_chord(
+            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after
+        )
+
+    def _fail_chord(
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        reason: str,
+        after: list[Any],
+    ) -> PartOutcome:
+        """Flip the chord failed (once), store its body's ChordError, send its errbacks."""
         row = conn.execute(
             db.q["barrier_fail"], {"id": CHORD_PREFIX + group_id, "reason": reason}
         ).fetchone()
@@ -268,6 +293,10 @@ class Chords:
             delay=delay,
             publish_key=publish_key("pgq-chord", group_id, what),
         )
+
+
+class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped
+    """A part's result is not in the table when the chord completes."""
 
 
 def _fake_request(body: Signature) -> Any:

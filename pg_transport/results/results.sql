@@ -106,7 +106,7 @@ RETURNING idx
 
 -- name: chord_results
 -- The header's stored results in part order, for the chord's body.
-SELECT r.status, r.content_type, r.content_encoding, r.meta
+SELECT p.task_id, r.status, r.content_type, r.content_encoding, r.meta
 FROM {schema}.barrier_part AS p
 LEFT JOIN {schema}.result AS r ON r.task_id = p.task_id
 WHERE p.barrier_id = %(id)s AND p.outcome = 'succeeded'

@@ -139,3 +139,19 @@ def test_the_chord_is_a_barrier_named_after_its_group(
     arm(app, "g-name", 3)
     rows = q(pg_url, schema, "SELECT id, total, status FROM {schema}.barrier")
     assert rows == [(CHORD_PREFIX + "g-name", 3, "armed")]
+
+
+def test_a_part_that_stored_no_result_fails_the_chord_once(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    ids, body = arm(app, "g-ignored", 2, errback=True)
+    finish(app, "g-ignored", body, ids[0], states.SUCCESS, 1)
+    # ignore_result: the worker stores nothing, the part still returns.
+    request = Context({"id": ids[1], "group": "g-ignored", "chord": dict(body)})
+    app.backend.mark_as_done(ids[1], 2, request=request, store_result=False)
+    assert messages(pg_url, schema, "t.collect") == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    meta = app.backend.get_task_meta(body.id, cache=False)
+    assert isinstance(meta["result"], ChordError)
+    assert f"part {ids[1]} succeeded but its result is not stored" in str(meta["result"])
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
