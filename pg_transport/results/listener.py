@@ -88,6 +88,8 @@ class Listener:
         self._fresh: set[str] = set()  # subscribed, not yet listened to and read
         self._gone: set[str] = set()  # channels to UNLISTEN
         self._seen: dict[str, datetime] = {}  # last row version delivered per task
+        # Subscribers (by id) of a task that have been handed nothing yet.
+        self._first: dict[str, set[int]] = {}
         self._listening: set[str] = set()
         self._conn: psycopg.Connection[Any] | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -105,8 +107,9 @@ class Listener:
         with self._lock:
             subs = self._subs.setdefault(task_id, {})
             subs[id(subscriber)] = subscriber
-            # Read again for every new subscriber: it has seen nothing yet.
-            self._seen.pop(task_id, None)
+            # Read again for every new subscriber: it has seen nothing yet (the others
+            # are not handed the same row twice).
+            self._first.setdefault(task_id, set()).add(id(subscriber))
             self._fresh.add(task_id)
             channel = result_channel(self.schema, task_id)
             self._channels[channel] = task_id
@@ -120,11 +123,13 @@ class Listener:
             if subs is None:
                 return
             subs.pop(id(subscriber), None)
+            self._first.get(task_id, set()).discard(id(subscriber))
             if subs:
                 return
             del self._subs[task_id]
             self._fresh.discard(task_id)
             self._seen.pop(task_id, None)
+            self._first.pop(task_id, None)
             channel = result_channel(self.schema, task_id)
             self._channels.pop(channel, None)
             if channel in self._listening:
@@ -223,7 +228,7 @@ class Listener:
         # LISTEN (and UNLISTEN) before reading: nothing stored after the read is missed.
         self._listen(conn, fresh, gone)
         if fresh:
-            self._read(conn, fresh, force=True)
+            self._read(conn, fresh)
         if self._notified:
             notified, self._notified = self._notified, set()
             with self._lock:
@@ -263,18 +268,23 @@ class Listener:
         self._listening |= wanted
         self._listening -= gone
 
-    def _read(self, conn: psycopg.Connection[Any], ids: set[str], *, force: bool = False) -> None:
+    def _read(self, conn: psycopg.Connection[Any], ids: set[str]) -> None:
+        """Read ``ids`` in one statement; hand a row to every subscriber of its task if it
+        changed since it was last handed out, else to the subscribers that have none yet."""
         rows = conn.execute(self._q["result_get_many"], {"ids": sorted(ids)}).fetchall()
         self.statements += 1
         for task_id, status, ctype, cenc, meta, updated_at in rows:
             row = Row(task_id, status, ctype, cenc, bytes(meta), updated_at)
             with self._lock:
-                if not force and self._seen.get(task_id) == updated_at:
+                subs = self._subs.get(task_id)
+                if not subs:
                     continue
-                if task_id not in self._subs:
-                    continue
+                first = self._first.pop(task_id, set())
+                if self._seen.get(task_id) != updated_at:
+                    subscribers = list(subs.values())
+                else:
+                    subscribers = [s for key, s in subs.items() if key in first]
                 self._seen[task_id] = updated_at
-                subscribers = list(self._subs[task_id].values())
             for subscriber in subscribers:
                 subscriber.deliver(row)
 

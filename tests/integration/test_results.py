@@ -380,3 +380,40 @@ def test_a_reaped_connection_is_retried(pg_url: str, schema: str) -> None:
     assert backend.exception_safe_to_retry(dead)
     assert not backend.exception_safe_to_retry(ResultTooLarge("too large"))
     assert not backend.exception_safe_to_retry(psycopg.errors.InsufficientPrivilege("no"))
+
+
+class Inbox:
+    """A subscriber that keeps what it is handed (the listener's side of a waiter)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+
+    def deliver(self, row: Any) -> None:
+        self.rows.append(row)
+
+
+def test_a_new_waiter_is_handed_the_row_and_the_others_not_again(
+    apps: tuple[Celery, Celery],
+) -> None:
+    client, worker = apps
+    worker.backend.store_result("twice", "v1", states.STARTED)
+    listener = client.backend.listener
+    first, second = Inbox(), Inbox()
+    listener.subscribe("twice", first)
+    deadline = time.monotonic() + 10
+    while not first.rows:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    listener.subscribe("twice", second)
+    while not second.rows:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [r.status for r in first.rows] == [states.STARTED]
+    worker.backend.store_result("twice", "v2", states.SUCCESS)  # a change: both see it
+    while len(first.rows) < 2 or len(second.rows) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert [r.status for r in first.rows] == [states.STARTED, states.SUCCESS]
+    assert [r.status for r in second.rows] == [states.STARTED, states.SUCCESS]
+    listener.unsubscribe("twice", first)
+    listener.unsubscribe("twice", second)
