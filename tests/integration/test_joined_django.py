@@ -105,9 +105,9 @@ def test_on_commit_still_publishes_after_the_commit(client: Celery, peek: Peek) 
 
 
 def test_a_transaction_outside_atomic_is_refused(client: Celery, peek: Peek) -> None:
-    with pytest.raises(TransactionRefused, match="outside transaction.atomic"):
-        with pg_transport.transaction(connection):
-            client.send_task("shop.ship", args=["a"])
+    refused = pytest.raises(TransactionRefused, match=r"outside transaction\.atomic")
+    with refused, pg_transport.transaction(connection):
+        client.send_task("shop.ship", args=["a"])
     assert peek(MESSAGES) == [(0,)]
 
 

@@ -121,7 +121,8 @@ def test_a_session_on_another_database_is_refused_naming_both(
 
 
 def test_another_sqlalchemy_driver_is_refused_naming_it() -> None:
-    with Session(create_engine("sqlite://")) as session, pytest.raises(
-        TransactionRefused, match=r"SQLAlchemy Session \(sqlite\+pysqlite\)"
+    with (
+        Session(create_engine("sqlite://")) as session,
+        pytest.raises(TransactionRefused, match=r"SQLAlchemy Session \(sqlite\+pysqlite\)"),
     ):
         pg_transport.transaction(session)
