@@ -278,3 +278,20 @@ def test_routed_and_unroutable_messages_follow_the_transaction(
     assert peek("SELECT queue, payload->>'body' FROM {schema}.dead_letter") == [
         ("nobody", '{"n": "commit"}')
     ]
+
+
+def test_a_kombu_batch_inside_the_transaction_commits_with_it(
+    broker_url: str, schema: str, app_conn: psycopg.Connection[Any], peek: Peek
+) -> None:
+    with Connection(broker_url, transport_options={"schema": schema}) as kombu_conn:
+        producer = Producer(kombu_conn)
+        with app_conn.transaction(), pg_transport.transaction(app_conn):
+            with producer.batch():
+                for n in range(5):
+                    producer.publish({"n": n}, routing_key="q")
+            assert peek(MESSAGES) == [(0,)]  # the batch's flush is the application's commit
+            with pytest.raises(ZeroDivisionError), app_conn.transaction():
+                with producer.batch():
+                    producer.publish({"n": "savepoint"}, routing_key="q")
+                1 / 0  # noqa: B018
+    assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [(5, 1)]
