@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery
+from celery import Celery, chain, group
 from kombu import Connection, Exchange, Producer, Queue
 from psycopg import sql
 from psycopg.rows import dict_row
@@ -295,3 +295,33 @@ def test_a_kombu_batch_inside_the_transaction_commits_with_it(
                     producer.publish({"n": "savepoint"}, routing_key="q")
                 1 / 0  # noqa: B018
     assert peek("SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message") == [(5, 1)]
+
+
+def test_delay_apply_async_and_canvas_join_the_transaction(
+    client: Celery, app_conn: psycopg.Connection[Any], peek: Peek
+) -> None:
+    @client.task(name="shop.ship")
+    def ship(label: str) -> None: ...
+
+    def publish_all(prefix: str) -> None:
+        ship.delay(f"{prefix}-delay")
+        ship.apply_async(args=[f"{prefix}-apply"], countdown=60)  # an ETA waits in Postgres
+        group(ship.s(f"{prefix}-group-{n}") for n in range(2)).apply_async()
+        chain(ship.si(f"{prefix}-chain-0"), ship.si(f"{prefix}-chain-1")).apply_async()
+
+    with pytest.raises(ZeroDivisionError), app_conn.transaction():
+        with pg_transport.transaction(app_conn):
+            publish_all("gone")
+        1 / 0  # noqa: B018
+    assert peek(MESSAGES) == [(0,)]
+    with app_conn.transaction(), pg_transport.transaction(app_conn):
+        publish_all("kept")
+        assert peek(MESSAGES) == [(0,)]
+    # A chain publishes its first task; the rest travel in that message.
+    assert labels(peek) == [
+        "kept-apply",
+        "kept-chain-0",
+        "kept-delay",
+        "kept-group-0",
+        "kept-group-1",
+    ]
