@@ -36,7 +36,7 @@ from psycopg.rows import tuple_row
 
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import is_dead_connection
-from pg_transport.errors import TransactionRefused
+from pg_transport.errors import NotPermitted, TransactionRefused
 from pg_transport.publish.callers import Caller, caller_for
 
 __all__ = ["Joined", "Server", "current", "join", "leave", "on_caller", "transaction"]
@@ -171,7 +171,14 @@ def on_caller(
     with _lock:
         theirs = _callers.get(conn)
     if theirs is None:
-        theirs = _on(caller, conn, lambda c: _server_on(c, identify))
+        try:
+            theirs = _on(caller, conn, lambda c: _server_on(c, identify))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise NotPermitted(
+                f"pgq cannot tell which server {caller.describe} is on: its role may not "
+                f"call pg_catalog.pg_control_system() ({exc}), which every role may by "
+                "default; grant EXECUTE on it back"
+            ) from exc
         with _lock:
             _callers[conn] = theirs
     ours = _brokers.get(broker.conninfo)
@@ -186,7 +193,14 @@ def on_caller(
             "the same transaction as the work it is about: open the transaction on "
             "the broker's database, or publish outside it"
         )
-    return _on(caller, conn, work)
+    try:
+        return _on(caller, conn, work)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise NotPermitted(
+            f"pgq cannot publish in {caller.describe}: its role may not write to pgq's "
+            f"schema {schema!r} ({exc}); give it a publisher's rights "
+            "(docs/least-privilege.md: GRANT pgq_publisher TO the application's role)"
+        ) from exc
 
 
 def _on(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import uuid
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -24,10 +25,11 @@ from psycopg.rows import dict_row
 import pg_transport
 from barrier import Barrier
 from barrier.backend import forget
-from pg_transport import TransactionRefused
+from pg_transport import NotPermitted, TransactionRefused
 from pg_transport.sql import queue_channel
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
+from tests.integration.test_trust import Role
 
 MESSAGES = "SELECT count(*) FROM {schema}.message"
 
@@ -325,3 +327,23 @@ def test_delay_apply_async_and_canvas_join_the_transaction(
         "kept-group-0",
         "kept-group-1",
     ]
+
+
+@pytest.fixture
+def role_without_grants(pg_url: str) -> Iterator[Role]:
+    name = f"pgq_t_app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+    yield Role(name, pg_url)
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def test_a_role_that_may_not_publish_is_told_which_grant_it_needs(
+    client: Celery, role_without_grants: Role, peek: Peek
+) -> None:
+    refused = pytest.raises(NotPermitted, match="GRANT pgq_publisher")
+    conn = role_without_grants.connect()
+    with conn, conn.transaction(), refused, pg_transport.transaction(conn):
+        client.send_task("shop.ship", args=["a"])
+    assert peek(MESSAGES) == [(0,)]
