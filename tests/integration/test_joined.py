@@ -247,6 +247,22 @@ def test_a_barrier_dispatched_in_the_transaction_is_armed_with_it(
         assert peek(MESSAGES) == [(0,)]
     assert peek("SELECT id FROM {schema}.barrier") == [("b-committed",)]
     assert peek(MESSAGES) == [(3,)]
+    # Nothing of pgq's stayed on the application's session, however often it dispatched.
+    with app_conn.transaction(), pg_transport.transaction(app_conn):
+        for n in range(6):
+            barrier.dispatch(f"b-{n}", [client.signature("shop.part")], client.signature("s"))
+    prepared = app_conn.execute("SELECT count(*) AS n FROM pg_catalog.pg_prepared_statements")
+    assert prepared.fetchone() == {"n": 0}
+
+
+def test_a_publish_in_the_applications_pipeline_joins_its_transaction(
+    client: Celery, app_conn: psycopg.Connection[Any], peek: Peek
+) -> None:
+    with app_conn.transaction(), pg_transport.transaction(app_conn), app_conn.pipeline():
+        for n in range(3):
+            client.send_task("shop.ship", args=[f"piped-{n}"])
+        assert peek(MESSAGES) == [(0,)]
+    assert labels(peek) == ["piped-0", "piped-1", "piped-2"]
 
 
 def test_a_block_is_used_once(app_conn: psycopg.Connection[Any]) -> None:
