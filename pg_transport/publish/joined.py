@@ -214,4 +214,11 @@ def _on(
                 f"pgq could not publish in {caller.describe}: its connection was lost "
                 f"({exc}); the transaction is gone, and nothing was published"
             ) from exc
+        if isinstance(exc, psycopg.OperationalError):
+            # (a lock or statement timeout, a cancel): kombu would take the error for
+            # its own connection's, reconnect and publish again, into a failed transaction.
+            raise TransactionRefused(
+                f"pgq could not publish in {caller.describe}: {exc}; the transaction has "
+                "failed with it: roll it back (and retry it whole)"
+            ) from exc
         raise

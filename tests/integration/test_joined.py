@@ -363,3 +363,21 @@ def test_a_role_that_may_not_publish_is_told_which_grant_it_needs(
     with conn, conn.transaction(), refused, pg_transport.transaction(conn):
         client.send_task("shop.ship", args=["a"])
     assert peek(MESSAGES) == [(0,)]
+
+
+def test_a_timeout_in_the_transaction_is_not_taken_for_a_lost_broker(
+    pg_url: str, store: Store, app_conn: psycopg.Connection[Any], peek: Peek
+) -> None:
+    """A lock timeout while publishing (another open transaction published the same
+    message) fails the publish as the application's, not as a broker connection error
+    kombu would retry: the cause is kept."""
+    with psycopg.connect(pg_url) as other, other.transaction():
+        with pg_transport.transaction(other):
+            store.publisher.publish("q", {"n": 1}, publish_key="contended")
+        app_conn.execute("SET LOCAL lock_timeout = '50ms'")  # (begins its transaction)
+        refused = pytest.raises(TransactionRefused, match="roll it back")
+        with refused as caught, pg_transport.transaction(app_conn):
+            store.publisher.publish("q", {"n": 1}, publish_key="contended")
+        app_conn.rollback()
+    assert isinstance(caught.value.__cause__, psycopg.errors.LockNotAvailable)
+    assert peek(MESSAGES) == [(1,)]  # the other transaction's, committed
