@@ -381,3 +381,16 @@ def test_a_timeout_in_the_transaction_is_not_taken_for_a_lost_broker(
         app_conn.rollback()
     assert isinstance(caught.value.__cause__, psycopg.errors.LockNotAvailable)
     assert peek(MESSAGES) == [(1,)]  # the other transaction's, committed
+
+
+def test_a_lost_application_connection_fails_the_publish_and_publishes_nothing(
+    client: Celery, pg_url: str, store: Store, peek: Peek
+) -> None:
+    with psycopg.connect(pg_url) as conn, pg_transport.transaction(conn):
+        client.send_task("shop.ship", args=["first"])  # (its server is known from here)
+        peek("SELECT pg_terminate_backend(%s)", conn.info.backend_pid)
+        with pytest.raises(TransactionRefused, match="connection was lost"):
+            client.send_task("shop.ship", args=["second"])
+    assert peek(MESSAGES) == [(0,)]
+    client.send_task("shop.ship", args=["apart"])  # pgq's own connections were not touched
+    assert labels(peek) == ["apart"]
