@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -394,3 +395,37 @@ def test_a_lost_application_connection_fails_the_publish_and_publishes_nothing(
     assert peek(MESSAGES) == [(0,)]
     client.send_task("shop.ship", args=["apart"])  # pgq's own connections were not touched
     assert labels(peek) == ["apart"]
+
+
+@pytest.fixture
+def another_server(pg_url: str) -> Iterator[str]:
+    """A second Postgres (embedded), with a database named as the broker's: only the
+    server tells the two apart."""
+    pgserver = pytest.importorskip("pgserver")
+    server = pgserver.get_server(tempfile.mkdtemp(prefix="pgq-other-"), cleanup_mode="delete")
+    try:
+        dbname = psycopg.conninfo.conninfo_to_dict(pg_url)["dbname"]
+        with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+            if (
+                admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [dbname]).fetchone()
+                is None
+            ):
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+        yield psycopg.conninfo.make_conninfo(server.get_uri(), dbname=dbname)
+    finally:
+        server.cleanup()
+
+
+def test_a_transaction_on_another_server_is_refused_naming_both(
+    another_server: str, client: Celery, peek: Peek
+) -> None:
+    with psycopg.connect(another_server) as elsewhere, elsewhere.transaction():
+        ids = elsewhere.execute("SELECT system_identifier::text FROM pg_control_system()")
+        (theirs,) = ids.fetchone()  # type: ignore[misc]
+        with pytest.raises(TransactionRefused) as refused, pg_transport.transaction(elsewhere):
+            client.send_task("shop.ship", args=["a"])
+    (ours,) = peek("SELECT system_identifier::text FROM pg_control_system()")[0]
+    assert theirs != ours
+    assert f"system identifier {theirs}" in str(refused.value)
+    assert f"system identifier {ours}" in str(refused.value)
+    assert peek(MESSAGES) == [(0,)]
