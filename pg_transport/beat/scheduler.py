@@ -40,7 +40,7 @@ from pg_transport.errors import ConfigurationError, PgqError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.publisher import Publisher
 
-__all__ = ["HEADER_DUE", "HEADER_ENTRY", "Scheduler"]
+__all__ = ["HEADER_DUE", "HEADER_ENTRY", "BadSchedule", "Scheduler"]
 
 logger = logging.getLogger("pg_transport.beat")
 
@@ -53,6 +53,12 @@ SLOT_RETENTION = 86400.0
 _PRUNE_EVERY = 60.0
 # Never sleep less than this between ticks that found nothing to send.
 _MIN_SLEEP = 0.005
+
+
+class BadSchedule(SystemExit):
+    """A bad schedule or setting: ends ``celery beat`` with its message alone (exit code
+    1), where Celery would log any :class:`Exception` from its scheduler with two
+    tracebacks. Raised from the :class:`ConfigurationError` naming the problem."""
 
 
 class Scheduler(beat.Scheduler):  # type: ignore[misc]
@@ -76,6 +82,14 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]
     def setup_schedule(self) -> None:
         """Connect, migrate if allowed, and store ``beat_schedule`` (checked first: a bad
         entry stops the start with one :class:`ConfigurationError` naming it)."""
+        try:
+            self.start()
+        except ConfigurationError as exc:
+            # One line, not Celery's two tracebacks: the error is the whole story.
+            raise BadSchedule(f"pgq beat cannot start: {exc}") from exc
+
+    def start(self) -> None:
+        """What :meth:`setup_schedule` does, raising :class:`ConfigurationError`."""
         entries = self.config_entries()
         self.settings = BeatSettings.from_app(self.app)
         url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
@@ -41,3 +43,12 @@ def _schedule() -> dict[str, Any]:
 
 
 app.conf.beat_schedule = _schedule()
+
+# TEST_CLOCK_SKEW: this process's wall clock, as Python and Celery read it, is off by
+# that many seconds (the beat must not care: its times are the database's).
+_skew = float(os.environ.get("TEST_CLOCK_SKEW") or 0)
+if _skew:
+    _real_time = time.time
+    time.time = lambda: _real_time() + _skew
+    app.now = lambda: datetime.now(UTC) + timedelta(seconds=_skew)  # type: ignore[method-assign]
+    print(f"clock skewed by {_skew:+g}s", flush=True)
