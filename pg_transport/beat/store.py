@@ -150,6 +150,49 @@ class BeatStore:
         }
         return conn.execute(self.q["beat_send_slot"], params).fetchone() is not None
 
+    # -- `pgq schedule` ---------------------------------------------------------
+    def listing(self) -> list[dict[str, Any]]:
+        """Every entry, enabled or not, as `pgq schedule list` shows it."""
+
+        def work(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+            cursor = conn.execute(self.q["schedule_list"])
+            rows = cursor.fetchall()
+            names = [column.name for column in cursor.description or ()]
+            listed = []
+            for row in rows:
+                item = dict(zip(names, row, strict=True))
+                for key in ("args", "kwargs", "options"):
+                    item[key] = decode(item[key])
+                listed.append(item)
+            return listed
+
+        return self.connector.run(work, idempotent=True)
+
+    def add(self, entry: Entry, *, enabled: bool = True) -> bool:
+        """Store a new entry (origin ``command``); False when the name is taken."""
+        params = {**entry.params(), "enabled": enabled}
+        return self.connector.run(
+            lambda conn: conn.execute(self.q["schedule_add"], params).fetchone() is not None,
+            idempotent=False,
+        )
+
+    def set_enabled(self, name: str, enabled: bool) -> bool:
+        """Enable or disable an entry; False when there is none of that name."""
+        params = {"name": name, "enabled": enabled}
+        return self.connector.run(
+            lambda conn: conn.execute(self.q["schedule_enable"], params).fetchone() is not None,
+            idempotent=True,
+        )
+
+    def remove(self, name: str) -> str | None:
+        """Delete an entry; its origin, or None when there is none of that name."""
+
+        def work(conn: psycopg.Connection[Any]) -> str | None:
+            row = conn.execute(self.q["schedule_remove"], {"name": name}).fetchone()
+            return str(row[0]) if row else None
+
+        return self.connector.run(work, idempotent=True)
+
     def prune(self, keep_seconds: float) -> int:
         def work(conn: psycopg.Connection[Any]) -> int:
             return conn.execute(self.q["beat_prune_slots"], {"keep": keep_seconds}).rowcount

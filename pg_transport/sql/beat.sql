@@ -100,8 +100,8 @@ WHERE due_at < pg_catalog.statement_timestamp() - pg_catalog.make_interval(secs 
 
 -- name: schedule_list
 -- Every entry, for `pgq schedule list`.
-SELECT name, task, schedule, args::text, kwargs::text, options::text, enabled, origin,
-       anchor, last_due, last_sent_at, sent_count
+SELECT name, task, schedule, args::text AS args, kwargs::text AS kwargs,
+       options::text AS options, enabled, origin, anchor, last_due, last_sent_at, sent_count
 FROM {schema}.beat_entry
 ORDER BY name
 
