@@ -8,69 +8,23 @@ What was sent is read from the messages themselves (their ``pgq_beat_entry`` and
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
+from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat
 from tests.acceptance.harness import ROOT, Env, wait_for
 
 pytestmark = pytest.mark.acceptance
-
-BEAT_APP = "tests.acceptance.beat_app"
-TICK = 1.0  # --max-interval
-
-
-@dataclass
-class Beat:
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-        self.proc.wait(30)
-
-
-def start_beat(env: Env, entries: dict[str, Any], **environ: str) -> Beat:
-    log = Path(tempfile.mkstemp(prefix="pgq-beat-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "celery", "-A", BEAT_APP, "beat", "-S", "pgq", "-l", "info"]
-    cmd += ["--max-interval", str(int(TICK))]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=tempfile.mkdtemp(prefix="pgq-beat-"),
-            env=env.environ(
-                TEST_BEAT_SCHEDULE=json.dumps(entries), PYTHONPATH=str(ROOT), **environ
-            ),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    beat = Beat(proc, log)
-
-    def synced() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"beat exited early:\n{beat.output()}")
-        return "from beat_schedule" in beat.output()
-
-    wait_for(synced, 60, "a beat to store its schedule")
-    return beat
 
 
 @pytest.fixture
