@@ -43,6 +43,22 @@ ENTRY_KEYS = ("task", "schedule", "args", "kwargs", "options", "relative")
 #: Options the scheduler sets itself on every message it sends.
 RESERVED_OPTIONS = ("task_id",)
 
+#: The ``apply_async`` options an entry may have (Celery's and kombu's publishing
+#: options and message properties): a misspelt one would otherwise be sent as a message
+#: property and do nothing.
+KNOWN_OPTIONS = frozenset(
+    {
+        "add_to_parent", "app_id", "argsrepr", "chain", "chord", "compression",
+        "confirm_timeout", "content_encoding", "content_type", "correlation_id", "countdown",
+        "declare", "delivery_mode", "eta", "exchange", "exchange_type", "expiration", "expires",
+        "group_id", "group_index", "headers", "ignore_result", "immediate", "kwargsrepr",
+        "link", "link_error", "mandatory", "parent_id", "priority", "queue", "reply_to",
+        "retries", "retry", "retry_policy", "root_id", "route_name", "routing_key",
+        "serializer", "shadow", "soft_time_limit", "stamped_headers", "task_type",
+        "time_limit", "timeout", "type", "user_id",
+    }
+)  # fmt: skip
+
 # kombu ships these without annotations; the names here give them their types (JSON as
 # kombu writes it: datetimes, UUIDs and decimals in arguments round-trip).
 _dumps: Callable[[Any], str] = _kombu_json.dumps
@@ -311,6 +327,12 @@ def check_entry(
             raise ConfigurationError(
                 f"{where}: option {key!r} is set by the scheduler for each slot"
             )
+    unknown = sorted(str(key) for key in options if key not in KNOWN_OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown option {unknown[0]!r} (apply_async's options: "
+            f"{', '.join(sorted(KNOWN_OPTIONS))})"
+        )
     entry = Entry(name, task, sched, list(args), dict(kwargs), dict(options))
     entry.params()  # every value must be storable
     return entry

@@ -284,8 +284,12 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]
                     return False
                 logger.info("pgq beat: sending %s (%s) due %s", entry.name, entry.task, due)
                 super().apply_async(celery_entry, producer=self.producer, advance=False)
-        except (beat.SchedulingError, psycopg.Error, PgqError) as exc:
-            # Nothing of the slot was committed: it is tried again at the next tick.
-            logger.error("pgq beat: sending %s due %s failed: %s", entry.name, due, exc)
+        except Exception as exc:
+            # Whatever failed (the broker connection, the message, the commit), nothing of
+            # the slot was committed: it is tried again at the next tick, and the beat
+            # goes on with its other entries, as Celery's beat does.
+            logger.error(
+                "pgq beat: sending %s due %s failed: %s", entry.name, due, exc, exc_info=True
+            )
             return False
         return True

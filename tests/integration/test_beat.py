@@ -250,6 +250,7 @@ def test_crontab_slots_are_the_crontabs_minutes_in_the_apps_timezone() -> None:
         ({"task": "t", "schedule": schedule(timedelta(0))}, "must be a number of seconds > 0"),
         ({"task": "t", "schedule": 5, "args": "x"}, "args 'x' must be a list"),
         ({"task": "t", "schedule": 5, "options": {"task_id": "x"}}, "'task_id' is set by"),
+        ({"task": "t", "schedule": 5, "options": {"queu": "x"}}, "unknown option 'queu'"),
         ({"task": "t", "schedule": 5, "args": [object()]}, "cannot be stored in Postgres"),
         ("every minute", "must be a dict"),
     ],

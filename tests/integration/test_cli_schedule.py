@@ -90,6 +90,7 @@ def test_add_list_disable_enable_remove(url: str, schema: str, peek: Peek) -> No
         (["--task", "t", "--every", "1", "--args", "{}"], "args {} must be a list"),
         (["--task", "t", "--every", "1", "--kwargs", "[1"], "'[1' is not JSON"),
         (["--task", "t", "--every", "1", "--options", '{"task_id": "x"}'], "'task_id' is set"),
+        (["--task", "t", "--every", "1", "--options", '{"prio": 1}'], "unknown option 'prio'"),
         (["--task", "t", "--crontab", "* * * * *", "--aligned"], "--aligned goes with --every"),
         (["--task", "t", "--evry", "1"], "No such option '--evry'"),
     ],
