@@ -168,6 +168,31 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
     assert early == 0
 
 
+def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once(
+    env: Env, beats: list[Beat]
+) -> None:
+    entries = {"half": {"every": 0.5}}
+    beats += [start_beat(env, entries) for _ in range(2)]
+    wait_for(lambda: count_of(env, "half") >= 4, 30, "four slots sent")
+    for _ in range(3):
+        holder, _, _ = leader(env)
+        pid = int(holder.split(":")[-2])
+        [(terminated,)] = rows(
+            env,
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name IN (%s, %s)",
+            f"pgq-beat:{pid}",
+            f"pgq:{pid}",
+        )
+        assert terminated >= 1
+        before = count_of(env, "half")
+        wait_for(lambda before=before: count_of(env, "half") >= before + 4, 30, "sends to go on")
+    assert all(b.proc.poll() is None for b in beats), "a beat exited"
+    for beat in beats:
+        beat.kill(signal.SIGTERM)
+    assert len(assert_once_and_contiguous(sent(env), "half", 0.5)) >= 16
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
