@@ -5,6 +5,6 @@ See :mod:`pg_transport.beat.scheduler` for how, and docs/beat.md for how to use 
 
 from __future__ import annotations
 
-from pg_transport.beat.scheduler import HEADER_DUE, HEADER_ENTRY, BadSchedule, Scheduler
+from pg_transport.beat.scheduler import HEADER_DUE, HEADER_ENTRY, CannotStart, Scheduler
 
-__all__ = ["HEADER_DUE", "HEADER_ENTRY", "BadSchedule", "Scheduler"]
+__all__ = ["HEADER_DUE", "HEADER_ENTRY", "CannotStart", "Scheduler"]

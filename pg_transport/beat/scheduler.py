@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 from celery import beat
 from celery.schedules import crontab
+from psycopg.conninfo import conninfo_to_dict
 
 from pg_transport.beat.entries import Entry, due_slots, entry_from_config
 from pg_transport.beat.settings import BeatSettings
@@ -36,11 +37,11 @@ from pg_transport.config import Options
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.url import mask_url, scheme_of
-from pg_transport.errors import ConfigurationError, PgqError
+from pg_transport.errors import ConfigurationError, NotPermitted, PgqError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.publisher import Publisher
 
-__all__ = ["HEADER_DUE", "HEADER_ENTRY", "BadSchedule", "Scheduler"]
+__all__ = ["HEADER_DUE", "HEADER_ENTRY", "CannotStart", "Scheduler"]
 
 logger = logging.getLogger("pg_transport.beat")
 
@@ -55,10 +56,11 @@ _PRUNE_EVERY = 60.0
 _MIN_SLEEP = 0.005
 
 
-class BadSchedule(SystemExit):
-    """A bad schedule or setting: ends ``celery beat`` with its message alone (exit code
-    1), where Celery would log any :class:`Exception` from its scheduler with two
-    tracebacks. Raised from the :class:`ConfigurationError` naming the problem."""
+class CannotStart(SystemExit):
+    """A bad schedule or setting, a schema to migrate, a role without the rights, a
+    database out of reach: ends ``celery beat`` with its message alone (exit code 1),
+    where Celery would log any :class:`Exception` from its scheduler with two tracebacks.
+    Raised from the :class:`~pg_transport.errors.PgqError` naming the problem."""
 
 
 class Scheduler(beat.Scheduler):  # type: ignore[misc]
@@ -81,15 +83,15 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]
     # -- Celery's interface ----------------------------------------------------
     def setup_schedule(self) -> None:
         """Connect, migrate if allowed, and store ``beat_schedule`` (checked first: a bad
-        entry stops the start with one :class:`ConfigurationError` naming it)."""
+        entry stops the start with one error naming it, :class:`CannotStart`)."""
         try:
             self.start()
-        except ConfigurationError as exc:
+        except PgqError as exc:
             # One line, not Celery's two tracebacks: the error is the whole story.
-            raise BadSchedule(f"pgq beat cannot start: {exc}") from exc
+            raise CannotStart(f"pgq beat cannot start: {exc}") from exc
 
     def start(self) -> None:
-        """What :meth:`setup_schedule` does, raising :class:`ConfigurationError`."""
+        """What :meth:`setup_schedule` does, raising :class:`~pg_transport.errors.PgqError`."""
         entries = self.config_entries()
         self.settings = BeatSettings.from_app(self.app)
         url = str(self.app.conf.broker_write_url or self.app.conf.broker_url or "")
@@ -104,9 +106,22 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]
         connector = Connector(
             url_to_conninfo(url), display_url=mask_url(url), application_name="pgq-beat"
         )
-        ensure_schema(connector, options.schema, auto_migrate=options.auto_migrate)
-        self.db = BeatStore(connector, options.schema)
-        result = self.db.sync(entries)
+        try:
+            ensure_schema(connector, options.schema, auto_migrate=options.auto_migrate)
+            db = BeatStore(connector, options.schema)
+            try:
+                result = db.sync(entries)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                user = conninfo_to_dict(connector.conninfo).get("user") or "of the URL"
+                raise NotPermitted(
+                    f"role {user!r} may not keep the schedule "
+                    f"({exc.diag.message_primary or exc}): run beats as the worker role "
+                    "(docs/least-privilege.md)"
+                ) from exc
+        except BaseException:
+            connector.close()  # a beat that cannot start leaves no session behind
+            raise
+        self.db = db
         logger.info(
             "pgq beat: %d schedule entries from beat_schedule (%d changed, %d dropped) "
             "in schema %r at %s",

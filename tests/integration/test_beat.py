@@ -17,7 +17,7 @@ import pytest
 from celery import Celery
 from celery.schedules import crontab
 
-from pg_transport.beat import BadSchedule, Scheduler
+from pg_transport.beat import CannotStart, Scheduler
 from pg_transport.errors import ConfigurationError
 from pg_transport.publish.batching import batch
 from tests.integration.conftest import Peek
@@ -209,7 +209,7 @@ def test_a_bad_entry_stops_the_scheduler_before_it_touches_the_database(
     broker_url: str, schema: str, peek: Peek
 ) -> None:
     app = beat_app(broker_url, schema, {"bad": {"task": "t", "schedule": 0}})
-    with pytest.raises(BadSchedule, match="beat_schedule entry 'bad'") as caught:
+    with pytest.raises(CannotStart, match="beat_schedule entry 'bad'") as caught:
         Scheduler(app)
     assert isinstance(caught.value.__cause__, ConfigurationError)
     assert caught.value.code == "pgq beat cannot start: " + str(caught.value.__cause__)
@@ -220,5 +220,5 @@ def test_a_broker_that_is_not_pgq_is_refused() -> None:
     app = Celery("x", broker="redis://localhost:6379/0")
     app.conf.beat_schedule = {}
     app.conf.result_expires = None
-    with pytest.raises(BadSchedule, match="needs a pgq:// broker"):
+    with pytest.raises(CannotStart, match="needs a pgq:// broker"):
         Scheduler(app)

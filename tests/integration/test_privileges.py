@@ -433,7 +433,7 @@ def test_worker_role_round_trips_and_handles_dead_letters(granted: Roles) -> Non
 
 
 def test_worker_role_runs_beat_and_pgq_schedule_and_no_other_role_does(granted: Roles) -> None:
-    from pg_transport.beat import Scheduler
+    from pg_transport.beat import CannotStart, Scheduler
 
     added = cli(
         granted, granted.worker, "schedule", "add", "tick", "--task", "t.tick", "--every", "1"
@@ -458,6 +458,12 @@ def test_worker_role_runs_beat_and_pgq_schedule_and_no_other_role_does(granted: 
     listed = cli(granted, granted.worker, "schedule", "list", "--json")
     assert listed.exit_code == 0, listed.output
     assert json.loads(listed.stdout)["entries"][0]["sent_count"] == 1
+    publisher_app = Celery("beat_pub", broker=granted.url(granted.publisher))
+    publisher_app.conf.update(
+        broker_transport_options=options(granted), beat_schedule={}, result_expires=None
+    )
+    with pytest.raises(CannotStart, match=r"may not keep the schedule.*run beats as the worker"):
+        Scheduler(publisher_app)
     for kind in ("publisher", "monitor"):
         refused_list = cli(granted, granted.role(kind), "schedule", "list")
         assert refused_list.exit_code == 1, (kind, refused_list.output)
