@@ -163,3 +163,7 @@ FROM {schema}.dead_letter AS d WHERE d.id = %(id)s
 -- One dead letter, what a monitor may read.
 SELECT d.id, d.queue, d.read_ct, d.enqueued_at, d.dead_at
 FROM {schema}.dead_letter AS d WHERE d.id = %(id)s
+
+-- name: web_now
+-- The database's clock, which the samples' times are on.
+SELECT pg_catalog.now()

@@ -15,25 +15,22 @@ from pg_transport.web.chart import chart
 __all__ = ["routes"]
 
 
+def _stale(at: datetime, now: datetime, interval: float) -> bool:
+    return (now - at).total_seconds() > STALE_INTERVALS * interval
+
+
 class QueuesPage(Base):
     async def get(self) -> None:
         c = self.console
 
         def read() -> dict[str, Any]:
             latest = sampler.latest(c.connector, c.schema)
-            live = False
-            if latest.at is None:
-                # No tick yet (a first start, or a role that may not write them): counted
-                # now, once, with the query of `pgq status`.
-                queues = status_report.collect(c.store).queues
-                live = True
-            else:
-                queues = latest.queues
+            now = c.reads.now()
+            live = latest.at is None or _stale(latest.at, now, c.interval)
+            # No fresh tick (a first start, or no console whose role may write them):
+            # counted now, with the query of `pgq status`: one scan of the message table.
+            queues = status_report.collect(c.store).queues if live else latest.queues
             depths, rates = sampler.history(c.connector, c.schema, None)
-            now = c.store.connector.run(
-                lambda conn: conn.execute("SELECT pg_catalog.now()").fetchone()[0],  # type: ignore[index]
-                idempotent=True,
-            )
             return {
                 "latest": latest,
                 "queues": queues,
@@ -65,16 +62,12 @@ class QueuesPage(Base):
             end=now,
         )
         latest = data["latest"]
-        stale = latest.at is not None and (now - latest.at).total_seconds() > (
-            STALE_INTERVALS * c.interval
-        )
         last_rates = data["rates"][-1] if data["rates"] else None
         self.page(
             "queues.html",
             queues=data["queues"],
             sampled_at=latest.at,
             live=data["live"],
-            stale=stale,
             charts=[depth_chart, rate_chart],
             rates=last_rates,
             refresh=max(int(c.interval), 2),
@@ -93,10 +86,7 @@ class QueuePage(Base):
             ready = c.reads.messages(name, delayed=False, payloads=caps.payloads)
             delayed = c.reads.messages(name, delayed=True, payloads=caps.payloads)
             depths, _ = sampler.history(c.connector, c.schema, name)
-            now = c.store.connector.run(
-                lambda conn: conn.execute("SELECT pg_catalog.now()").fetchone()[0],  # type: ignore[index]
-                idempotent=True,
-            )
+            now = c.reads.now()
             return {
                 "caps": caps,
                 "figures": figures,

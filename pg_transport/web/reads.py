@@ -113,6 +113,10 @@ class Reads:
 
         return self.connector.run(work, idempotent=True)
 
+    def now(self) -> datetime:
+        value: datetime = self._all("web_now")[0][0]
+        return value
+
     def capabilities(self) -> Capabilities:
         row = self._all("web_capabilities", {"schema": self.schema})[0]
         return Capabilities(str(row[0]), *(bool(v) for v in row[1:]))

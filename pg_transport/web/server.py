@@ -37,7 +37,14 @@ def serve(
     interval: float,
     announce: object = print,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, sampling every ``interval`` seconds meanwhile."""
+    """Serve until SIGINT or SIGTERM, sampling every ``interval`` seconds meanwhile.
+
+    The console's log (``pg_transport.web``, its audit lines on ``pg_transport.web.audit``)
+    goes to stderr at INFO unless the application configured logging already.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("pg_transport.web").setLevel(logging.INFO)
     console = Console(
         connector, schema, token=token, interval=interval, where=connector.display_url
     )
