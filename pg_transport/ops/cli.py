@@ -301,11 +301,19 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     help="Port to listen on (0: any free port).",
 )
 @click.option(
+    "--token",
+    envvar="PGQ_WEB_TOKEN",
+    show_envvar=True,
+    metavar="TOKEN",
+    help="The token that allows actions (requeue, rehook, purge), at least 16 characters; "
+    "prefer the variable or --token-file (other users can see a command line). Without "
+    "one the console is read-only.",
+)
+@click.option(
     "--token-file",
-    type=click.Path(dir_okay=False, exists=True),
+    type=click.Path(dir_okay=False),
     metavar="PATH",
-    help="File holding the token that allows actions (requeue, rehook, purge); "
-    "$PGQ_WEB_TOKEN gives it too. Without one the console is read-only.",
+    help="Read the token from this file instead.",
 )
 @click.option(
     "--interval",
@@ -325,6 +333,7 @@ def web(
     schema: str,
     host: str,
     port: int,
+    token: str | None,
     token_file: str | None,
     interval: float,
     app: str | None,
@@ -333,7 +342,6 @@ def web(
 
     Read-only unless a token is given; pages show what the database role may read.
     """
-    import os
     from pathlib import Path
 
     try:
@@ -344,7 +352,13 @@ def web(
         ) from exc
     from pg_transport.ops.dead import import_app
 
-    token = Path(token_file).read_text().strip() if token_file else os.environ.get("PGQ_WEB_TOKEN")
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise click.UsageError(
+                f"cannot read --token-file {token_file!r}: {exc.strerror or exc}"
+            ) from exc
     if token is not None and len(token) < 16:
         raise click.UsageError("the console's token must be at least 16 characters")
     if app:

@@ -19,9 +19,23 @@ def _stale(at: datetime, now: datetime, interval: float) -> bool:
     return (now - at).total_seconds() > STALE_INTERVALS * interval
 
 
+#: What the charts may span, in seconds: the last 5 minutes, 15 minutes or hour.
+WINDOWS = (300, 900, 3600)
+
+
+def _window(handler: Base) -> int:
+    raw = handler.get_query_argument("window", str(WINDOWS[-1]))
+    if raw not in {str(w) for w in WINDOWS}:
+        raise tornado.web.HTTPError(
+            400, f"bad window {raw!r}: one of {', '.join(map(str, WINDOWS))} seconds"
+        )
+    return int(raw)
+
+
 class QueuesPage(Base):
     async def get(self) -> None:
         c = self.console
+        window = _window(self)
 
         def read() -> dict[str, Any]:
             latest = sampler.latest(c.connector, c.schema)
@@ -30,7 +44,7 @@ class QueuesPage(Base):
             # No fresh tick (a first start, or no console whose role may write them):
             # counted now, with the query of `pgq status`: one scan of the message table.
             queues = status_report.collect(c.store).queues if live else latest.queues
-            depths, rates = sampler.history(c.connector, c.schema, None)
+            depths, rates = sampler.history(c.connector, c.schema, None, window)
             return {
                 "latest": latest,
                 "queues": queues,
@@ -42,7 +56,7 @@ class QueuesPage(Base):
 
         data = await self.db(read)
         now: datetime = data["now"]
-        start = now - timedelta(seconds=sampler.HISTORY_SECONDS)
+        start = now - timedelta(seconds=window)
         depth_chart = chart(
             "Messages waiting, all queues",
             [
@@ -65,6 +79,8 @@ class QueuesPage(Base):
         last_rates = data["rates"][-1] if data["rates"] else None
         self.page(
             "queues.html",
+            window=window,
+            windows=WINDOWS,
             queues=data["queues"],
             sampled_at=latest.at,
             live=data["live"],
@@ -78,6 +94,7 @@ class QueuePage(Base):
     async def get(self) -> None:
         name = self.get_query_argument("name")
         c = self.console
+        window = _window(self)
 
         def read() -> dict[str, Any]:
             caps = self.capabilities()
@@ -85,7 +102,7 @@ class QueuePage(Base):
             figures = next((q for q in latest.queues if q.queue == name), None)
             ready = c.reads.messages(name, delayed=False, payloads=caps.payloads)
             delayed = c.reads.messages(name, delayed=True, payloads=caps.payloads)
-            depths, _ = sampler.history(c.connector, c.schema, name)
+            depths, _ = sampler.history(c.connector, c.schema, name, window)
             now = c.reads.now()
             return {
                 "caps": caps,
@@ -105,11 +122,13 @@ class QueuePage(Base):
                 ("waiting", "waiting", [(a, float(w)) for a, w, _ in data["depths"]]),
                 ("ready", "ready", [(a, float(r)) for a, _, r in data["depths"]]),
             ],
-            start=now - timedelta(seconds=sampler.HISTORY_SECONDS),
+            start=now - timedelta(seconds=window),
             end=now,
         )
         self.page(
             "queue.html",
+            window=window,
+            windows=WINDOWS,
             name=name,
             charts=[depth_chart],
             until=until,

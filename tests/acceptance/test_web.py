@@ -215,7 +215,15 @@ def post_form(base: str, path: str, fields: list[tuple[str, str]], xsrf: bool = 
 
 def test_without_the_token_no_action_is_possible(env: Env, browser: Any) -> None:
     ids = add_dead(env, 1)
-    with web.console(env) as console:
+    # A password in the URL (the server trusts local connections and ignores it) is
+    # shown on no page.
+    url = to_broker_url(env.pg_url).replace("postgres@", "postgres:hunter2-secret@", 1)
+    assert "hunter2-secret" in url
+    with web.console(env, url=url) as console:
+        for path in ("/queues", "/processes", "/dead/999999"):
+            browser.get(console.url + path)
+            assert "hunter2-secret" not in browser.page_source, path
+        assert "hunter2-secret" not in console.output()
         browser.get(console.url + "/dead")
         assert browser.find_element("id", "mode").text == "read-only"
         assert str(ids[0]) in browser.find_element("id", "dead").text
