@@ -56,6 +56,7 @@ class Logout(Base):
 
 class Action(Base):
     def prepare(self) -> None:
+        super().prepare()
         if not self.console.actions:
             raise tornado.web.HTTPError(
                 403,

@@ -46,6 +46,7 @@ CSP = (
 USER_COOKIE = "pgq_web_user"
 #: A sample older than this many intervals is called stale on the page.
 STALE_INTERVALS = 3
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 #: Rows a form may name at once.
 MAX_IDS = 1000
 
@@ -61,6 +62,10 @@ class Console:
     threads: int = 4
     #: Shown in the header: the URL with its password masked.
     where: str = ""
+    #: Answer only requests addressed to a loopback name (the default when listening on
+    #: one): a page of another site whose name was made to resolve to 127.0.0.1 (DNS
+    #: rebinding) sends its own name as Host, and gets nothing.
+    loopback_only: bool = False
     executor: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +114,14 @@ class Base(tornado.web.RequestHandler):
         self.set_header("Referrer-Policy", "no-referrer")
         self.set_header("Cache-Control", "no-store")
         self.set_header("X-Frame-Options", "DENY")
+
+    def prepare(self) -> None:
+        if self.console.loopback_only:
+            host = self.request.host_name.strip("[]").lower()
+            if host not in LOOPBACK_NAMES:
+                raise tornado.web.HTTPError(
+                    400, "this console answers requests to 127.0.0.1 or localhost only"
+                )
 
     def get_current_user(self) -> str | None:
         if not self.console.actions:

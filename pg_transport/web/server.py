@@ -45,8 +45,19 @@ def serve(
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("pg_transport.web").setLevel(logging.INFO)
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
     console = Console(
-        connector, schema, token=token, interval=interval, where=connector.display_url
+        connector,
+        schema,
+        token=token,
+        interval=interval,
+        where=connector.display_url,
+        loopback_only=loopback,
     )
     sampler = Sampler(connector, schema, interval)
 

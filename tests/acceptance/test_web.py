@@ -224,6 +224,12 @@ def test_without_the_token_no_action_is_possible(env: Env, browser: Any) -> None
             browser.get(console.url + path)
             assert "hunter2-secret" not in browser.page_source, path
         assert "hunter2-secret" not in console.output()
+        # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) gets
+        # nothing: it sends its own name as Host.
+        rebound = urllib.request.Request(console.url + "/dead", headers={"Host": "evil.test"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(rebound, timeout=10)
+        assert refused.value.code == 400
         browser.get(console.url + "/dead")
         assert browser.find_element("id", "mode").text == "read-only"
         assert str(ids[0]) in browser.find_element("id", "dead").text
