@@ -167,3 +167,9 @@ FROM {schema}.dead_letter AS d WHERE d.id = %(id)s
 -- name: web_now
 -- The database's clock, which the samples' times are on.
 SELECT pg_catalog.now()
+
+-- name: web_previous
+-- The tick before the latest: when it was taken and each queue's waiting messages then.
+SELECT t.taken_at, s.queue, s.ready + s.in_flight + s.delayed
+FROM (SELECT at, taken_at FROM {schema}.console_tick ORDER BY at DESC OFFSET 1 LIMIT 1) AS t
+JOIN {schema}.console_sample AS s ON s.at = t.at

@@ -44,11 +44,13 @@ class QueuesPage(Base):
             # No fresh tick (a first start, or no console whose role may write them):
             # counted now, with the query of `pgq status`: one scan of the message table.
             queues = status_report.collect(c.store).queues if live else latest.queues
+            change = {} if live else sampler.changes(c.connector, c.schema, latest)
             depths, rates = sampler.history(c.connector, c.schema, None, window)
             return {
                 "latest": latest,
                 "queues": queues,
                 "live": live,
+                "change": change,
                 "depths": depths,
                 "rates": rates,
                 "now": now,
@@ -82,6 +84,7 @@ class QueuesPage(Base):
             window=window,
             windows=WINDOWS,
             queues=data["queues"],
+            change=data["change"],
             sampled_at=latest.at,
             live=data["live"],
             charts=[depth_chart, rate_chart],

@@ -24,7 +24,7 @@ from pg_transport.errors import PgqError
 from pg_transport.ops.status import QueueStatus
 from pg_transport.sql import load_named
 
-__all__ = ["HISTORY_SECONDS", "Latest", "Rates", "Sampler", "rates", "take"]
+__all__ = ["HISTORY_SECONDS", "Latest", "Rates", "Sampler", "changes", "rates", "take"]
 
 logger = logging.getLogger("pg_transport.web")
 
@@ -114,6 +114,29 @@ def latest(connector: Connector, schema: str) -> Latest:
             if r[2] is not None
         ],
     )
+
+
+def changes(connector: Connector, schema: str, latest: Latest) -> dict[str, float]:
+    """Per queue: how fast its waiting messages (ready, in flight, delayed) grew (or, below
+    zero, shrank) per second between the tick before the latest and the latest."""
+    query = load_named("web.sql", schema)["web_previous"]
+
+    def work(conn: psycopg.Connection[Any]) -> list[Any]:
+        return conn.execute(query).fetchall()
+
+    if latest.at is None:
+        return {}
+    before = connector.run(work, idempotent=True)
+    if not before:
+        return {}
+    span = (latest.at - before[0][0]).total_seconds()
+    if span <= 0:
+        return {}
+    then = {str(queue): int(waiting) for _, queue, waiting in before}
+    return {
+        q.queue: (q.ready + q.in_flight + q.delayed - then.get(q.queue, 0)) / span
+        for q in latest.queues
+    }
 
 
 def rates(ticks: list[tuple[datetime, datetime, int | None, int | None]]) -> list[Rates]:

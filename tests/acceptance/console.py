@@ -34,7 +34,12 @@ class Console:
 
 @contextmanager
 def console(
-    env: Env, *, url: str | None = None, token: str | None = None, interval: float = 1.0
+    env: Env,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    interval: float = 1.0,
+    app: str | None = None,
 ) -> Iterator[Console]:
     """``pgq web`` on a free port of 127.0.0.1, until the block ends."""
     log = Path(tempfile.mkstemp(prefix="pgq-web-", suffix=".log")[1])
@@ -55,6 +60,7 @@ def console(
         "0",
         "--interval",
         str(interval),
+        *(["--app", app] if app else []),
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(

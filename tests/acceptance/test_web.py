@@ -151,7 +151,8 @@ def test_a_poisoned_task_is_shown_with_its_identity_and_requeue_runs_it(
     )
     try:
         wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.poison_log"), 30, "the hook")
-        with web.console(env, token=TOKEN) as console:
+        # The console imports the app's module, so its message_poisoned handlers run.
+        with web.console(env, token=TOKEN, app=POISON_APP) as console:
             sign_in(browser, console.url)
             browser.get(console.url + "/dead")
             row = browser.find_element("css selector", "#dead tbody tr")
@@ -163,7 +164,13 @@ def test_a_poisoned_task_is_shown_with_its_identity_and_requeue_runs_it(
             assert "mark_pipeline_failed ok" in hooks and "flaky_hook failed" in hooks
             assert "exec-9" in browser.find_element("id", "payload").text
 
-            browser.find_element("id", "requeue").click()
+            # Run the hooks again: each handler is called once more, outcomes recorded.
+            dead_id = env.scalar("SELECT id FROM {schema}.dead_letter")
+            browser.find_element("id", "rehook").click()
+            assert f"row {dead_id}: 1 of 2 handlers ok" in element(browser, "result").text
+            assert env.scalar("SELECT count(*) FROM {schema}.poison_log") == 2
+            browser.get(f"{console.url}/dead/{dead_id}")
+            element(browser, "requeue").click()
             assert "1 dead-letter row requeued" in element(browser, "result").text
             # A worker runs it again (and dies of it again: that is the task).
             wait_for(lambda: len(env.runs()) == 2, 60, "the requeued task to run")

@@ -46,3 +46,25 @@ def test_two_consoles_taking_one_interval_store_one_tick(
     figures = [(q.queue, q.ready, q.in_flight, q.delayed, q.dead) for q in latest.queues]
     assert figures == [(q.queue, q.ready, q.in_flight, q.delayed, q.dead) for q in counted]
     assert {q.queue: q.ready for q in latest.queues} == {"a": 3, "b": 2}
+
+
+def test_a_queue_change_per_second_is_between_the_last_two_ticks(store: Store, peek: Peek) -> None:
+    add = (
+        "INSERT INTO {schema}.message (queue, payload)"
+        " SELECT %s, '{{}}' FROM generate_series(1, %s)"
+    )
+    peek(add, "a", 2)
+    # A millisecond interval: each take is a tick of its own.
+    first = sampler.take(store.connector, store.schema, 0.001)
+    peek(add, "a", 6)
+    peek(add, "b", 3)
+    second = sampler.take(store.connector, store.schema, 0.001)
+    assert first is not None and second is not None and second > first
+    ((span,),) = peek(
+        "SELECT extract(epoch FROM max(taken_at) - min(taken_at))::float8"
+        " FROM {schema}.console_tick"
+    )
+    got = sampler.changes(
+        store.connector, store.schema, sampler.latest(store.connector, store.schema)
+    )
+    assert round(got["a"] * span, 6) == 6 and round(got["b"] * span, 6) == 3
