@@ -27,6 +27,8 @@ def make_app(console: Console, *, debug: bool = False) -> tornado.web.Applicatio
         routes,
         template_path=str(here.joinpath("templates")),
         static_path=str(here.joinpath("static")),
+        default_handler_class=pages.NotFound,
+        default_handler_args=args,
         xsrf_cookies=True,
         xsrf_cookie_kwargs={"httponly": True, "samesite": "Strict"},
         cookie_secret=console.cookie_secret(),

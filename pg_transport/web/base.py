@@ -1,4 +1,4 @@
-"""The console's Tornado application: pages, actions and the rules every answer follows.
+"""What every page and action of the console shares: its settings, headers, errors.
 
 Every answer carries a strict Content-Security-Policy (no script at all, styles from the
 console's own file), is never cached, and escapes every value it shows (Tornado's
@@ -102,6 +102,15 @@ def until(value: datetime | None, now: datetime) -> str:
     return ("in " + age(seconds)) if seconds >= 0 else (age(-seconds) + " ago")
 
 
+class Problem(tornado.web.HTTPError):
+    """An error page with a title; its detail is logged as it is (it may quote a row)."""
+
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        super().__init__(status, "%s", detail)
+        self.title = title
+        self.detail = detail
+
+
 class Base(tornado.web.RequestHandler):
     console: Console
 
@@ -130,7 +139,19 @@ class Base(tornado.web.RequestHandler):
         return raw.decode() if raw else None
 
     async def db(self, fn: Callable[[], T]) -> T:
-        return await IOLoop.current().run_in_executor(self.console.executor, fn)
+        """``fn`` in the console's threads; a refused privilege is a page of its own."""
+        try:
+            return await IOLoop.current().run_in_executor(self.console.executor, fn)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise Problem(
+                403,
+                "Not allowed for this role",
+                f"The console's database role may not read or do this: {one_line(exc)}. "
+                "Grant it the privilege (docs/least-privilege.md), or use the console for "
+                "what this role may see.",
+            ) from None
+        except (PgqError, psycopg.Error) as exc:
+            raise Problem(503, "Database unavailable", one_line(exc)) from None
 
     def page(self, template: str, **values: Any) -> None:
         self.render(
@@ -147,17 +168,10 @@ class Base(tornado.web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
         title, detail = "Error", self._reason
-        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            title = "Not allowed for this role"
-            detail = (
-                "The console's database role may not read or do this: "
-                f"{one_line(exc)}. Grant it the privilege (docs/least-privilege.md), "
-                "or use the console for what this role may see."
-            )
-        elif isinstance(exc, (PgqError, psycopg.Error)):
-            title, detail = "Database unavailable", one_line(exc)
+        if isinstance(exc, Problem):
+            title, detail = exc.title, exc.detail
         elif isinstance(exc, tornado.web.HTTPError) and exc.log_message:
-            detail = exc.log_message
+            detail = exc.log_message % exc.args if exc.args else exc.log_message
         self.render(
             "error.html",
             console=self.console,
@@ -168,23 +182,6 @@ class Base(tornado.web.RequestHandler):
             detail=detail,
             status=status_code,
         )
-
-    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
-        if isinstance(value, psycopg.errors.InsufficientPrivilege):
-            logger.info("%s %s: %s", self.request.method, self.request.path, value)
-            return
-        super().log_exception(typ, value, tb)
-
-    def _handle_request_exception(self, e: BaseException) -> None:
-        if isinstance(e, psycopg.errors.InsufficientPrivilege):
-            self.log_exception(type(e), e, e.__traceback__)
-            self.send_error(403, exc_info=(type(e), e, e.__traceback__))
-            return
-        if isinstance(e, (PgqError, psycopg.Error)):
-            logger.warning("%s %s: %s", self.request.method, self.request.path, e)
-            self.send_error(503, exc_info=(type(e), e, e.__traceback__))
-            return
-        super()._handle_request_exception(e)
 
     def capabilities(self) -> Capabilities:
         return self.console.reads.capabilities()
@@ -197,6 +194,6 @@ def checked_time(text: str | None, name: str) -> datetime | None:
         value = datetime.fromisoformat(text)
     except ValueError:
         raise tornado.web.HTTPError(
-            400, f"bad {name} {text!r}: expected a date and time, e.g. 2026-01-31T12:00"
+            400, "bad %s %r: expected a date and time, e.g. 2026-01-31T12:00", name, text
         ) from None
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)

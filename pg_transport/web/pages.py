@@ -27,7 +27,7 @@ def _window(handler: Base) -> int:
     raw = handler.get_query_argument("window", str(WINDOWS[-1]))
     if raw not in {str(w) for w in WINDOWS}:
         raise tornado.web.HTTPError(
-            400, f"bad window {raw!r}: one of {', '.join(map(str, WINDOWS))} seconds"
+            400, "bad window %r: one of %s seconds", raw, ", ".join(map(str, WINDOWS))
         )
     return int(raw)
 
@@ -179,7 +179,7 @@ class DeadOnePage(Base):
 
         data = await self.db(read)
         if data["row"] is None:
-            raise tornado.web.HTTPError(404, f"no dead-letter row {dead_id}")
+            raise tornado.web.HTTPError(404, "no dead-letter row %d", dead_id)
         self.page("dead_one.html", **data)
 
 
@@ -200,7 +200,7 @@ class BarriersPage(Base):
 
         data = await self.db(read)
         if wanted and data["caps"].barrier_details and data["found"] is None:
-            raise tornado.web.HTTPError(404, f"no barrier {wanted!r}")
+            raise tornado.web.HTTPError(404, "no barrier %r", wanted)
         self.page("barriers.html", wanted=wanted, **data)
 
 
@@ -227,6 +227,14 @@ class ProcessesPage(Base):
 class RootPage(Base):
     def get(self) -> None:
         self.redirect("/queues")
+
+
+class NotFound(Base):
+    """Any other path: the console's own 404 page, with its headers."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        raise tornado.web.HTTPError(404, "no such page")
 
 
 def routes(args: dict[str, Any]) -> list[Any]:
