@@ -144,7 +144,7 @@ LIMIT %(limit)s
 -- name: web_processes
 -- pgq's processes connected to this database: workers and publishers ('pgq:<pid>'), the
 -- console, metrics exporters and beats ('pgq…'), with their sessions.
-SELECT a.application_name, a.usename::text, a.client_addr::text, a.client_hostname,
+SELECT a.application_name, a.usename::text, pg_catalog.host(a.client_addr), a.client_hostname,
        pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE a.state = 'active'),
        pg_catalog.min(a.backend_start)
 FROM pg_catalog.pg_stat_activity AS a
