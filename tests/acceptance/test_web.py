@@ -308,3 +308,52 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
         with psycopg.connect(env.pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) -> None:
+    hostile = '"><img src=x onerror=alert(1)><script>alert(2)</script>'
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        s = sql.Identifier(env.schema)
+        conn.execute(
+            sql.SQL("INSERT INTO {}.message (queue, payload) VALUES (%s, '{{}}')").format(s),
+            [hostile],
+        )
+        dead_id = conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.dead_letter (message_id, queue, read_ct, enqueued_at, reason,"
+                " task_name, task_id, identity, hooks, payload) VALUES (1, %s, 1, now(), %s,"
+                " %s, %s, jsonb_build_object('k', %s::text),"
+                " jsonb_build_array(jsonb_build_object('receiver', %s::text, 'ok', false,"
+                " 'error', %s::text)), '{{}}') RETURNING id"
+            ).format(s),
+            [hostile] * 7,
+        ).fetchone()[0]  # type: ignore[index]
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.barrier (id, total, remaining, callback, expires_at,"
+                " stuck_timeout) VALUES (%s, 2, 1, json_build_object('task', %s::text),"
+                " now() + interval '1 hour', interval '1 minute')"
+            ).format(s),
+            [hostile, hostile],
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.beat_entry (name, task, schedule, origin)"
+                " VALUES (%s, %s, '{{\"every\": 5}}', 'command')"
+            ).format(s),
+            [hostile, hostile],
+        )
+    quoted = urllib.parse.quote(hostile, safe="")
+    with web.console(env) as console:
+        for path in (
+            "/queues",
+            f"/queue?name={quoted}",
+            "/dead",
+            f"/dead/{dead_id}",
+            f"/barriers?id={quoted}",
+            "/schedules",
+        ):
+            browser.get(console.url + path)
+            assert hostile in browser.find_element("tag name", "main").text, path
+            for tag in ("img", "script"):
+                assert not browser.find_elements("tag name", tag), (path, tag)
