@@ -98,6 +98,9 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "fired_at",
                 "finished_at",
             },
+            # `pgq web`'s samples: counts per queue, read by a console run as the monitor.
+            "console_tick": ALL,
+            "console_sample": ALL,
         },
     },
     "nobody": {},
