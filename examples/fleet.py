@@ -47,6 +47,9 @@ app.conf.update(
     # Results in the same Postgres; the workers delete them a day after they are stored.
     result_expires=86400,
     broker_connection_retry_on_startup=True,
+    # Sent by `celery -A fleet beat -S pgq` (the compose file runs two): once per slot
+    # however many beats run, kept in Postgres (docs/beat.md).
+    beat_schedule={"tick-every-30s": {"task": "fleet.tick", "schedule": 30.0}},
 )
 health.install(app)
 

@@ -1,4 +1,4 @@
--- 0008: the result backend (result_backend = "pgq://…").
+-- 0010: the result backend (result_backend = "pgq://…").
 -- A task's state is one row keyed by its id: the meta Celery stores (status, result,
 -- traceback, children, task_extended fields) encoded with the result serializer,
 -- possibly compressed, with its content type so a reader decodes what a writer wrote.
