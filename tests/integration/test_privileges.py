@@ -114,6 +114,8 @@ CONTENT = {
     ("barrier", "errback"),
     ("barrier", "metadata"),
     ("barrier_part", "result"),
+    ("result", "meta"),
+    ("result_group", "meta"),
     ("beat_entry", "args"),
     ("beat_entry", "kwargs"),
     ("beat_entry", "options"),
