@@ -83,11 +83,14 @@ class Publisher:
         priority: int = 0,
         delay: float = 0.0,
         publish_key: str | None = None,
+        ttl: float | None = None,
     ) -> None:
         """Insert a message and wake its queue's consumers once it is committed. With a
-        ``publish_key`` a repeated call inserts nothing. Inside a batch
-        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead."""
-        params = self._publish_params(queue, payload, priority, delay, publish_key)
+        ``publish_key`` a repeated call inserts nothing. It expires after ``ttl``
+        seconds or its queue's message TTL, whichever is shorter (neither: never).
+        Inside a batch (:mod:`~pg_transport.batching`) it joins the batch's
+        transaction instead."""
+        params = self._publish_params(queue, payload, priority, delay, publish_key, ttl)
         open_batch = batching.current()
         if open_batch is not None:
             open_batch.run(
@@ -113,7 +116,9 @@ class Publisher:
         For work that must commit together with its message (a barrier firing its
         callback): the message exists exactly when the transaction commits, and its
         wake-up (a NOTIFY, transactional) goes out then."""
-        self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
+        self._insert_on(
+            conn, self._publish_params(queue, payload, priority, delay, publish_key, None)
+        )
 
     def _publish_params(
         self,
@@ -122,12 +127,14 @@ class Publisher:
         priority: int,
         delay: float,
         publish_key: str | None,
+        ttl: float | None,
     ) -> dict[str, Any]:
         return {
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
+            "ttl": ttl,
             "payload": self.encode(payload),
             "notify": delay <= 0,
             "channel": self.channel(queue),
