@@ -181,8 +181,8 @@ class Transport(virtual.Transport):
         # Prove the server answers now, so a bad URL fails at connect, not later.
         with self.connector.connection() as conn:
             conn.execute("SELECT 1")
-            # With several hosts, the one that answered (libpq's failover).
-            self.client.port = int(conn.info.port)
+            if self.client is not None:  # with several hosts, the one that answered
+                self.client.port = int(conn.info.port)
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:
