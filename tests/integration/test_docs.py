@@ -95,6 +95,7 @@ def test_the_docs_show_pgq_commands() -> None:
     for expected in [
         ("migrate",),
         ("status",),
+        ("scheduled",),
         ("metrics",),
         ("purge",),
         ("dead", "list"),

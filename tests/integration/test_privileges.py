@@ -427,6 +427,8 @@ def test_worker_role_round_trips_and_handles_dead_letters(granted: Roles) -> Non
         queue.close()
     status = cli(granted, granted.worker, "status", "--json")
     assert status.exit_code == 0, status.output
+    scheduled = cli(granted, granted.worker, "scheduled", "--json")
+    assert scheduled.exit_code == 0, scheduled.output
 
 
 def test_no_role_but_the_owner_changes_the_schema(granted: Roles) -> None:
@@ -813,6 +815,7 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
         ["dead", "requeue", "--all"],
         ["dead", "purge", "--yes"],
         ["purge", "jobs"],
+        ["scheduled"],
     ):
         result = cli(granted, granted.monitor, *args)
         assert result.exit_code == 1, (args, result.output)
