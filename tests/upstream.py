@@ -24,6 +24,8 @@ __all__ = ["UpstreamUnavailable", "cache_dir", "load_module", "source_tree"]
 # pip may need this long on a slow or shared machine; a run without network fails
 # sooner (pip's own timeouts) and says so.
 DOWNLOAD_TIMEOUT = 600
+# Written last into an unpacked tree: a tree without it is not used.
+COMPLETE = ".pgq-complete"
 
 
 class UpstreamUnavailable(Exception):
@@ -36,20 +38,23 @@ def cache_dir() -> Path:
 
 
 def source_tree(project: str) -> Path:
-    """The unpacked ``t/`` tree of ``project``'s sdist, of the installed version."""
+    """The unpacked ``t/`` tree (and ``pyproject.toml``) of ``project``'s sdist, of the
+    installed version."""
     version = importlib.metadata.version(project)
     root = cache_dir() / f"{project}-{version}"
-    if (root / "t" / "integration").is_dir():
+    if (root / COMPLETE).is_file():
         return root
+    shutil.rmtree(root, ignore_errors=True)  # an older or interrupted unpacking
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
         archive = _download(project, version, Path(scratch))
         unpacked = Path(scratch) / "unpacked"
         _extract_tests(archive, f"{project}-{version}", unpacked)
+        (unpacked / COMPLETE).touch()
         try:
             unpacked.rename(root)
         except OSError:
-            if not (root / "t" / "integration").is_dir():  # not a concurrent run's
+            if not (root / COMPLETE).is_file():  # not a concurrent run's
                 raise
     return root
 
@@ -82,12 +87,14 @@ def _download(project: str, version: str, into: Path) -> Path:
 
 
 def _extract_tests(archive: Path, top: str, into: Path) -> None:
-    """Only ``<top>/t/`` of ``archive``, as plain files, under ``into``."""
-    prefix = f"{top}/t/"
+    """Only ``<top>/t/`` and ``<top>/pyproject.toml`` of ``archive``, as plain files,
+    under ``into``."""
+    prefix, settings = f"{top}/t/", f"{top}/pyproject.toml"
     try:
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
-                if not member.name.startswith(prefix) or not member.isfile():
+                wanted = member.name.startswith(prefix) or member.name == settings
+                if not wanted or not member.isfile():
                     continue
                 relative = Path(member.name[len(top) + 1 :])
                 if ".." in relative.parts or relative.is_absolute():
