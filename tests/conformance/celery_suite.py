@@ -44,9 +44,26 @@ __all__ = [
 ]
 
 #: Tests that pass on RabbitMQ and not on pgq, by design, with why (docs/conformance.md).
-KNOWN_DIFFERENCES: dict[str, str] = {}
+KNOWN_DIFFERENCES: dict[str, str] = {
+    "t/integration/test_inspect.py::test_Inspect::test_scheduled": (
+        "ETA tasks wait in Postgres (native_delayed_delivery), in no worker's timer: "
+        "`pgq scheduled` lists them; the test passes with native_delayed_delivery off"
+    ),
+    "t/integration/test_tasks.py::test_task_replacement::test_replaced_task_nesting_level_0": (
+        "the test clears the flag its task_received handler sets after .delay() returns; "
+        "on pgq the worker has often received the task by then (it is delivered as soon "
+        "as its publish has committed)"
+    ),
+    "t/integration/test_canvas.py::test_chain::"
+    "test_chord_header_id_duplicated_on_rabbitmq_msg_duplication[redis-group-ids]": (
+        "the test republishes with every keyword of before_task_publish as a message "
+        "property, the Signal object included, which a JSON transport cannot carry "
+        "(Celery expects this failure on Redis and marks it xfail there)"
+    ),
+}
 
-OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+#: Outcomes as JUnit XML tells them (an unexpected pass that is not strict is "passed").
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/13"
 RABBITMQ = "pyamqp://guest:guest@127.0.0.1:5672/{vhost}"
@@ -128,7 +145,7 @@ def compare(results: Mapping[str, Mapping[str, str]], *, baseline: str = "rabbit
             t
             for t in tests
             if results[baseline].get(t) == "passed"
-            and results["pgq"].get(t) not in ("passed", "xpassed")
+            and results["pgq"].get(t) != "passed"
             and t not in KNOWN_DIFFERENCES
         ]
     return Comparison(counts, differing, unexplained)

@@ -46,7 +46,6 @@ def test_compare_counts_and_finds_what_passed_on_rabbitmq_only(
         "error": 1,
         "skipped": 0,
         "xfailed": 0,
-        "xpassed": 0,
         "total": 4,
     }
     assert found.differing == {
