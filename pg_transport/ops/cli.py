@@ -22,7 +22,7 @@ from pg_transport.db.migrate import migrate as migrate_schema
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.url import mask_url
 from pg_transport.errors import PgqError
-from pg_transport.ops import scheduled as scheduled_report
+from pg_transport.ops import delayed as delayed_report
 from pg_transport.ops import status as status_report
 from pg_transport.ops.cli_common import (
     Group,
@@ -154,12 +154,12 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
-    default=scheduled_report.DEFAULT_LIMIT,
+    default=delayed_report.DEFAULT_LIMIT,
     show_default=True,
     help="List at most this many, soonest first.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-def scheduled(
+def delayed(
     url: str | None, schema: str, queues: tuple[str, ...], limit: int, as_json: bool
 ) -> None:
     """List ETA and countdown tasks waiting in Postgres until they are due.
@@ -169,12 +169,12 @@ def scheduled(
     Reads message payloads: run it as the worker or the owner role.
     """
     with open_store(url, schema) as store:
-        found = scheduled_report.collect(store, queues, limit)
+        found = delayed_report.collect(store, queues, limit)
     if as_json:
         click.echo(json_text([s.as_json() for s in found]))
         return
     if not found:
-        click.echo("no scheduled messages")
+        click.echo("no delayed messages")
         return
     click.echo(
         table(

@@ -47,7 +47,7 @@ __all__ = [
 KNOWN_DIFFERENCES: dict[str, str] = {
     "t/integration/test_inspect.py::test_Inspect::test_scheduled": (
         "ETA tasks wait in Postgres (native_delayed_delivery), in no worker's timer: "
-        "`pgq scheduled` lists them; the test passes with native_delayed_delivery off"
+        "`pgq delayed` lists them; the test passes with native_delayed_delivery off"
     ),
     "t/integration/test_tasks.py::test_task_replacement::test_replaced_task_nesting_level_0": (
         "the test clears the flag its task_received handler sets after .delay() returns; "

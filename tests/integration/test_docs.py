@@ -96,7 +96,7 @@ def test_the_docs_show_pgq_commands() -> None:
     for expected in [
         ("migrate",),
         ("status",),
-        ("scheduled",),
+        ("delayed",),
         ("metrics",),
         ("purge",),
         ("dead", "list"),

@@ -1,7 +1,7 @@
--- Named queries of `pgq scheduled`. Each block starts with "-- name: <name>" and a
+-- Named queries of `pgq delayed`. Each block starts with "-- name: <name>" and a
 -- one-line description; {schema} is composed as an identifier, values are bound.
 
--- name: scheduled
+-- name: delayed
 -- Messages waiting in Postgres for their ETA (native delayed delivery: never delivered,
 -- not visible yet) in the given queues (every queue when none is given), soonest first,
 -- at most limit of them, with what Celery's headers say of each: task id, task name,
