@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +72,16 @@ def run_pgbench(pg_url: str, seconds: float = 5.0) -> dict[str, Any]:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
 
 
-def pgbench_script(query: str) -> str:
+def pgbench_script(query: str, nulls: Collection[str] = ()) -> str:
     """A pgbench script running ``query`` (psycopg's ``%(name)s`` parameters) once per
-    transaction, its ``publish_key`` a new random number each time and its other
-    parameters pgbench variables of the same names (``-D name=value``)."""
+    transaction, its ``publish_key`` a new random number each time, the parameters
+    named in ``nulls`` NULL (a ``-D`` define cannot say it) and its other parameters
+    pgbench variables of the same names (``-D name=value``)."""
     names: set[str] = set()
 
     def variable(name: str) -> str:
+        if name in nulls:
+            return "NULL"
         names.add(name)
         return f":{name}"
 
@@ -98,7 +101,7 @@ def run_pgq_insert(
     pgbench = find_pgbench()
     if pgbench is None:
         return _no_pgbench()
-    script = pgbench_script(load_queries(schema)["enqueue"])
+    script = pgbench_script(load_queries(schema)["enqueue"], nulls=("ttl",))  # no expiry
     defines = {"queue": queue, "priority": "0", "delay": "0", "payload": payload}
     env = None if durable else {"PGOPTIONS": "-c synchronous_commit=off"}
     found = _run(

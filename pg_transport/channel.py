@@ -139,6 +139,7 @@ class Channel(virtual.Channel):
             priority=self._get_message_priority(message),
             delay=self._delay(message),
             publish_key=key,
+            ttl=_expiration(props.get("expiration")),
         )
 
     # -- routing: exchanges and bindings live in Postgres ----------------------

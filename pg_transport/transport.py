@@ -51,7 +51,7 @@ from pg_transport.consume.source import Want
 from pg_transport.consume.vacuum import Vacuumer
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, mask_url, url_to_conninfo
-from pg_transport.db.url import seal, unseal
+from pg_transport.db.url import first_port, seal, unseal
 from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
@@ -116,6 +116,9 @@ class Transport(virtual.Transport):
             hostname, credentials = seal(self.url)
             if credentials is not None:
                 client.hostname, client.password = hostname, credentials
+        # kombu leaves a URL it does not parse whole without a port; the port libpq
+        # tries first stands there until a connection says which one answered.
+        client.port = first_port(self.url) or client.port
         # Behind a transaction pooler (use_notify off) a session is not ours from one
         # statement to the next: no server-side prepared statements, no session
         # settings (every statement commits synchronously, is planned every time).
@@ -183,6 +186,8 @@ class Transport(virtual.Transport):
         # Prove the server answers now, so a bad URL fails at connect, not later.
         with self.connector.connection() as conn:
             conn.execute("SELECT 1")
+            if self.client is not None:  # with several hosts, the one that answered
+                self.client.port = int(conn.info.port)
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:

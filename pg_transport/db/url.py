@@ -31,6 +31,7 @@ __all__ = [
     "URL_FORM",
     "Credentials",
     "build_url",
+    "first_port",
     "mask_url",
     "parse_url",
     "scheme_of",
@@ -169,6 +170,12 @@ def parse_url(url: str | None) -> dict[str, str]:
     params = {key: str(value) for key, value in parsed.items() if value is not None}
     _check_ports(params.get("port", ""))
     return params
+
+
+def first_port(url: str) -> int | None:
+    """The port libpq tries first for ``url`` (None: none written, libpq's default)."""
+    port = parse_url(url).get("port", "").split(",")[0]
+    return int(port) if port else None
 
 
 def _quote(text: str, safe: str = "") -> str:

@@ -22,6 +22,7 @@ from pg_transport.db.migrate import migrate as migrate_schema
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.url import mask_url
 from pg_transport.errors import PgqError
+from pg_transport.ops import delayed as delayed_report
 from pg_transport.ops import status as status_report
 from pg_transport.ops.cli_common import (
     Group,
@@ -144,6 +145,55 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         click.echo(
             "barriers: " + ", ".join(f"{b.count} {printable(b.status)}" for b in report.barriers)
         )
+
+
+@main.command()
+@url_option
+@schema_option
+@click.option("--queue", "queues", multiple=True, help="Only this queue (repeatable).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=delayed_report.DEFAULT_LIMIT,
+    show_default=True,
+    help="List at most this many, soonest first.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def delayed(
+    url: str | None, schema: str, queues: tuple[str, ...], limit: int, as_json: bool
+) -> None:
+    """List ETA and countdown tasks waiting in Postgres until they are due.
+
+    With native_delayed_delivery on (the default) no worker holds them, so Celery's
+    `inspect scheduled` does not list them: this does, for every worker at once.
+    Reads message payloads: run it as the worker or the owner role.
+    """
+    with open_store(url, schema) as store:
+        found = delayed_report.collect(store, queues, limit)
+    if as_json:
+        click.echo(json_text([s.as_json() for s in found]))
+        return
+    if not found:
+        click.echo("no delayed messages")
+        return
+    click.echo(
+        table(
+            ["DUE", "QUEUE", "TASK", "ID", "PRIORITY"],
+            [
+                [
+                    s.due.isoformat(timespec="seconds"),
+                    s.queue,
+                    s.task or "-",
+                    s.task_id or "-",
+                    str(s.priority),
+                ]
+                for s in found
+            ],
+            right={4},
+        )
+    )
+    if len(found) == limit:
+        click.echo(f"(the first {limit}: --limit lists more)")
 
 
 @main.group(cls=Group)

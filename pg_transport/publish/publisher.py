@@ -96,12 +96,15 @@ class Publisher:
         priority: int = 0,
         delay: float = 0.0,
         publish_key: str | None = None,
+        ttl: float | None = None,
     ) -> None:
         """Insert a message and wake its queue's consumers once it is committed. With a
-        ``publish_key`` a repeated call inserts nothing. Inside a batch
-        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead; inside
-        the application's (:mod:`~pg_transport.publish.joined`), that one."""
-        params = self._publish_params(queue, payload, priority, delay, publish_key)
+        ``publish_key`` a repeated call inserts nothing. It expires after ``ttl``
+        seconds or its queue's message TTL, whichever is shorter (neither: never).
+        Inside a batch (:mod:`~pg_transport.batching`) it joins the batch's transaction
+        instead; inside the application's (:mod:`~pg_transport.publish.joined`), that
+        one."""
+        params = self._publish_params(queue, payload, priority, delay, publish_key, ttl)
         caller = joined.current()
         if caller is not None:
             self.on_caller(caller, lambda conn: self._insert_on(conn, params))
@@ -131,7 +134,9 @@ class Publisher:
         For work that must commit together with its message (a barrier firing its
         callback): the message exists exactly when the transaction commits, and its
         wake-up (a NOTIFY, transactional) goes out then."""
-        self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
+        self._insert_on(
+            conn, self._publish_params(queue, payload, priority, delay, publish_key, None)
+        )
 
     def in_batch(self, op: batching.Op) -> Any:
         """Run ``op`` in the open batch's transaction on this publisher's database: the
@@ -149,12 +154,14 @@ class Publisher:
         priority: int,
         delay: float,
         publish_key: str | None,
+        ttl: float | None,
     ) -> dict[str, Any]:
         return {
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
+            "ttl": ttl,
             "payload": self.encode(payload),
             "notify": delay <= 0,
             "channel": self.channel(queue),

@@ -14,11 +14,18 @@
 -- now, wake its queue's listeners. Where the publisher's session is its own (not behind a
 -- transaction pooler) and its commits wait for their flush, a publish due now runs
 -- enqueue and wake instead, as two transactions sent at once.
+-- The message expires after the shorter of its own ttl (seconds, the message's
+-- expiration) and its queue's x-message-ttl, counted from now, as publish_routed does;
+-- neither set: it never expires.
 WITH inserted AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
     VALUES (%(queue)s, %(priority)s,
             pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
-            %(publish_key)s, %(payload)s)
+            %(publish_key)s, %(payload)s,
+            pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
+                (SELECT q.message_ttl_ms::float8 / 1000.0::float8
+                 FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
+                %(ttl)s::float8)))
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING 1
 )
@@ -37,11 +44,15 @@ FROM pg_catalog.pg_control_system() AS c
 
 -- name: enqueue
 -- publish_plain without its wake-up, which the wake query sends right after it in a
--- transaction of its own (see Store.publish_on).
-INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload)
+-- transaction of its own (see Publisher._enqueue_then_wake). It expires as there.
+INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
 VALUES (%(queue)s, %(priority)s,
         pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
-        %(publish_key)s, %(payload)s)
+        %(publish_key)s, %(payload)s,
+        pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
+            (SELECT q.message_ttl_ms::float8 / 1000.0::float8
+             FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
+            %(ttl)s::float8)))
 ON CONFLICT (publish_key) DO NOTHING
 
 -- name: wake
@@ -301,9 +312,10 @@ SELECT id, message_id, queue, priority, read_ct, enqueued_at, dead_at, reason, t
 FROM {schema}.dead_letter WHERE id = %(id)s
 
 -- name: size
--- Count the messages of a queue that are ready for delivery now.
+-- Count the messages of a queue that are ready for delivery now (expired ones are not).
 SELECT pg_catalog.count(*) FROM {schema}.message
 WHERE queue = %(queue)s::text AND visible_at <= pg_catalog.now()
+  AND (expires_at IS NULL OR expires_at > pg_catalog.now())
 
 -- name: purge
 -- Delete a queue's waiting messages (ready or delayed, not in flight); return how many.

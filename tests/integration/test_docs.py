@@ -96,6 +96,7 @@ def test_the_docs_show_pgq_commands() -> None:
     for expected in [
         ("migrate",),
         ("status",),
+        ("delayed",),
         ("metrics",),
         ("purge",),
         ("dead", "list"),

@@ -435,6 +435,8 @@ def test_worker_role_round_trips_and_handles_dead_letters(granted: Roles) -> Non
         queue.close()
     status = cli(granted, granted.worker, "status", "--json")
     assert status.exit_code == 0, status.output
+    delayed = cli(granted, granted.worker, "delayed", "--json")
+    assert delayed.exit_code == 0, delayed.output
 
 
 def test_worker_role_runs_beat_and_pgq_schedule_and_no_other_role_does(granted: Roles) -> None:
@@ -859,6 +861,7 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
         ["dead", "requeue", "--all"],
         ["dead", "purge", "--yes"],
         ["purge", "jobs"],
+        ["delayed"],
     ):
         result = cli(granted, granted.monitor, *args)
         assert result.exit_code == 1, (args, result.output)

@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
@@ -234,3 +235,25 @@ def test_a_batch_waiting_behind_a_blocked_delivery_keeps_its_lease(
             thread.join(20)
     # Both delivered by that one drain, once each.
     assert got == [{"n": 1}, {"n": 2}]
+
+
+def test_connection_port_is_the_urls_then_the_one_that_answered(pg_url: str, schema: str) -> None:
+    """kombu keeps a pgq URL whole, without a port: the transport says which one, the
+    first libpq tries until a connection says which answered (a failover's)."""
+    live = psycopg.conninfo.conninfo_to_dict(pg_url)
+    host, port, dbname = (
+        live.get("host") or "127.0.0.1",
+        int(live.get("port") or 5432),
+        live["dbname"],
+    )
+    user = live.get("user") or "postgres"
+    dead = 1 if port != 1 else 2  # nothing listens on it
+    url = f"pgq://{user}@{host}:{dead},{host}:{port}/{dbname}?target_session_attrs=any"
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        assert conn.info()["port"] == dead
+        assert conn.port == dead
+        conn.connect()
+        assert conn.port == port
+        assert conn.info()["port"] == port
+    with Connection(f"pgq://{user}@{host}/{dbname}", transport_options={"schema": schema}) as conn:
+        assert conn.info()["port"] == 5432  # none written: libpq's default
