@@ -94,6 +94,16 @@ def slow_backends(peek: Peek) -> list[int]:
     return [int(pid) for (pid,) in rows]
 
 
+def wait_gone(peek: Peek, pid: int) -> None:
+    """Until terminated backend ``pid`` has exited (``pg_terminate_backend`` only signals
+    it: on a busy machine it may still be listed a moment later)."""
+    peek.wait_until(
+        "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)",
+        pid,
+        failure=f"backend {pid} was terminated and never exited",
+    )
+
+
 def wait_for_insert(peek: Peek, pid: int) -> str:
     """Until backend ``pid`` has inserted (it has a transaction id, given at its first
     write; its commit, flush included, follows at once): that transaction's id. (Its
@@ -205,6 +215,7 @@ def test_a_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_consume
     peek("SELECT pg_terminate_backend(%s)", pid)
     thread.join()
     assert "publish" in took  # it returned
+    wait_gone(peek, pid)
     assert pid not in slow_backends(peek)
     # Whether the insert's answer or only the wake-up's was lost with the session,
     # the message is there once, and the wake-up was sent again.
@@ -229,6 +240,7 @@ def test_a_routed_publish_cut_off_in_its_commit_is_published_once_and_wakes_its_
     peek("SELECT pg_terminate_backend(%s)", pid)
     thread.join()
     assert outcome == [("direct", 1)]  # it returned, sent again on another session
+    wait_gone(peek, pid)
     assert pid not in slow_backends(peek)
     # The cut-off transaction committed its copy (a commit under way is not stopped),
     # and its answer was lost with the session: the publish sent again inserted nothing
