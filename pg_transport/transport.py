@@ -38,7 +38,7 @@ from urllib.parse import quote
 import psycopg
 from kombu.transport import virtual
 
-from pg_transport.channel import EXCHANGE_TYPES
+from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options
 from pg_transport.consume.blocking import BlockingDriver
@@ -164,6 +164,20 @@ class Transport(virtual.Transport):
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
 
+    # kombu's Connection drops ``client`` from a transport it collects after a lost
+    # connection, but a publish retry (kombu's, Celery's ``task_publish_retry``) then
+    # declares the queue again through an entity still bound to this transport's
+    # channel, which reads ``channel.connection.client``: a lost transport keeps its
+    # client, and that declare lands through the store, which outlives the loss.
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        if value is not None or not getattr(self, "lost", False):
+            self._client = value
+
     def driver_version(self) -> str:
         return str(psycopg.__version__)
 
@@ -217,6 +231,7 @@ class Transport(virtual.Transport):
         payload = claimed.payload
         assert payload is not None, "a message with no payload is dead-lettered"
         props = payload.setdefault("properties", {})
+        props.pop(PUBLISH_ID, None)  # the publish's, not the delivery's (channel.publish_id)
         props["delivery_tag"] = f"{claimed.id}:{claimed.lease}"
         info = props.setdefault("delivery_info", {})
         info[TOKEN] = [claimed.id, claimed.lease]
