@@ -135,6 +135,21 @@ def _flag(key: str, value: Any) -> bool:
     raise ConfigurationError(f"pgq option {key}={value!r} is not a boolean (true/false)")
 
 
+#: ``durable_acks`` values: the consumer's commits (claims, acks, releases, renewals).
+DURABLE_ACKS = ("auto", "on", "off")
+
+
+def _durable_acks(key: str, value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if _flag(key, value) else "off"
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"pgq option {key}={value!r} must be auto, true or false"
+        ) from None
+
+
 def _schema(key: str, value: Any) -> str:
     if not isinstance(value, str) or not _IDENT.match(value) or len(value) > 48:
         raise ConfigurationError(
@@ -176,6 +191,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "native_delayed_delivery": _flag,
     "auto_migrate": _flag,
     "durable_publish": _flag,
+    "durable_acks": _durable_acks,
     "vacuum_threshold": _vacuum_threshold,
     "max_message_bytes": _message_bytes,
 }
@@ -198,6 +214,10 @@ class Options:
     native_delayed_delivery: bool = True
     auto_migrate: bool = True
     durable_publish: bool = True
+    #: Whether claims, acks and renewals wait as the server's commits do (its WAL flush,
+    #: its synchronous standbys): "on", "off", or "auto" (on when the server has
+    #: synchronous standbys, as a session finds it when it opens).
+    durable_acks: str = "auto"
     vacuum_threshold: int = 10_000
     #: Largest message (its JSON text, bytes) published; also what a claim brings at once.
     max_message_bytes: int = 16 * 1024 * 1024

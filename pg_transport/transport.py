@@ -133,7 +133,11 @@ class Transport(virtual.Transport):
                 conninfo,
                 display_url=shown,
                 prepare_threshold=prepare,
-                setup=(queries["relax_commit"], queries["generic_plans"], *no_jit),
+                setup=(
+                    *_commit_setup(self.options.durable_acks, queries),
+                    queries["generic_plans"],
+                    *no_jit,
+                ),
             )
             if own
             else self.connector
@@ -345,6 +349,16 @@ class Transport(virtual.Transport):
             if qos is not None:
                 held.extend(qos.held())
         return held
+
+
+def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]:
+    """How the consumer's session commits (``durable_acks``): relaxed (off), as the
+    server says (on), or relaxed unless the server has synchronous standbys (auto)."""
+    return {
+        "off": (queries["relax_commit"],),
+        "on": (),
+        "auto": (queries["relax_commit_unless_synchronous"],),
+    }[durable_acks]
 
 
 def _client_url(client: Any) -> str:

@@ -7,6 +7,10 @@ The server has done the work and committed it (Postgres sends a command's answer
 it is ready for the next query, after the commit of an autocommit statement); the
 client sees a connection lost and cannot know whether its statement took effect: an
 ambiguous commit, made on demand. Use it with ``sslmode=disable`` (it reads the bytes).
+
+:meth:`CuttingProxy.pause` holds every byte in both directions (a network partition:
+what a standby streaming through it has not received yet, it will not have);
+:meth:`CuttingProxy.resume` lets them through again, :meth:`CuttingProxy.close` drops them.
 """
 
 from __future__ import annotations
@@ -36,12 +40,21 @@ class CuttingProxy:
         self.answers: list[tuple[bytes, bool]] = []
         self._sockets: list[socket.socket] = []
         self._closed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self, n: int = 1) -> None:
         """Lose the next ``n`` marked answers (and their connections)."""
         with self._lock:
             self._cuts_left = n
+
+    def pause(self) -> None:
+        """Hold every byte from now on, both ways (connections stay open)."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
 
     def _accept(self) -> None:
         while True:
@@ -65,6 +78,9 @@ class CuttingProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                while not self._flowing.wait(0.05):
+                    if self._closed:
+                        return
                 if answers and self._loses(data):
                     break
                 dst.sendall(data)
@@ -87,6 +103,7 @@ class CuttingProxy:
         return lose
 
     def close(self) -> None:
+        self._closed = True
         self._listener.close()
         with self._lock:
             sockets, self._sockets = self._sockets, []
