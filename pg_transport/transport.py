@@ -45,6 +45,7 @@ from pg_transport.consume.blocking import BlockingDriver
 from pg_transport.consume.engine import UNLIMITED_BATCH, Engine
 from pg_transport.consume.housekeeping import Housekeeper
 from pg_transport.consume.hub import HubDriver
+from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Session
 from pg_transport.consume.source import Want
 from pg_transport.consume.vacuum import Vacuumer
@@ -163,7 +164,11 @@ class Transport(virtual.Transport):
         session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
         #: The consumer, one for every way of driving it.
         self.engine = Engine(
-            self, self.store, session, max_message_bytes=self.options.max_message_bytes
+            self,
+            self.store,
+            session,
+            max_message_bytes=self.options.max_message_bytes,
+            listener=self._listener(),
         )
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
@@ -181,6 +186,17 @@ class Transport(virtual.Transport):
     def client(self, value: Any) -> None:
         if value is not None or not getattr(self, "lost", False):
             self._client = value
+
+    def _listener(self) -> Listener | None:
+        """Behind a pooler with ``listen_url``: the direct session that LISTENs for this
+        process's consumer (no prepared statements; search_path pinned, as it is ours)."""
+        url = self.options.listen_url
+        if not url:
+            return None
+        connector = Connector(
+            url_to_conninfo(url), display_url=mask_url(url), max_idle=0, prepare_threshold=None
+        )
+        return Listener(connector, self.options.schema, lambda: self.engine.pipe.wake())
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
