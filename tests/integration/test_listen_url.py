@@ -109,9 +109,11 @@ def test_an_idle_consumer_behind_the_pooler_is_woken_through_its_direct_listener
     queue = Queue("woken", Exchange("woken"), "r")
     with consuming(bouncer.url("pgq"), options, queue) as (got, engine):
         application = f"pgq:{os.getpid()}"
-        rows.wait_until(
-            f"SELECT count(*) = 1 FROM ({LISTENER}) AS l", application, failure="no listener"
-        )
+        deadline = time.monotonic() + 10
+        while not engine.listener.listening:  # its LISTEN answered
+            assert time.monotonic() < deadline, "the listener never listened"
+            time.sleep(0.005)
+        assert len(rows(LISTENER, application)) == 1  # one direct session, to Postgres
         idle(engine)
         started = publish(bouncer.url("pgq"), schema, queue)
         assert arrival(got, 1) - started < 1.0, "not woken: it would have waited for its poll"
@@ -127,8 +129,12 @@ def test_an_idle_consumer_behind_the_pooler_is_woken_through_its_direct_listener
             pid,
             failure="the listener did not come back",
         )
+        deadline = time.monotonic() + 10
+        while "listening connection (listen_url) is back" not in caplog.text:
+            assert time.monotonic() < deadline, "the listener never said it is back"
+            time.sleep(0.01)
+        assert engine.listener.listening
         assert "listening connection (listen_url) is lost" in caplog.text
-        assert "listening connection (listen_url) is back" in caplog.text
         idle(engine)
         started = publish(bouncer.url("pgq"), schema, queue)
         assert arrival(got, 2) - started < 1.0, "not woken after the reconnection"
