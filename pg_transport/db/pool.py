@@ -327,8 +327,8 @@ def pooler_detected(display_url: str, detail: str) -> PoolerDetected:
     """The one error for a pooler in the way of a session pgq needs as its own."""
     return PoolerDetected(
         f"{display_url} is not a Postgres session of pgq's own: {detail}. A connection "
-        f"pooler in transaction mode (PgBouncer's pool_mode = transaction, say) is in "
-        f"between. Set the transport option use_notify=false (or PGQ_USE_NOTIFY=false): "
+        f"pooler is in between (PgBouncer, say, in pool_mode = transaction or session). "
+        f"Set the transport option use_notify=false (or PGQ_USE_NOTIFY=false): "
         f"pgq then keeps no session state (no LISTEN, no prepared statements, no session "
         f"settings) and idle workers poll; or connect pgq to Postgres directly"
     )

@@ -70,9 +70,9 @@ class Outcome:
         return (
             f"failover [{label}]: published {len(self.published)}, "
             f"lost {len(self.lost)}, duplicate runs {self.duplicates}, "
-            f"first task {after:.2f} s after promotion"
+            f"tasks flow again {after:.2f} s after promotion"
             if after is not None
-            else f"failover [{label}]: no task ran after promotion"
+            else f"failover [{label}]: no task published after promotion ran"
         )
 
 
@@ -171,8 +171,8 @@ def fail_over(record: Record, *, synchronous: bool, durable_acks: str) -> Outcom
                 outcome.stalled_at = time.time()
                 pair.link.pause()  # the standby receives nothing from here on
                 time.sleep(STALL)  # the length of the stall is the scenario, not an ordering
-                outcome.crashed_at = time.time()
                 pair.crash_primary()
+                outcome.crashed_at = time.time()  # (pg_ctl stop -m immediate has returned)
                 pair.promote()
                 outcome.promoted_at = time.time()
                 wait_for(
@@ -193,7 +193,9 @@ def fail_over(record: Record, *, synchronous: bool, durable_acks: str) -> Outcom
             ) if synchronous else time.sleep(VT * 2)
         found = runs()
         outcome.runs = Counter(task for task, _ in found)
-        after = [at for _, at in found if at > outcome.promoted_at]
+        # Tasks flowing again: the first run of a task published after the promotion
+        # (the producer and a worker have both found the new primary).
+        after = [at for task, at in found if outcome.published.get(task, 0.0) > outcome.promoted_at]
         if after:
             outcome.first_run_after_promotion = min(after) - outcome.promoted_at
         return outcome

@@ -322,3 +322,17 @@ def test_errors_are_value_errors_too() -> None:
 def test_durable_acks_is_auto_or_a_boolean(bad: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"durable_acks=.* must be auto, true or false"):
         options({"durable_acks": bad})
+
+
+def test_listen_url_goes_with_use_notify_off() -> None:
+    url = "pgq://app@db1:5432/app"
+    assert options({"use_notify": False, "listen_url": url}).listen_url == url
+    assert options(None, PGQ_USE_NOTIFY="false", PGQ_LISTEN_URL=url).listen_url == url
+    assert options({"use_notify": False, "listen_url": ""}).listen_url is None
+    assert options(None).listen_url is None
+    with pytest.raises(ConfigurationError, match="listen_url is for use_notify=false"):
+        options({"listen_url": url})
+    with pytest.raises(ConfigurationError, match="listen_url"):
+        options({"use_notify": False, "listen_url": "redis://x"})
+    with pytest.raises(ConfigurationError, match="listen_url"):
+        options({"use_notify": False, "listen_url": 5})
