@@ -124,3 +124,21 @@ def test_with_use_notify_off_each_message_goes_through_the_pooler_exactly_once(
         queue.close()
     assert sorted(got) == list(range(total))
     assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_a_barrier_dispatched_through_the_pooler_with_use_notify_off(
+    bouncer: Bouncer, schema: str, rows: Peek
+) -> None:
+    # The barrier's own connections follow use_notify as the transport's do: nothing
+    # pinned at connect, nothing prepared, on sessions the pooler shares.
+    from celery import Celery
+
+    from barrier import Barrier
+
+    app = Celery("pooled", broker=bouncer.url("pgq"), set_as_current=False)
+    app.conf.broker_transport_options = {"schema": schema, "use_notify": False}
+    parts = [app.signature("t.part", args=[n]) for n in range(8)]
+    for n in range(6):  # past psycopg's prepare threshold, on two server sessions
+        Barrier(app).dispatch(f"b{n}", parts, app.signature("t.collect"))
+    assert rows("SELECT count(*) FROM {schema}.barrier WHERE status = 'armed'") == [(6,)]
+    assert rows("SELECT count(*) FROM {schema}.message") == [(48,)]
