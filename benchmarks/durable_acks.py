@@ -60,6 +60,8 @@ def drain_rate(pg_url: str, durable_acks: str, messages: int) -> float:
             while len(times) < messages and time.monotonic() < deadline:
                 conn.drain_events(timeout=5)
             consumer.cancel()  # type: ignore[no-untyped-call]
+        if len(times) != messages:
+            raise RuntimeError(f"{len(times)} of {messages} messages drained")
         return (len(times) - 1) / (times[-1] - times[0])
     finally:
         with psycopg.connect(pg_url, autocommit=True) as admin:
