@@ -18,6 +18,7 @@ from pg_transport.errors import (
     MessageTooLarge,
     NotPermitted,
     PgqError,
+    PoolerDetected,
     SchemaError,
     TransactionRefused,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "NotPermitted",
     "Options",
     "PgqError",
+    "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
     "batch",

@@ -243,3 +243,25 @@ def test_asynchronous_replication_loses_what_was_published_while_the_standby_lag
         f"asynchronous loss window: {len(lost_at)} publishes returned in the "
         f"{outcome.crashed_at - outcome.stalled_at:.1f} s the standby lagged"
     )
+
+
+def test_durable_acks_auto_waits_on_a_server_with_synchronous_standbys() -> None:
+    # (On a server without them, auto is relaxed: tests/integration/test_transport.py.)
+    from kombu import Connection
+
+    try:
+        pair_cm = replicated_pair(synchronous=True)
+        pair = pair_cm.__enter__()
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        prepare(pair)
+        for durable_acks, expected in (("auto", "on"), ("on", "on"), ("off", "off")):
+            options = {"schema": SCHEMA, "durable_acks": durable_acks}
+            with Connection(pair.url("pgq"), transport_options=options) as conn:
+                conn.connect()
+                with conn.transport.relaxed.connection() as session:
+                    row = session.execute("SHOW synchronous_commit").fetchone()
+                assert row is not None and row[0] == expected, durable_acks
+    finally:
+        pair_cm.__exit__(None, None, None)
