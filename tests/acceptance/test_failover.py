@@ -175,11 +175,18 @@ def fail_over(record: Record, *, synchronous: bool, durable_acks: str) -> Outcom
                 outcome.crashed_at = time.time()  # (pg_ctl stop -m immediate has returned)
                 pair.promote()
                 outcome.promoted_at = time.time()
-                wait_for(
-                    lambda: any(at > outcome.promoted_at for _, at in runs()),
+                # Tasks flowing again: a probe published now, ahead of the backlog
+                # (highest priority), runs once a producer and a worker have both
+                # found the new primary.
+                with app.connection_for_write() as conn:
+                    probe = app.send_task(WORK, args=[-1], priority=255, connection=conn).id
+                outcome.published[probe] = time.time()
+                probe_at = wait_for(
+                    lambda: next((at for task, at in runs() if task == probe), None),
                     60,
-                    "a task to run after the promotion",
+                    "the probe to run after the promotion",
                 )
+                outcome.first_run_after_promotion = probe_at - outcome.promoted_at
                 time.sleep(1.0)  # a second of publishing after the promotion
             finally:
                 stop.set()
@@ -193,11 +200,6 @@ def fail_over(record: Record, *, synchronous: bool, durable_acks: str) -> Outcom
             ) if synchronous else time.sleep(VT * 2)
         found = runs()
         outcome.runs = Counter(task for task, _ in found)
-        # Tasks flowing again: the first run of a task published after the promotion
-        # (the producer and a worker have both found the new primary).
-        after = [at for task, at in found if outcome.published.get(task, 0.0) > outcome.promoted_at]
-        if after:
-            outcome.first_run_after_promotion = min(after) - outcome.promoted_at
         return outcome
     finally:
         pair_cm.__exit__(None, None, None)
