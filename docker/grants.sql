@@ -25,6 +25,8 @@ GRANT SELECT (id, queue, priority, read_ct, enqueued_at, dead_at)
 GRANT SELECT (id, status, total, remaining, created_at, progressed_at, expires_at,
               stuck_timeout, fired_at, finished_at)
     ON pgq.barrier TO pgq_monitor;
+-- The web console's samples (counts only), read by a console run as the monitor.
+GRANT SELECT ON pgq.console_tick, pgq.console_sample TO pgq_monitor;
 COMMIT;
 
 -- 6. publisher rights, as pgq_owner

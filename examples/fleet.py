@@ -1,14 +1,15 @@
 """The example app of the compose fleet (docker/docker-compose.yaml).
 
-A plain Celery app: pgq is only its broker URL (``PGQ_URL``) and the heartbeat step
-that lets ``pgq health`` tell a consuming worker from a stuck one. Each kind of task
+A plain Celery app: pgq is its broker and its result backend (the same URL, ``PGQ_URL``:
+Postgres is the only moving part, see docs/results.md) and the heartbeat step that lets
+``pgq health`` tell a consuming worker from a stuck one. Each kind of task
 is routed to a queue of its own, so each queue gets workers sized for its work and a
 visibility timeout tuned to it (``PGQ_VISIBILITY_TIMEOUT_<QUEUE>`` in the compose file).
 
 Send work from any process that imports this module::
 
     from fleet import add, orchestrate
-    add.delay(2, 3)            # queue "default"
+    add.delay(2, 3).get()      # queue "default"; 5, from Postgres
     orchestrate.delay("job-1") # queue "orchestrator"
 """
 
@@ -25,7 +26,11 @@ from pg_transport import health
 
 logger = logging.getLogger("fleet")
 
-app = Celery("fleet", broker=os.environ.get("PGQ_URL") or "pgq://")
+app = Celery(
+    "fleet",
+    broker=os.environ.get("PGQ_URL") or "pgq://",
+    backend=os.environ.get("PGQ_URL") or "pgq://",
+)
 app.conf.update(
     task_default_queue="default",
     task_routes={
@@ -39,9 +44,12 @@ app.conf.update(
     # One message per free slot: long tasks do not hoard a backlog that idle
     # replicas (compose --scale) could be running.
     worker_prefetch_multiplier=1,
-    # pgq is the broker only; a result backend is a separate choice.
-    task_ignore_result=True,
+    # Results in the same Postgres; the workers delete them a day after they are stored.
+    result_expires=86400,
     broker_connection_retry_on_startup=True,
+    # Sent by `celery -A fleet beat -S pgq` (the compose file runs two): once per slot
+    # however many beats run, kept in Postgres (docs/beat.md).
+    beat_schedule={"tick-every-30s": {"task": "fleet.tick", "schedule": 30.0}},
 )
 health.install(app)
 

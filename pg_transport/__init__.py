@@ -2,13 +2,15 @@
 
 Installing the package registers the ``pgq://`` scheme with kombu (through a
 ``.pth`` hook, so apps need not import anything); importing this package
-registers it too.
+registers it too. The same goes for the ``pgq`` result backend alias
+(``result_backend = "pgq://…"``): it is added to Celery's table when Celery loads it.
 """
 
 from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from pg_transport._hook import _pgq_kombu_alias as _alias
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -44,3 +46,5 @@ __all__ = [
 
 TRANSPORT = "pg_transport.transport:Transport"
 TRANSPORT_ALIASES.setdefault("pgq", TRANSPORT)
+# Celery's backend aliases: now if Celery's table is loaded, else when it is.
+_alias.install()

@@ -132,6 +132,13 @@ class Channel(virtual.Channel):
                 identity=found,
                 reasons=decoded.reasons + why,
             )
+            poison.tell_dead_lettered(
+                dead_letter_id=dead_id,
+                queue=token.queue,
+                payload=self.connection.raw_payload(message),
+                reason=reason,
+                settled=True,
+            )
         return dead_id
 
     # -- body encoding: text bodies (JSON) stay readable in the table ----------

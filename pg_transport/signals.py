@@ -1,10 +1,10 @@
-"""Signals pgq sends (contract: ``message_poisoned``)."""
+"""Signals pgq sends (contract: ``message_poisoned``; also ``message_dead_lettered``)."""
 
 from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["message_poisoned"]
+__all__ = ["message_dead_lettered", "message_poisoned"]
 
 #: Sent when a message is dead-lettered for exceeding max_attempts (or by
 #: ``pgq dead rehook``). ``sender`` is the task name, or the queue when unknown.
@@ -19,4 +19,17 @@ message_poisoned = Signal(
         "attempts",
         "dead_letter_id",
     },
+)
+
+#: Sent by a consumer for every message it moves to dead_letter: poisoned (past
+#: max_attempts), too large, not a kombu message, undeliverable, rejected without requeue,
+#: or with a body that does not decode. ``sender`` is the task name, or the queue when
+#: unknown; ``payload`` is the stored message (headers, body; never decoded here).
+#: ``settled`` is true when the worker's own code decided the outcome (a reject without
+#: requeue, a body Celery could not decode): Celery has recorded what it records of it
+#: (a rejected task's failure, its errbacks, its chord part), so a receiver must not do
+#: that again. pgq connects a receiver: the task's result becomes FAILURE.
+message_dead_lettered = Signal(
+    name="message_dead_lettered",
+    providing_args={"queue", "task_id", "reason", "dead_letter_id", "payload", "settled"},
 )

@@ -17,6 +17,7 @@ message was released can touch it no more.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -218,6 +219,16 @@ class Store:
                 "note": text("".join(f"; {r}" for r in reasons)),
             },
         )
+
+    def dead_letter_envelope(self, dead_letter_id: int) -> dict[str, Any]:
+        """The headers, properties and content type of a dead-lettered message (its body
+        is not read: it may be what made the message too large to deliver)."""
+        found = self._scalar("dead_letter_envelope", {"id": dead_letter_id})
+        try:
+            value = json.loads(found) if isinstance(found, str) else {}
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
 
     def record_hooks(self, dead_letter_id: int, hooks: list[dict[str, Any]]) -> None:
         self._command("dead_letter_hooks", {"id": dead_letter_id, "hooks": Json(storable(hooks))})

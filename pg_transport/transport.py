@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+from time import monotonic
 from typing import Any
 from urllib.parse import quote
 
@@ -59,6 +60,8 @@ from pg_transport.errors import (
     SchemaError,
 )
 from pg_transport.qos import TOKEN
+from pg_transport.results import deadletters
+from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 
@@ -157,6 +160,7 @@ class Transport(virtual.Transport):
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
+        self._results_reaped_at = float("-inf")
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
         self._vts: dict[str, float] = {}
@@ -355,6 +359,10 @@ class Transport(virtual.Transport):
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())
         self.store.maintain(queues)
+        # Results past result_expires (the pgq result backend's, in this schema).
+        if monotonic() - self._results_reaped_at >= REAP_INTERVAL:
+            self._results_reaped_at = monotonic()
+            reap_expired(self.connector, self.options.schema)
 
     def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or
@@ -375,6 +383,10 @@ def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]
         "on": (),
         "auto": (queries["relax_commit_unless_synchronous"],),
     }[durable_acks]
+
+
+# A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).
+deadletters.connect()
 
 
 def _client_url(client: Any) -> str:

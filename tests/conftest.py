@@ -19,6 +19,15 @@ def schema(pg_url: str) -> Iterator[str]:
     drop_schema(pg_url, name)
 
 
+@pytest.fixture(autouse=True)
+def _results_listeners() -> Iterator[None]:
+    """Each test's result waiters' sessions end with it (one per schema otherwise)."""
+    yield
+    from pg_transport.results.listener import stop_listeners
+
+    stop_listeners()
+
+
 @pytest.fixture
 def broker_url(pg_url: str) -> str:
     return to_broker_url(pg_url)

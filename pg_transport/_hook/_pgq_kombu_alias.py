@@ -1,12 +1,13 @@
-"""Install-time registration of the ``pgq://`` scheme with kombu.
+"""Install-time registration of the ``pgq://`` scheme with kombu and Celery.
 
 kombu has no entry-point group for transports: it resolves a URL scheme through
-the ``kombu.transport.TRANSPORT_ALIASES`` dict. A ``.pth`` file installed next to
-this module imports it at interpreter start-up. Importing kombu there would slow
+the ``kombu.transport.TRANSPORT_ALIASES`` dict; Celery resolves a result backend's
+scheme through ``celery.app.backends.BACKEND_ALIASES`` the same way. A ``.pth`` file
+installed next to this module imports it at interpreter start-up. Importing kombu there would slow
 every Python process down, so instead this module waits: it adds a meta-path
-finder that notices the moment ``kombu.transport`` is imported and adds the
-alias right after the module body runs. A process that never imports kombu pays
-one list insertion.
+finder that notices the moment ``kombu.transport`` (or ``celery.app.backends``) is
+imported and adds the alias right after the module body runs. A process that never
+imports them pays one list insertion.
 """
 
 from __future__ import annotations
@@ -19,13 +20,19 @@ from collections.abc import Sequence
 
 ALIAS = "pgq"
 TARGET = "pg_transport.transport:Transport"
-_WATCHED = "kombu.transport"
+BACKEND_TARGET = "pg_transport.results.backend:PgqBackend"
+# The module watched -> (its alias table, what pgq names in it).
+_WATCHED = {
+    "kombu.transport": ("TRANSPORT_ALIASES", TARGET),
+    "celery.app.backends": ("BACKEND_ALIASES", BACKEND_TARGET),
+}
 
 
 def _register(module: types.ModuleType) -> None:
-    aliases = getattr(module, "TRANSPORT_ALIASES", None)
+    table, target = _WATCHED[module.__name__]
+    aliases = getattr(module, table, None)
     if isinstance(aliases, dict):
-        aliases.setdefault(ALIAS, TARGET)
+        aliases.setdefault(ALIAS, target)
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -45,16 +52,21 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
+    # Two copies of this module may be loaded (the installed one, and the package's when
+    # ``import pg_transport`` runs without site): each finder steps over all of them,
+    # by this marker, or they would ask each other for ever.
+    pgq_alias_finder = True
+
     def find_spec(
         self,
         fullname: str,
         path: Sequence[str] | None,
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _WATCHED:
+        if fullname not in _WATCHED:
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "pgq_alias_finder", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -65,12 +77,15 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register now if kombu is loaded, else when it is."""
-    loaded = sys.modules.get(_WATCHED)
-    if loaded is not None:
-        _register(loaded)
-        return
-    if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
+    """Register now in what is loaded, and in the rest when it is."""
+    waiting = False
+    for name in _WATCHED:
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            _register(loaded)
+        else:
+            waiting = True
+    if waiting and not any(getattr(f, "pgq_alias_finder", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _AliasFinder())
 
 

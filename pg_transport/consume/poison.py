@@ -20,9 +20,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from pg_transport import identity as identity_registry
-from pg_transport.signals import message_poisoned
+from pg_transport.signals import message_dead_lettered, message_poisoned
 
-__all__ = ["Decoded", "PoisonReport", "decode", "handle_poisoned", "run_hooks"]
+__all__ = [
+    "Decoded",
+    "PoisonReport",
+    "decode",
+    "handle_poisoned",
+    "run_hooks",
+    "tell_dead_lettered",
+]
 
 logger = logging.getLogger("pg_transport.poison")
 
@@ -191,3 +198,32 @@ def handle_poisoned(
     return PoisonReport(
         dead_letter_id, queue, decoded.task_id, decoded.task_name, identity, reasons, hooks
     )
+
+
+def tell_dead_lettered(
+    *,
+    dead_letter_id: int,
+    queue: str,
+    payload: Mapping[str, Any],
+    reason: str,
+    settled: bool,
+) -> None:
+    """Send ``message_dead_lettered``; a raising receiver is logged, never raised: the
+    message is in dead_letter whatever its receivers do."""
+    decoded = decode(payload)
+    for receiver, response in message_dead_lettered.send(
+        sender=decoded.task_name or queue,
+        queue=queue,
+        task_id=decoded.task_id,
+        reason=reason,
+        dead_letter_id=dead_letter_id,
+        payload=payload,
+        settled=settled,
+    ):
+        if isinstance(response, BaseException):
+            logger.error(
+                "message_dead_lettered receiver %r failed for dead letter %s: %r",
+                receiver,
+                dead_letter_id,
+                response,
+            )

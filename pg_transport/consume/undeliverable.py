@@ -104,13 +104,25 @@ class Undeliverable:
                 dead_id = self.store.dead_letter(claimed.token, reason)
                 if dead_id is None:
                     return  # no longer held: its lease lapsed, another consumer has it
+            payload = claimed.payload
+            if payload is None:
+                # Dead-lettered unread (too large): what its envelope says is enough to
+                # name the task.
+                payload = self.store.dead_letter_envelope(dead_id)
             poison.handle_poisoned(
                 self.store,
                 dead_letter_id=dead_id,
                 queue=claimed.queue,
-                payload=claimed.payload or {},
+                payload=payload,
                 attempts=claimed.read_ct,
                 reason=claimed.fault or reason,
+            )
+            poison.tell_dead_lettered(
+                dead_letter_id=dead_id,
+                queue=claimed.queue,
+                payload=payload,
+                reason=claimed.fault or reason,
+                settled=False,
             )
         except (psycopg.OperationalError, psycopg.InterfaceError, BrokerUnavailable) as exc:
             logger.warning(

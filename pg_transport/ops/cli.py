@@ -37,6 +37,7 @@ from pg_transport.ops.cli_common import (
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
+from pg_transport.ops.cli_schedule import schedule
 from pg_transport.ops.terminal import printable, quoted
 from pg_transport.store import Store
 
@@ -50,6 +51,7 @@ def main() -> None:
 
 
 main.add_command(dead)
+main.add_command(schedule)
 
 
 @main.command()
@@ -277,6 +279,112 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     )
     try:
         exposition.serve(server)
+    finally:
+        connector.close()
+
+
+@main.command()
+@url_option
+@schema_option
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="ADDRESS",
+    help="Address to listen on.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8780,
+    show_default=True,
+    help="Port to listen on (0: any free port).",
+)
+@click.option(
+    "--token",
+    envvar="PGQ_WEB_TOKEN",
+    show_envvar=True,
+    metavar="TOKEN",
+    help="The token that allows actions (requeue, rehook, purge), at least 16 characters; "
+    "prefer the variable or --token-file (other users can see a command line). Without "
+    "one the console is read-only.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    metavar="PATH",
+    help="Read the token from this file instead.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(1, 3600),
+    default=10.0,
+    show_default=True,
+    help="Seconds between the samples the charts draw.",
+)
+@click.option(
+    "-A",
+    "--app",
+    metavar="MODULE",
+    help="Module that connects your message_poisoned handlers (for rehook).",
+)
+def web(
+    url: str | None,
+    schema: str,
+    host: str,
+    port: int,
+    token: str | None,
+    token_file: str | None,
+    interval: float,
+    app: str | None,
+) -> None:
+    """Serve a web console of the queues, dead letters, barriers, schedules and processes.
+
+    Read-only unless a token is given; pages show what the database role may read.
+    """
+    from pathlib import Path
+
+    try:
+        from pg_transport.web.server import serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the web console needs pgq's `web` extra: pip install 'pgq[web]' ({exc})"
+        ) from exc
+    from pg_transport.ops.dead import import_app
+
+    if token_file is not None:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise click.UsageError(
+                f"cannot read --token-file {token_file!r}: {exc.strerror or exc}"
+            ) from exc
+    if token is not None and len(token) < 16:
+        raise click.UsageError("the console's token must be at least 16 characters")
+    if app:
+        import_app(app)
+    with open_store(url, schema) as store:
+        checked = store.schema
+    connector = Connector(
+        url_to_conninfo(url),
+        display_url=mask_url(url or "pgq://"),
+        application_name="pgq-web",
+        max_size=6,
+    )
+    try:
+        serve(
+            connector,
+            checked,
+            host=host,
+            port=port,
+            token=token or None,
+            interval=interval,
+            announce=click.echo,
+        )
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
     finally:
         connector.close()
 

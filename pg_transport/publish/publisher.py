@@ -133,6 +133,15 @@ class Publisher:
         wake-up (a NOTIFY, transactional) goes out then."""
         self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
 
+    def in_batch(self, op: batching.Op) -> Any:
+        """Run ``op`` in the open batch's transaction on this publisher's database: the
+        one the publishes of the batch join. For work that must commit exactly when its
+        messages do (a periodic task's slot taken in the transaction that sends it)."""
+        open_batch = batching.current()
+        if open_batch is None:
+            raise RuntimeError("no pgq batch is open in this context")
+        return open_batch.run(self._batch_key(), self.connector, op)
+
     def _publish_params(
         self,
         queue: str,

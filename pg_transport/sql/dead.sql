@@ -15,13 +15,19 @@ LIMIT %(limit)s
 -- Move dead-letter rows back into their queues in one statement: delivered afresh
 -- (read_ct 0, visible now, same priority and payload), listeners woken. The DELETE and
 -- the INSERT commit together, so a row is never in both tables nor in neither. The new
--- rows get no publish_key: the original one may be taken again by then. Returns one
--- row per queue with the dead-letter ids moved into it.
+-- rows get no publish_key: the original one may be taken again by then. A task's
+-- result that its dead-lettering failed (pgq's result backend) is PENDING again: the
+-- task is queued once more. Returns one row per queue with the dead-letter ids moved
+-- into it.
 WITH moved AS (
     DELETE FROM {schema}.dead_letter AS d
     WHERE (%(all)s OR d.id = ANY(%(ids)s::bigint[]))
       AND (%(queue)s::text IS NULL OR d.queue = %(queue)s::text)
-    RETURNING d.id, d.queue, d.priority, d.enqueued_at, d.payload
+    RETURNING d.id, d.queue, d.priority, d.enqueued_at, d.payload, d.task_id
+), pending AS (
+    DELETE FROM {schema}.result AS r
+    USING moved
+    WHERE r.task_id = moved.task_id AND r.status <> 'SUCCESS'
 ), requeued AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, enqueued_at, payload)
     SELECT moved.queue, moved.priority, pg_catalog.now(), 0, moved.enqueued_at, moved.payload

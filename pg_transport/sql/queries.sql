@@ -280,6 +280,16 @@ SET task_id = %(task_id)s, task_name = %(task_name)s, identity = %(identity)s,
     reason = reason || %(note)s
 WHERE id = %(id)s
 
+-- name: dead_letter_envelope
+-- A dead-lettered message's envelope without its body (the claim dead-letters an
+-- oversized message unread): headers, properties, content type, as JSON text.
+SELECT pg_catalog.json_build_object(
+    'headers', payload -> 'headers',
+    'properties', payload -> 'properties',
+    'content-type', payload -> 'content-type')::text
+FROM {schema}.dead_letter
+WHERE id = %(id)s AND pg_catalog.json_typeof(payload) = 'object'
+
 -- name: dead_letter_hooks
 -- Record the outcome of every message_poisoned handler for a dead-letter row.
 UPDATE {schema}.dead_letter SET hooks = %(hooks)s WHERE id = %(id)s

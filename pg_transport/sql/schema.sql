@@ -153,3 +153,108 @@ CREATE TABLE {schema}.guard_generation (
     generation bigint      NOT NULL,
     bumped_at  timestamptz NOT NULL DEFAULT now()
 );
+
+-- Periodic tasks (pg_transport.beat). A schedule entry: its schedule as JSON
+-- ({{"every": seconds, "aligned": bool}} or {{"crontab": "m h dom mon dow"}}); its slots
+-- are the times it falls due, counted from anchor. last_due is the latest slot sent (or
+-- passed over): a slot is sent only if later, by the transaction that moves it, so two
+-- beats can never both send one. revision counts the changes a sender must have seen.
+CREATE TABLE {schema}.beat_entry (
+    name         text        PRIMARY KEY,
+    task         text        NOT NULL,
+    schedule     jsonb       NOT NULL,
+    args         jsonb       NOT NULL DEFAULT '[]'::jsonb,
+    kwargs       jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    options      jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    enabled      boolean     NOT NULL DEFAULT true,
+    origin       text        NOT NULL,
+    anchor       timestamptz NOT NULL DEFAULT now(),
+    revision     bigint      NOT NULL DEFAULT 1,
+    last_due     timestamptz,
+    last_sent_at timestamptz,
+    sent_count   bigint      NOT NULL DEFAULT 0,
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    updated_at   timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT beat_entry_origin_check CHECK (origin IN ('config', 'command'))
+);
+
+-- One row per slot sent: the primary key is what makes a slot impossible to send twice,
+-- whatever the number of beats. Inserted in the transaction that inserts the message.
+CREATE TABLE {schema}.beat_slot (
+    entry   text        NOT NULL,
+    due_at  timestamptz NOT NULL,
+    task_id text        NOT NULL,
+    sent_at timestamptz NOT NULL DEFAULT now(),
+    sent_by text        NOT NULL,
+    CONSTRAINT beat_slot_pkey PRIMARY KEY (entry, due_at)
+);
+
+CREATE INDEX beat_slot_due_idx ON {schema}.beat_slot (due_at);
+
+-- The beat that does the work: one row, a lease its holder renews. Leadership only
+-- saves work (the others stay idle); slots stay single whoever sends them.
+CREATE TABLE {schema}.beat_leader (
+    singleton   boolean     PRIMARY KEY DEFAULT true,
+    holder      text        NOT NULL,
+    term        bigint      NOT NULL DEFAULT 1,
+    lease_until timestamptz NOT NULL,
+    acquired_at timestamptz NOT NULL,
+    renewed_at  timestamptz NOT NULL,
+    CONSTRAINT beat_leader_singleton_check CHECK (singleton)
+);
+
+-- The web console's history (`pgq web`): one tick per sampling interval, taken by
+-- whichever console inserts it first (the primary key makes the tick single however many
+-- consoles run), with the message table's cumulative inserted and deleted row counts
+-- (Postgres' statistics) from which the charts' rates are computed.
+CREATE TABLE {schema}.console_tick (
+    at        timestamptz PRIMARY KEY,
+    taken_at  timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    inserted  bigint,
+    deleted   bigint
+);
+
+-- Per queue and tick: the figures of `pgq status`. Kept for an hour and a bit.
+CREATE TABLE {schema}.console_sample (
+    at               timestamptz NOT NULL
+                                 REFERENCES {schema}.console_tick (at) ON DELETE CASCADE,
+    queue            text        NOT NULL,
+    ready            bigint      NOT NULL,
+    in_flight        bigint      NOT NULL,
+    delayed          bigint      NOT NULL,
+    dead             bigint      NOT NULL,
+    oldest_ready_age float8,
+    CONSTRAINT console_sample_pkey PRIMARY KEY (at, queue)
+);
+
+-- The result backend (result_backend = "pgq://…").
+-- A task's state is one row keyed by its id: the meta Celery stores (status, result,
+-- traceback, children, task_extended fields) encoded with the result serializer,
+-- possibly compressed, with its content type so a reader decodes what a writer wrote.
+-- status, date_done and expires_at are columns so that SQL can judge a row without
+-- decoding it: a SUCCESS is never overwritten, expired rows are reaped by index.
+CREATE TABLE {schema}.result (
+    task_id          text        PRIMARY KEY,
+    status           text        NOT NULL,
+    content_type     text        NOT NULL,
+    content_encoding text        NOT NULL,
+    meta             bytea       NOT NULL,
+    date_done        timestamptz,
+    expires_at       timestamptz,
+    updated_at       timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX result_expiring_idx ON {schema}.result (expires_at) WHERE expires_at IS NOT NULL;
+
+-- A saved GroupResult (GroupResult.save / restore).
+CREATE TABLE {schema}.result_group (
+    group_id         text        PRIMARY KEY,
+    content_type     text        NOT NULL,
+    content_encoding text        NOT NULL,
+    meta             bytea       NOT NULL,
+    expires_at       timestamptz,
+    created_at       timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX result_group_expiring_idx ON {schema}.result_group (expires_at)
+    WHERE expires_at IS NOT NULL;

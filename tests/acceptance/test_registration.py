@@ -74,3 +74,45 @@ def test_import_registers_too() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["unknown-before", "pg_transport.transport"]
+
+
+BACKEND_PROBE = """
+import celery.app.backends as backends
+print(backends.BACKEND_ALIASES.get('pgq'))
+import pg_transport
+print(backends.BACKEND_ALIASES.get('pgq'))
+"""
+
+
+def test_import_registers_the_result_backend_too() -> None:
+    # -S: no install-time hook; Celery's table is loaded first, the package after it.
+    paths = [str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", BACKEND_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "pg_transport.results.backend:PgqBackend"]
+
+
+LAZY_PROBE = """
+import sys
+before = 'celery' in sys.modules
+import celery.app.backends as backends
+print(before, backends.BACKEND_ALIASES.get('pgq'))
+"""
+
+
+def test_the_backend_alias_waits_for_celery() -> None:
+    # With the install-time hook: nothing of Celery's is imported at start-up, and the
+    # alias is there once Celery loads its table.
+    out = subprocess.run(
+        [sys.executable, "-c", LAZY_PROBE], capture_output=True, text=True, timeout=60, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "pg_transport.results.backend:PgqBackend"]

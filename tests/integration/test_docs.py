@@ -6,7 +6,8 @@
   replaced by the test server's, `--schema` is set. Not run: `pgq metrics --serve` (it
   serves until stopped; tests/integration/test_metrics.py serves), `pgq demo`
   (tests/acceptance/test_demo.py), `pgq health` (tests/acceptance/test_compose.py),
-  `pgq dead rehook` (it needs the user's hook module; tests/integration/test_cli_dead.py).
+  `pgq dead rehook` (it needs the user's hook module; tests/integration/test_cli_dead.py),
+  `pgq web` (it serves until stopped; tests/acceptance/test_web.py drives it in a browser).
   Commands naming dead-letter ids run against rows the test creates under those ids.
 - `PGQ_*=value` assignments in shell lines must be accepted by config.py.
 - configuration.md lists every option with its default and every variable pgq reads.
@@ -40,7 +41,7 @@ from tests.unit.test_compose import cli_envvars, config_scalar_envvars
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-NOT_RUN = {("demo",), ("health",), ("dead", "rehook")}
+NOT_RUN = {("demo",), ("health",), ("dead", "rehook"), ("web",)}
 
 
 def doc_files() -> list[Path]:
@@ -102,6 +103,11 @@ def test_the_docs_show_pgq_commands() -> None:
         ("dead", "purge"),
         ("dead", "rehook"),
         ("health",),
+        ("schedule", "add"),
+        ("schedule", "list"),
+        ("schedule", "disable"),
+        ("schedule", "enable"),
+        ("schedule", "remove"),
     ]:
         assert expected in shown, f"`pgq {' '.join(expected)}` is not documented"
 

@@ -1,0 +1,432 @@
+"""The Celery result backend on Postgres: ``result_backend = "pgq://user:pass@host/db"``.
+
+A task's state is one row of ``result`` (its meta encoded with ``result_serializer``,
+compressed with ``result_compression`` if set, with its content type; read back under
+``result_accept_content``/``accept_content``). A SUCCESS is never overwritten. Storing
+commits the row, then notifies the task's channel with no payload (one round trip: the
+two are pipelined); callers wait through the process's one listening session
+(:mod:`pg_transport.results.listener`), as Celery's Redis backend waits on pub/sub.
+
+Options: ``result_backend_transport_options`` (:mod:`pg_transport.results.options`).
+Expired results (``result_expires``) are deleted by pgq workers' housekeeping and by
+Celery's ``backend_cleanup``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import psycopg
+from celery import states
+from celery.backends.asynchronous import AsyncBackendMixin, BaseResultConsumer
+from celery.backends.base import Backend, compress_payload, decompress_payload
+from celery.exceptions import NotRegistered
+from celery.result import result_from_tuple
+from kombu.serialization import dumps, loads
+from kombu.utils.encoding import bytes_to_str
+
+from pg_transport.config import Options
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector, url_to_conninfo
+from pg_transport.db.retry import is_dead_connection
+from pg_transport.db.url import mask_url
+from pg_transport.errors import BrokerUnreachable, NotPermitted
+from pg_transport.results.chords import Chords
+from pg_transport.results.errors import ResultTooLarge
+from pg_transport.results.expiry import REAP_LIMIT, reap_expired
+from pg_transport.results.listener import Listener, Row, listener_for, result_channel
+from pg_transport.results.options import DEFAULT_SCHEMA, ResultOptions
+from pg_transport.sql import load_named
+
+__all__ = ["PgqBackend", "ResultConsumer"]
+
+_connectors: dict[str, Connector] = {}
+_connectors_lock = threading.Lock()
+
+
+def _connector(conninfo: str, display_url: str) -> Connector:
+    # One pool per process and database, whatever the number of backend objects
+    # (Celery builds one per thread).
+    with _connectors_lock:
+        found = _connectors.get(conninfo)
+        if found is None or found.closed:
+            found = _connectors[conninfo] = Connector(
+                conninfo, display_url=display_url, application_name="pgq"
+            )
+        return found
+
+
+def _default_schema(app: Any) -> str:
+    broker = str(app.conf.broker_write_url or app.conf.broker_url or "")
+    if broker.lower().startswith("pgq://"):
+        return Options.from_sources(app.conf.broker_transport_options, os.environ).schema
+    return os.environ.get("PGQ_SCHEMA") or DEFAULT_SCHEMA
+
+
+class ResultConsumer(BaseResultConsumer):
+    """Celery's side of waiting: rows the listener read are decoded and handed to
+    Celery on the waiting caller's thread (in :meth:`drain_events`)."""
+
+    backend: PgqBackend
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inbox: deque[Row] = deque()
+        self._arrived = threading.Condition()
+        self._subscribed: set[str] = set()
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        # A child inherits the parent's subscriptions, which are the parent listener's:
+        # it starts with none (its own listener subscribes again).
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self.on_after_fork()
+
+    def start(self, initial_task_id: str, **kwargs: Any) -> None:
+        self.consume_from(initial_task_id)
+
+    def consume_from(self, task_id: str) -> None:
+        self._forked()
+        if task_id not in self._subscribed:
+            self._subscribed.add(task_id)
+            self.backend.listener.subscribe(task_id, self)
+
+    def cancel_for(self, task_id: str) -> None:
+        self._forked()
+        if task_id in self._subscribed:
+            self._subscribed.discard(task_id)
+            self.backend.listener.unsubscribe(task_id, self)
+
+    def deliver(self, row: Row) -> None:
+        with self._arrived:
+            self._inbox.append(row)
+            self._arrived.notify_all()
+
+    def drain_events(self, timeout: float | None = None) -> None:
+        with self._arrived:
+            if not self._inbox:
+                self._arrived.wait(timeout)
+            rows = list(self._inbox)
+            self._inbox.clear()
+        for row in rows:
+            meta = self.backend.decode_row(row.content_type, row.content_encoding, row.meta)
+            self.on_state_change(meta, None)
+
+    def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
+        super().on_state_change(meta, message)
+        if meta["status"] in states.READY_STATES:
+            self.cancel_for(meta["task_id"])
+
+    def stop(self) -> None:
+        for task_id in list(self._subscribed):
+            self.cancel_for(task_id)
+
+    def on_after_fork(self) -> None:
+        # The parent's subscriptions are its listener's; the child starts with none.
+        self._subscribed = set()
+        with self._arrived:
+            self._inbox.clear()
+
+
+class PgqBackend(AsyncBackendMixin, Backend):
+    """Results, states, groups and waiting on Postgres."""
+
+    ResultConsumer = ResultConsumer
+
+    supports_native_join = True
+    supports_autoexpire = True
+    supports_result_compression = True
+    persistent = True
+
+    def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
+        super().__init__(app, url=url, **kwargs)
+        url = url or str(app.conf.result_backend or "")
+        self.url = url
+        self.options = ResultOptions.from_sources(
+            app.conf.get("result_backend_transport_options"),
+            os.environ,
+            default_schema=_default_schema(app),
+        )
+        self.schema = self.options.schema
+        self.connector = _connector(url_to_conninfo(url), mask_url(url))
+        self.q = load_named("results.sql", self.schema, "pg_transport.results")
+        self._checked = False
+        self.chords = Chords(self)
+        # Chord parts' metas, stored with their count (see on_chord_part_return).
+        self._deferred = threading.local()
+        self.result_consumer = self.ResultConsumer(
+            self, self.app, self.accept, self._pending_results, self._pending_messages
+        )
+
+    # -- plumbing -----------------------------------------------------------------------
+    @property
+    def listener(self) -> Listener:
+        self._ensure_schema()
+        return listener_for(
+            self.connector,
+            self.schema,
+            use_notify=self.options.use_notify,
+            polling_interval=self.options.polling_interval,
+        )
+
+    def _ensure_schema(self) -> None:
+        if not self._checked:
+            ensure_schema(self.connector, self.schema, auto_migrate=self.options.auto_migrate)
+            self._checked = True
+
+    def _run(self, work: Any, what: str) -> Any:
+        self._ensure_schema()
+        try:
+            return self.connector.run(work, idempotent=True)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise NotPermitted(
+                f"the pgq result backend cannot {what} in schema {self.schema!r}: "
+                f"{exc.diag.message_primary or exc}. Grant the role the worker (or "
+                "publisher) privileges on the result tables (docs/least-privilege.md)"
+            ) from exc
+
+    def exception_safe_to_retry(self, exc: BaseException) -> bool:
+        # A reaped or restarting connection (result_backend_always_retry retries these).
+        return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable)
+
+    def as_uri(self, include_password: bool = False) -> str:
+        return self.url if include_password else mask_url(self.url)
+
+    def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        kwargs.setdefault("url", self.url)
+        return super().__reduce__(args, kwargs)
+
+    # -- encoding -----------------------------------------------------------------------
+    def _encoded(self, data: Any) -> tuple[str, str, bytes]:
+        content_type, content_encoding, payload = dumps(data, serializer=self.serializer)
+        if self.compression:
+            payload = compress_payload(payload, self.compression)
+        if isinstance(payload, str):
+            payload = payload.encode("utf-8")
+        return content_type, content_encoding, bytes(payload)
+
+    def _decoded(self, content_type: str, content_encoding: str, meta: bytes) -> Any:
+        payload = decompress_payload(bytes(meta))
+        return loads(
+            payload,
+            content_type=content_type,
+            content_encoding=content_encoding,
+            accept=self.accept,
+        )
+
+    def decode_row(self, content_type: str, content_encoding: str, meta: bytes) -> dict[str, Any]:
+        decoded: dict[str, Any] = self._decoded(content_type, content_encoding, meta)
+        return self.meta_from_decoded(decoded)  # type: ignore[no-any-return]
+
+    def _check_size(self, task_id: str, what: str, payload: bytes) -> None:
+        if len(payload) > self.options.max_result_bytes:
+            raise ResultTooLarge(
+                f"the {what} of task {task_id} is {len(payload)} bytes encoded, more than "
+                f"max_result_bytes ({self.options.max_result_bytes}): it was not stored"
+            )
+
+    def _too_large(self, task_id: str, state: str, size: int) -> tuple[dict[str, Any], str]:
+        """What is stored instead of a meta larger than ``max_result_bytes``.
+
+        A successful result raises :class:`ResultTooLarge` (an ``EncodeError``: Celery then
+        stores the task as failed with it). A failure or a state whose meta is too large
+        (the task_extended arguments, say) is stored without its extended fields, the
+        failure as ``ResultTooLarge`` naming the size, so a waiter is never left waiting.
+        """
+        error = ResultTooLarge(
+            f"the result of task {task_id} is {size} bytes encoded, more than "
+            f"max_result_bytes ({self.options.max_result_bytes}): it was not stored"
+        )
+        if state == states.SUCCESS:
+            raise error
+        if state in self.EXCEPTION_STATES:
+            state, result = states.FAILURE, self.prepare_exception(error)
+        else:
+            result = None
+        meta = self._get_result_meta(result=result, state=state, traceback=None, request=None)
+        meta["task_id"] = task_id
+        return meta, state
+
+    # -- tasks --------------------------------------------------------------------------
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        traceback: str | None = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        meta = self._get_result_meta(
+            result=result, state=state, traceback=traceback, request=request
+        )
+        meta["task_id"] = bytes_to_str(task_id)
+        content_type, content_encoding, payload = self._encoded(meta)
+        if len(payload) > self.options.max_result_bytes:
+            meta, state = self._too_large(task_id, state, len(payload))
+            content_type, content_encoding, payload = self._encoded(meta)
+        if (
+            state in states.READY_STATES
+            and request is not None
+            and getattr(request, "chord", None)
+            and getattr(request, "group", None)
+            and self.chords.usable()
+        ):
+            # Stored in on_chord_part_return's transaction, with the part's count.
+            self._deferred_metas()[meta["task_id"]] = meta
+            return result
+        params = {
+            "task_id": meta["task_id"],
+            "status": state,
+            "content_type": content_type,
+            "content_encoding": content_encoding,
+            "meta": payload,
+            "date_done": meta.get("date_done"),
+            "expires": self.expires if self.expires else None,
+        }
+        notify = {"channel": result_channel(self.schema, meta["task_id"])}
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            # Two transactions in one round trip: the row commits (durably), then the
+            # wake-up alone, so no waiter is woken for a row not yet on disk.
+            with conn.pipeline():
+                conn.execute(self.q["result_store"], params)
+                conn.execute(self.q["result_notify"], notify)
+
+        self._run(work, "store a result")
+        return result
+
+    def store_state_row(
+        self, conn: psycopg.Connection[Any], task_id: str, meta: dict[str, Any]
+    ) -> None:
+        """Store ``meta`` (a full Celery meta dict) for ``task_id`` on ``conn``, inside the
+        caller's transaction, and notify its waiters when that commits."""
+        content_type, content_encoding, payload = self._encoded(meta)
+        self._check_size(task_id, "result", payload)
+        conn.execute(
+            self.q["result_store"],
+            {
+                "task_id": task_id,
+                "status": meta["status"],
+                "content_type": content_type,
+                "content_encoding": content_encoding,
+                "meta": payload,
+                "date_done": meta.get("date_done"),
+                "expires": self.expires if self.expires else None,
+            },
+        )
+        conn.execute(self.q["result_notify"], {"channel": result_channel(self.schema, task_id)})
+
+    def failure_meta(self, task_id: str, exc: BaseException) -> dict[str, Any]:
+        """The meta of a FAILURE with ``exc`` (no traceback, no request)."""
+        meta = self._get_result_meta(
+            result=self.prepare_exception(exc), state=states.FAILURE, traceback=None, request=None
+        )
+        meta["task_id"] = task_id
+        return meta  # type: ignore[no-any-return]
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            return conn.execute(self.q["result_get"], {"task_id": task_id}).fetchone()
+
+        row = self._run(work, "read a result")
+        if row is None:
+            return {"status": states.PENDING, "result": None}
+        _, content_type, content_encoding, meta = row
+        return self.decode_row(content_type, content_encoding, bytes(meta))
+
+    def task_result_exists(self, task_id: str) -> bool:
+        def work(conn: psycopg.Connection[Any]) -> bool:
+            return conn.execute(self.q["result_get"], {"task_id": task_id}).fetchone() is not None
+
+        return bool(self._run(work, "read a result"))
+
+    def _forget(self, task_id: str) -> None:
+        self._run(
+            lambda conn: conn.execute(self.q["result_forget"], {"task_id": task_id}), "forget"
+        )
+
+    def forget(self, task_id: str) -> None:
+        super().forget(task_id)
+        self.result_consumer.cancel_for(task_id)
+
+    # -- groups -------------------------------------------------------------------------
+    def _save_group(self, group_id: str, result: Any) -> Any:
+        content_type, content_encoding, payload = self._encoded({"result": result.as_tuple()})
+        self._check_size(group_id, "group", payload)
+        params = {
+            "group_id": group_id,
+            "content_type": content_type,
+            "content_encoding": content_encoding,
+            "meta": payload,
+            "expires": self.expires if self.expires else None,
+        }
+        self._run(lambda conn: conn.execute(self.q["group_save"], params), "save a group")
+        return result
+
+    def _restore_group(self, group_id: str) -> dict[str, Any] | None:
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            return conn.execute(self.q["group_get"], {"group_id": group_id}).fetchone()
+
+        row = self._run(work, "read a group")
+        if row is None:
+            return None
+        meta: dict[str, Any] = self._decoded(row[0], row[1], bytes(row[2]))
+        meta["result"] = result_from_tuple(meta["result"], self.app)
+        return meta
+
+    def _delete_group(self, group_id: str) -> None:
+        self._run(
+            lambda conn: conn.execute(self.q["group_delete"], {"group_id": group_id}),
+            "delete a group",
+        )
+
+    # -- chords -------------------------------------------------------------------------
+    def _deferred_metas(self) -> dict[str, Mapping[str, Any]]:
+        found: dict[str, Mapping[str, Any]] | None = getattr(self._deferred, "metas", None)
+        if found is None:
+            found = self._deferred.metas = {}
+        return found
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        group_id, results = header_result_args[0], header_result_args[1]
+        if not self.chords.takes(results, body):
+            return super().apply_chord(header_result_args, body, **kwargs)
+        self.ensure_chords_allowed()
+        self.chords.arm(group_id, results, body)
+        return None
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
+        stored = self._deferred_metas().pop(str(request.id), None)
+        if not getattr(request, "group", None) or not self.chords.usable():
+            return
+        self.chords.part_returned(request, state, result, stored)
+
+    def errback_is_in_process(self, sig: Any) -> bool:
+        """Whether Celery calls errback ``sig`` in process (it takes request, exc,
+        traceback) rather than sending it as a task with the failed task's id."""
+        try:
+            header = getattr(sig.type, "__header__", None)
+            return (
+                header is not None
+                and not isinstance(header, partial)
+                and bool(self._errback_arity_greater(sig, 1))
+            )
+        except NotRegistered:
+            return False
+
+    # -- expiry -------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Delete results and groups past ``result_expires`` (Celery's backend_cleanup)."""
+        while reap_expired(self.connector, self.schema) >= REAP_LIMIT:
+            pass
+
+    def on_after_fork(self) -> None:
+        self._checked = False

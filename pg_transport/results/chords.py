@@ -1,0 +1,321 @@
+"""Native chords: the header's parts are counted in Postgres, no ``chord_unlock`` task.
+
+A chord is a fan-in barrier (``barrier`` and ``barrier_part``, :mod:`barrier.state`'s
+tables and counting statements) named ``celery-chord:<group id>``, armed by
+``apply_chord`` before the header is sent, with the chord's body as its callback and the
+header's task ids in its metadata. Each header task's end is one transaction on the
+broker's database:
+
+* its result row is stored (the part's ``store_result`` is deferred to here), its waiters
+  notified at commit;
+* the part is recorded once (``barrier_part`` key: a redelivered part counts no more);
+* a success decrements ``remaining``; the part that takes it to 0 flips the chord
+  ``armed -> fired`` and inserts the body's message with the header's results, in part
+  order, in the same transaction: a worker killed anywhere in it leaves either nothing
+  (the part is delivered again, its lease lapsing) or everything (the redelivery is
+  recorded as a duplicate and fires nothing);
+* a failure flips ``armed -> failed`` (once, whichever part fails first), stores the body's
+  result as FAILURE with a ``ChordError`` naming the part, and inserts the messages of the
+  body's errbacks (``link_error``) in the same transaction; errbacks Celery calls in
+  process (those taking ``request, exc, traceback``) are called once it committed.
+
+It needs the queue and the results in one database and schema (broker ``pgq://`` on the
+result backend's database and schema, the default) and a body that is one task's
+signature (``link`` and ``link_error`` allowed). Anything else (a chain or group as body,
+nested groups in the header, another broker) takes Celery's own way (``chord_unlock``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from celery import states
+from celery.canvas import Signature, maybe_signature
+from celery.exceptions import ChordError
+from celery.result import AsyncResult
+from psycopg.types.json import Jsonb
+
+from barrier.backend import Backend as BarrierDb
+from barrier.backend import backend_for, broker_url, uses_pgq
+from barrier.codec import dumps as json_dumps
+from barrier.codec import loads as json_loads
+from barrier.messages import Outgoing, publish_key, task_message
+from pg_transport.config import MAX_SECONDS
+from pg_transport.db.pool import url_to_conninfo
+
+if TYPE_CHECKING:
+    from pg_transport.results.backend import PgqBackend
+
+__all__ = ["CHORD_PREFIX", "Chords", "PartOutcome"]
+
+logger = logging.getLogger("pg_transport.results")
+
+CHORD_PREFIX = "celery-chord:"
+# A chord waits for its parts as long as their results live: the barrier sweep never
+# expires it (its result rows expire on their own).
+_FOREVER = float(MAX_SECONDS)
+
+
+@dataclass(frozen=True)
+class PartOutcome:
+    """What one part's end did to its chord."""
+
+    recorded: bool
+    fired: bool = False
+    failed: bool = False
+
+
+def _plain_task(body: Any) -> bool:
+    if not isinstance(body, Signature) or body.get("subtask_type"):
+        return False
+    return not any(body.options.get(k) for k in ("chain", "chord", "group_id_chord"))
+
+
+class Chords:
+    """The native chords of one :class:`~pg_transport.results.backend.PgqBackend`."""
+
+    def __init__(self, backend: PgqBackend) -> None:
+        self.backend = backend
+        self.app = backend.app
+        self._usable: bool | None = None
+
+    # -- can this app use them ----------------------------------------------------------
+    def usable(self) -> bool:
+        """The broker is pgq on the result backend's database and schema."""
+        if self._usable is None:
+            self._usable = (
+                self.backend.options.native_chords
+                and uses_pgq(self.app)
+                and url_to_conninfo(broker_url(self.app)) == self.backend.connector.conninfo
+                and self.db.schema == self.backend.schema
+            )
+        return self._usable
+
+    @property
+    def db(self) -> BarrierDb:
+        return backend_for(self.app)
+
+    def takes(self, results: Sequence[Any], body: Any) -> bool:
+        """Whether a chord of ``results`` (the frozen header) and ``body`` is native."""
+        return (
+            self.usable()
+            and _plain_task(body)
+            and all(type(r) is AsyncResult or type(r) is self.app.AsyncResult for r in results)
+        )
+
+    # -- arming -------------------------------------------------------------------------
+    def arm(self, group_id: str, results: Sequence[Any], body: Signature) -> None:
+        """Arm the chord's barrier (before its header is sent); arming twice does nothing."""
+        db = self.db
+        params = {
+            "id": CHORD_PREFIX + group_id,
+            "total": len(results),
+            "callback": json_dumps(dict(body)),
+            "errback": None,
+            "metadata": Jsonb({"kind": "celery-chord", "ids": [r.id for r in results]}),
+            "ttl": _FOREVER,
+            "stuck_timeout": _FOREVER,
+        }
+        db.run(lambda conn: conn.execute(db.q["barrier_arm"], params))
+
+    # -- a part's end ---------------------------------------------------------------------
+    def part_returned(
+        self,
+        request: Any,
+        state: str,
+        result: Any,
+        stored: Mapping[str, Any] | None,
+    ) -> PartOutcome:
+        """Store the part's ``stored`` meta (if any), count the part, fire or fail the
+        chord: one transaction. Idempotent, so retried on a dead connection."""
+        db = self.db
+        group_id = str(request.group)
+        task_id = str(request.id)
+        after: list[Any] = []
+
+        def work(conn: psycopg.Connection[Any]) -> PartOutcome:
+            after.clear()
+            with conn.transaction():
+                if stored is not None:
+                    self.backend.store_state_row(conn, task_id, dict(stored))
+                if state == states.SUCCESS:
+                    return self._succeeded(db, conn, group_id, task_id, after)
+                return self._failed(db, conn, group_id, task_id, result, after)
+
+        outcome: PartOutcome = db.run(work)
+        for call in after:
+            call()
+        return outcome
+
+    def _record(
+        self, conn: psycopg.Connection[Any], group_id: str, task_id: str, outcome: str, note: Any
+    ) -> bool:
+        params = {
+            "id": CHORD_PREFIX + group_id,
+            "task_id": task_id,
+            "outcome": outcome,
+            "result": json_dumps(note),
+        }
+        return conn.execute(self.backend.q["chord_part_record"], params).fetchone() is not None
+
+    def _succeeded(
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        task_id: str,
+        after: list[Any],
+    ) -> PartOutcome:
+        if not self._record(conn, group_id, task_id, "succeeded", None):
+            return PartOutcome(recorded=False)
+        row = conn.execute(db.q["barrier_count_part"], {"id": CHORD_PREFIX + group_id}).fetchone()
+        if row is None or int(row[0]) > 0:
+            return PartOutcome(recorded=True)
+        try:
+            values = self._header_values(conn, group_id)
+        except _Unstored as exc:
+            # A part succeeded without storing its result (ignore_result): the body can
+            # never get its arguments. The chord fails, as a join would, once.
+            return self._fail_chord(db, conn, group_id, str(exc), after)
+        fired = conn.execute(db.q["barrier_fire"], {"id": CHORD_PREFIX + group_id}).fetchone()
+        if fired is None:  # unreachable: we hold the row lock at remaining = 0, armed
+            raise ChordError(f"chord {group_id} reached 0 but could not fire")
+        if len(values) != int(fired[1]):
+            # Never fire with a result missing: the whole completion rolls back.
+            raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {fired[1]} results")
+        body = Signature.from_dict(json_loads(fired[0]), app=self.app)
+        out = task_message(self.app, body, args_prefix=(values,))
+        self._publish(db, conn, out, group_id, "callback")
+        return PartOutcome(recorded=True, fired=True)
+
+    def _header_values(self, conn: psycopg.Connection[Any], group_id: str) -> list[Any]:
+        # A statement of its own, after the decrement's lock: under READ COMMITTED it sees
+        # every part (and result row) whose transaction committed before ours got the lock.
+        rows = conn.execute(
+            self.backend.q["chord_results"], {"id": CHORD_PREFIX + group_id}
+        ).fetchall()
+        values: list[Any] = []
+        for task_id, status, content_type, content_encoding, meta in rows:
+            if status != states.SUCCESS:
+                raise _Unstored(
+                    f"chord {group_id}: part {task_id} succeeded but its result is "
+                    f"{status or 'not stored (ignore_result?)'}"
+                )
+            decoded = self.backend.decode_row(content_type, content_encoding, bytes(meta))
+            values.append(decoded["result"])
+        return values
+
+    def _failed(
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        task_id: str,
+        result: Any,
+        after: list[Any],
+    ) -> PartOutcome:
+        if not self._record(conn, group_id, task_id, "failed", repr(result)):
+            return PartOutcome(recorded=False)
+        return self._fail_chord(
+            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after
+        )
+
+    def _fail_chord(
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        reason: str,
+        after: list[Any],
+    ) -> PartOutcome:
+        """Flip the chord failed (once), store its body's ChordError, send its errbacks."""
+        row = conn.execute(
+            db.q["barrier_fail"], {"id": CHORD_PREFIX + group_id, "reason": reason}
+        ).fetchone()
+        if row is None:  # failed by another part already, or fired
+            return PartOutcome(recorded=True)
+        found = conn.execute(
+            self.backend.q["chord_callback"], {"id": CHORD_PREFIX + group_id}
+        ).fetchone()
+        if found is None:  # unreachable: the flip above returned the row
+            raise ChordError(f"chord {group_id} failed but is gone")
+        body = Signature.from_dict(json_loads(found[0]), app=self.app)
+        error = ChordError(reason)
+        body_id = body.id
+        if body_id:
+            meta = self.backend.failure_meta(body_id, error)
+            self.backend.store_state_row(conn, body_id, meta)
+        self._errbacks(db, conn, group_id, body, error, after)
+        return PartOutcome(recorded=True, failed=True)
+
+    def _errbacks(
+        self,
+        db: BarrierDb,
+        conn: psycopg.Connection[Any],
+        group_id: str,
+        body: Signature,
+        error: ChordError,
+        after: list[Any],
+    ) -> None:
+        """The body's errbacks, as Celery's chord_error_from_stack calls them: those
+        taking (request, exc, traceback) in process, after commit; the others as task
+        messages with the body's id, inserted now."""
+        backend = self.backend
+        request = _fake_request(body)
+        for n, errback in enumerate(body.options.get("link_error") or []):
+            sig = maybe_signature(errback, app=self.app)
+            if sig is None:
+                continue
+            if backend.errback_is_in_process(sig):
+                after.append(lambda s=sig: _call_quietly(s, request, error))
+                continue
+            out = task_message(
+                self.app,
+                sig.clone(),
+                args_prefix=(body.id,),
+            )
+            self._publish(db, conn, out, group_id, f"errback-{n}")
+
+    @staticmethod
+    def _publish(
+        db: BarrierDb, conn: psycopg.Connection[Any], out: Outgoing, group_id: str, what: str
+    ) -> None:
+        delay = out.delay if db.native_delayed_delivery else 0.0
+        db.store.publisher.publish_on(
+            conn,
+            out.queue,
+            out.payload,
+            priority=out.priority,
+            delay=delay,
+            publish_key=publish_key("pgq-chord", group_id, what),
+        )
+
+
+class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped
+    """A part's result is not in the table when the chord completes."""
+
+
+def _fake_request(body: Signature) -> Any:
+    from celery.app.task import Context
+
+    return Context(
+        {
+            "id": body.id,
+            "task": body.task,
+            "args": body.args,
+            "kwargs": body.kwargs,
+            "errbacks": body.options.get("link_error") or [],
+            "delivery_info": {},
+        }
+    )
+
+
+def _call_quietly(sig: Signature, request: Any, error: BaseException) -> None:
+    try:
+        sig(request, error, None)
+    except Exception:  # as Celery: an errback that raises is logged, nothing else
+        logger.exception("chord errback %r raised", sig.task)

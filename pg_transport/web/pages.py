@@ -1,0 +1,250 @@
+"""The console's pages: every one reads, none changes anything."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import tornado.web
+
+from pg_transport.ops import status as status_report
+from pg_transport.web import sampler
+from pg_transport.web.base import STALE_INTERVALS, Base, checked_time, until
+from pg_transport.web.chart import chart
+
+__all__ = ["routes"]
+
+
+def _stale(at: datetime, now: datetime, interval: float) -> bool:
+    return (now - at).total_seconds() > STALE_INTERVALS * interval
+
+
+#: What the charts may span, in seconds: the last 5 minutes, 15 minutes or hour.
+WINDOWS = (300, 900, 3600)
+
+
+def _window(handler: Base) -> int:
+    raw = handler.get_query_argument("window", str(WINDOWS[-1]))
+    if raw not in {str(w) for w in WINDOWS}:
+        raise tornado.web.HTTPError(
+            400, "bad window %r: one of %s seconds", raw, ", ".join(map(str, WINDOWS))
+        )
+    return int(raw)
+
+
+class QueuesPage(Base):
+    async def get(self) -> None:
+        c = self.console
+        window = _window(self)
+
+        def read() -> dict[str, Any]:
+            latest = sampler.latest(c.connector, c.schema)
+            now = c.reads.now()
+            live = latest.at is None or _stale(latest.at, now, c.interval)
+            # No fresh tick (a first start, or no console whose role may write them):
+            # counted now, with the query of `pgq status`: one scan of the message table.
+            queues = status_report.collect(c.store).queues if live else latest.queues
+            change = {} if live else sampler.changes(c.connector, c.schema, latest)
+            depths, rates = sampler.history(c.connector, c.schema, None, window)
+            return {
+                "latest": latest,
+                "queues": queues,
+                "live": live,
+                "change": change,
+                "depths": depths,
+                "rates": rates,
+                "now": now,
+            }
+
+        data = await self.db(read)
+        now: datetime = data["now"]
+        start = now - timedelta(seconds=window)
+        depth_chart = chart(
+            "Messages waiting, all queues",
+            [
+                ("waiting", "waiting", [(a, float(w)) for a, w, _ in data["depths"]]),
+                ("ready", "ready", [(a, float(r)) for a, _, r in data["depths"]]),
+            ],
+            start=start,
+            end=now,
+        )
+        rate_chart = chart(
+            "Rows per second (message table)",
+            [
+                ("published", "published", [(r.at, r.inserted) for r in data["rates"]]),
+                ("removed", "removed", [(r.at, r.deleted) for r in data["rates"]]),
+            ],
+            start=start,
+            end=now,
+        )
+        latest = data["latest"]
+        last_rates = data["rates"][-1] if data["rates"] else None
+        self.page(
+            "queues.html",
+            window=window,
+            windows=WINDOWS,
+            queues=data["queues"],
+            change=data["change"],
+            sampled_at=latest.at,
+            live=data["live"],
+            charts=[depth_chart, rate_chart],
+            rates=last_rates,
+            refresh=max(int(c.interval), 2),
+        )
+
+
+class QueuePage(Base):
+    async def get(self) -> None:
+        name = self.get_query_argument("name")
+        c = self.console
+        window = _window(self)
+
+        def read() -> dict[str, Any]:
+            caps = self.capabilities()
+            latest = sampler.latest(c.connector, c.schema)
+            figures = next((q for q in latest.queues if q.queue == name), None)
+            ready = c.reads.messages(name, delayed=False, payloads=caps.payloads)
+            delayed = c.reads.messages(name, delayed=True, payloads=caps.payloads)
+            depths, _ = sampler.history(c.connector, c.schema, name, window)
+            now = c.reads.now()
+            return {
+                "caps": caps,
+                "figures": figures,
+                "ready": ready,
+                "delayed": delayed,
+                "depths": depths,
+                "now": now,
+                "sampled_at": latest.at,
+            }
+
+        data = await self.db(read)
+        now = data["now"]
+        depth_chart = chart(
+            "Messages waiting",
+            [
+                ("waiting", "waiting", [(a, float(w)) for a, w, _ in data["depths"]]),
+                ("ready", "ready", [(a, float(r)) for a, _, r in data["depths"]]),
+            ],
+            start=now - timedelta(seconds=window),
+            end=now,
+        )
+        self.page(
+            "queue.html",
+            window=window,
+            windows=WINDOWS,
+            name=name,
+            charts=[depth_chart],
+            until=until,
+            refresh=max(int(c.interval), 2),
+            **data,
+        )
+
+
+class DeadPage(Base):
+    async def get(self) -> None:
+        c = self.console
+        filters = {
+            key: (self.get_query_argument(key, "") or "").strip() or None
+            for key in ("queue", "reason", "task", "since", "until")
+        }
+        since = checked_time(filters["since"], "since")
+        until = checked_time(filters["until"], "until")
+
+        def read() -> dict[str, Any]:
+            caps = self.capabilities()
+            rows, total = c.reads.dead(
+                details=caps.dead_details,
+                queue=filters["queue"],
+                reason=filters["reason"] if caps.dead_details else None,
+                task=filters["task"] if caps.dead_details else None,
+                since=since,
+                until=until,
+            )
+            return {"caps": caps, "rows": rows, "total": total}
+
+        data = await self.db(read)
+        self.page("dead.html", filters=filters, **data)
+
+
+class DeadOnePage(Base):
+    async def get(self, ident: str) -> None:
+        c = self.console
+        dead_id = int(ident)
+
+        def read() -> dict[str, Any]:
+            caps = self.capabilities()
+            row = c.reads.dead_one(dead_id, details=caps.dead_details)
+            task = c.reads.dead_payload(dead_id) if caps.payloads else None
+            return {"caps": caps, "row": row, "task": task}
+
+        data = await self.db(read)
+        if data["row"] is None:
+            raise tornado.web.HTTPError(404, "no dead-letter row %d", dead_id)
+        self.page("dead_one.html", **data)
+
+
+class BarriersPage(Base):
+    async def get(self) -> None:
+        c = self.console
+        wanted = (self.get_query_argument("id", "") or "").strip()
+
+        def read() -> dict[str, Any]:
+            from barrier.inspect import show
+
+            caps = self.capabilities()
+            counts = status_report.barrier_counts(c.store)
+            # Only a role that may read callbacks and parts gets one barrier's details.
+            found = show(c.connector, c.schema, wanted) if wanted and caps.barrier_details else None
+            armed = c.reads.armed_barriers()
+            return {"caps": caps, "counts": counts, "found": found, "armed": armed}
+
+        data = await self.db(read)
+        if wanted and data["caps"].barrier_details and data["found"] is None:
+            raise tornado.web.HTTPError(404, "no barrier %r", wanted)
+        self.page("barriers.html", wanted=wanted, **data)
+
+
+class SchedulesPage(Base):
+    async def get(self) -> None:
+        from pg_transport.beat.store import BeatStore
+
+        c = self.console
+
+        def read() -> dict[str, Any]:
+            beat = BeatStore(c.connector, c.schema)
+            return {"entries": beat.listing(), "leader": beat.leader()}
+
+        data = await self.db(read)
+        self.page("schedules.html", **data)
+
+
+class ProcessesPage(Base):
+    async def get(self) -> None:
+        rows = await self.db(self.console.reads.processes)
+        self.page("processes.html", rows=rows, refresh=max(int(self.console.interval), 2))
+
+
+class RootPage(Base):
+    def get(self) -> None:
+        self.redirect("/queues")
+
+
+class NotFound(Base):
+    """Any other path: the console's own 404 page, with its headers."""
+
+    def prepare(self) -> None:
+        super().prepare()
+        raise tornado.web.HTTPError(404, "no such page")
+
+
+def routes(args: dict[str, Any]) -> list[Any]:
+    return [
+        (r"/", RootPage, args),
+        (r"/queues", QueuesPage, args),
+        (r"/queue", QueuePage, args),
+        (r"/dead", DeadPage, args),
+        (r"/dead/([0-9]{1,18})", DeadOnePage, args),
+        (r"/barriers", BarriersPage, args),
+        (r"/schedules", SchedulesPage, args),
+        (r"/processes", ProcessesPage, args),
+    ]

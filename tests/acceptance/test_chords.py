@@ -1,0 +1,114 @@
+"""Native chords through real workers: the body runs once, with the header's results in
+order, after 1, 10 or 1,000 parts, after a worker is SIGKILLed inside the last part, and
+a failing part fails over to the errbacks once. No chord_unlock task exists."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from celery import Celery, chord, states
+from celery.exceptions import ChordError
+
+from tests.acceptance.harness import Env, start_worker, wait_for, workers
+
+pytestmark = [
+    pytest.mark.acceptance,
+    pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning"),
+]
+
+APP = "tests.acceptance.results_app"
+T = "tests.acceptance.results_app."
+
+
+def client(env: Env) -> Celery:
+    app = Celery("client", broker=env.broker_url, backend=env.broker_url, set_as_current=False)
+    app.conf.broker_transport_options = {"schema": env.schema}
+    return app
+
+
+def labels(env: Env, prefix: str) -> list[str]:
+    return [r[1] for r in env.runs() if r[1].startswith(prefix)]
+
+
+def no_chord_unlock(env: Env) -> None:
+    sent = env.scalar(
+        "SELECT count(*) FROM {schema}.message"
+        " WHERE payload -> 'headers' ->> 'task' = 'celery.chord_unlock'"
+    )
+    assert sent == 0
+
+
+@pytest.mark.parametrize("parts", [1, 10, 1000])
+def test_a_chord_fires_once_with_its_results_in_order(env: Env, parts: int) -> None:
+    app = client(env)
+    with workers(env, f"chord-{parts}", app=APP, concurrency=4):
+        header = [app.signature(T + "part", args=[i]) for i in range(parts)]
+        body = app.signature(T + "collect", kwargs={"label": f"n{parts}"})
+        result = chord(header, app=app)(body)
+        no_chord_unlock(env)
+        assert result.get(timeout=120) == sum(range(parts))
+        time.sleep(0.5)  # a second body would start within this
+    assert labels(env, "callback:") == [f"callback:n{parts}"]
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+    assert result.parent is not None
+    assert result.parent.get(timeout=10) == list(range(parts))
+
+
+def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None:
+    app = client(env)
+    environ = {"PGQ_VISIBILITY_TIMEOUT": "2"}
+    first = start_worker(env, "kill-1", app=APP, concurrency=4, environ=environ)
+    header = [app.signature(T + "part", args=[i]) for i in range(3)]
+    header.append(app.signature(T + "part", args=[3, 3.0]))  # the last to finish
+    result = chord(header, app=app)(app.signature(T + "collect", kwargs={"label": "kill"}))
+    try:
+        wait_for(lambda: len(labels(env, "part:")) == 4, 30, "every part to start")
+        wait_for(
+            lambda: (
+                env.scalar("SELECT remaining FROM {schema}.barrier WHERE id LIKE 'celery-chord:%%'")
+                == 1
+            ),
+            30,
+            "three parts counted",
+        )
+    finally:
+        first.kill(signal.SIGKILL)  # inside part 3's sleep
+    assert first.proc.wait(10) == -signal.SIGKILL
+    assert labels(env, "callback:") == []
+    with workers(env, "kill-2", app=APP, concurrency=4, environ=environ):
+        assert result.get(timeout=60) == 0 + 1 + 2 + 3
+        time.sleep(0.5)
+    assert labels(env, "callback:") == ["callback:kill"]
+    assert labels(env, "part:3") == ["part:3", "part:3"]  # it ran again after the kill
+
+
+@pytest.mark.parametrize("allow_header_errbacks", [False, True])
+def test_a_failing_part_fails_over_to_the_errbacks_once(
+    env: Env, allow_header_errbacks: bool
+) -> None:
+    app = client(env)
+    app.conf.task_allow_error_cb_on_chord_header = allow_header_errbacks
+    with workers(env, "chord-fail", app=APP, concurrency=4):
+        header = [app.signature(T + "part", args=[i]) for i in range(4)]
+        header += [app.signature(T + "failing_part", args=[4])]
+        header += [app.signature(T + "failing_part", args=[5])]
+        errback = app.signature(T + "on_error", kwargs={"label": "chord"})
+        body = app.signature(T + "collect", kwargs={"label": "never"})
+        canvas = chord(header, body, app=app)
+        canvas.link_error(errback)
+        result = canvas.apply_async()
+        # get() raises the header's error first (it follows the parents, as with Redis)...
+        with pytest.raises(ValueError, match=r"part [45] fails"):
+            result.get(timeout=60)
+        # ...and the body itself fails with a ChordError naming the part.
+        with pytest.raises(ChordError, match=r"Dependency .* raised ValueError"):
+            result.get(timeout=60, follow_parents=False)
+        assert result.state == states.FAILURE
+        wait_for(lambda: labels(env, "errback:"), 30, "the errback")
+        time.sleep(0.5)
+    assert labels(env, "callback:") == []
+    # Once for the chord; with header errbacks allowed, Celery links the errback to
+    # each header task too, and each failing part runs it.
+    assert len(labels(env, "errback:")) == (3 if allow_header_errbacks else 1)

@@ -1,0 +1,359 @@
+"""`pgq web` in a real browser (Debian's headless Chromium), against real Postgres, a real
+console process and real Celery workers."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from http.cookiejar import CookieJar
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tests.acceptance import console as web
+from tests.acceptance.harness import Env, start_worker, wait_for
+from tests.pg import to_broker_url
+
+pytestmark = [
+    pytest.mark.acceptance,
+    pytest.mark.skipif(not web.available(), reason="needs chromium and chromium-driver"),
+]
+
+TOKEN = "test-token-0123456789"
+MARK = "tests.acceptance.app.mark"
+POISON_APP = "tests.acceptance.poison_app"
+POISON_TASK = "tests.acceptance.poison_app.run_pipeline"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    driver = web.browser()
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def cell(browser: Any, queue: str, column: str) -> str | None:
+    from selenium.common.exceptions import NoSuchElementException
+
+    try:
+        row = browser.find_element("css selector", f'tr[data-queue="{queue}"]')
+        return str(row.find_element("css selector", f"td.{column}").text)
+    except NoSuchElementException:
+        return None
+
+
+def showing(browser: Any, url: str, predicate: Any, what: str, timeout: float = 30) -> None:
+    """Reload ``url`` until ``predicate(browser)`` holds (the page shows an outcome)."""
+
+    def check() -> bool:
+        browser.get(url)
+        return bool(predicate(browser))
+
+    wait_for(check, timeout, what, step=0.3)
+
+
+def element(browser: Any, ident: str, timeout: float = 15) -> Any:
+    """The element ``ident`` of the page a click leads to, once that page has loaded
+    (a click returns before the next page is there)."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, timeout).until(
+        expected_conditions.presence_of_element_located(("id", ident))
+    )
+
+
+def sign_in(browser: Any, base: str, name: str = "alice") -> None:
+    browser.get(base + "/login")
+    browser.find_element("id", "name").send_keys(name)
+    browser.find_element("id", "token").send_keys(TOKEN)
+    browser.find_element("id", "submit").click()
+    assert element(browser, "user").text == name
+
+
+def add_dead(env: Env, count: int, queue: str = "web.dead") -> list[int]:
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.dead_letter (message_id, queue, read_ct, enqueued_at, reason,"
+                " task_name, task_id, payload) SELECT i, %s, 5, now(), 'rejected',"
+                " 'app.t', 'task-' || i, '{{}}' FROM generate_series(1, %s) AS i RETURNING id"
+            ).format(sql.Identifier(env.schema)),
+            [queue, count],
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: Any) -> None:
+    client = env.client()
+    with web.console(env) as console:
+        for i in range(40):
+            client.send_task(MARK, kwargs={"label": f"m{i}"}, queue="web.fill")
+        page = console.url + "/queues"
+        showing(browser, page, lambda b: cell(b, "web.fill", "ready") == "40", "40 ready")
+        # The queue's own page lists the next messages a claim takes, task name and all.
+        browser.find_element("link text", "web.fill").click()
+        element(browser, "ready")
+        assert "Queue web.fill" in browser.find_element("tag name", "h1").text
+        assert len(browser.find_elements("css selector", "#ready tbody tr")) == 20
+        assert MARK in browser.find_element("id", "ready").text
+
+        worker = start_worker(env, "drain", queues="web.fill")
+        try:
+            wait_for(lambda: len(env.runs()) == 40, 60, "the worker to run all 40")
+            showing(
+                browser,
+                page,
+                lambda b: (
+                    cell(b, "web.fill", "ready") == "0" and cell(b, "web.fill", "in-flight") == "0"
+                ),
+                "the queue drained",
+            )
+        finally:
+            worker.stop()
+        # The history the chart draws: kept in Postgres, full then empty.
+        depths = env.scalar(
+            "SELECT array_agg(ready + in_flight ORDER BY at) FROM {schema}.console_sample"
+            " WHERE queue = 'web.fill'"
+        )
+        assert max(depths) == 40 and depths[-1] == 0
+        waiting = browser.find_element("css selector", "polyline.waiting")
+        assert len(waiting.get_attribute("points").split()) >= 2
+
+
+def test_a_poisoned_task_is_shown_with_its_identity_and_requeue_runs_it(
+    env: Env, browser: Any
+) -> None:
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.poison_log (sender text, queue text, task_id text,"
+                " identity jsonb, attempts int, dead_letter_id bigint)"
+            ).format(sql.Identifier(env.schema))
+        )
+    environ = {"PGQ_MAX_ATTEMPTS_CELERY": "1", "PGQ_VISIBILITY_TIMEOUT": "1"}
+    sent = env.client().send_task(POISON_TASK, args=[42], kwargs={"execution_id": "exec-9"})
+    first = start_worker(
+        env, "p1", pool="solo", concurrency=1, app=POISON_APP, environ=environ, may_exit=True
+    )
+    wait_for(lambda: len(env.runs()) == 1, 30, "the first delivery")
+    assert first.proc.wait(30) != 0  # the task took its worker down
+    # The next claim finds it past max_attempts: dead-lettered, hooks run.
+    second = start_worker(
+        env, "p2", pool="solo", concurrency=1, app=POISON_APP, environ=environ, may_exit=True
+    )
+    try:
+        wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.poison_log"), 30, "the hook")
+        # The console imports the app's module, so its message_poisoned handlers run.
+        with web.console(env, token=TOKEN, app=POISON_APP) as console:
+            sign_in(browser, console.url)
+            browser.get(console.url + "/dead")
+            row = browser.find_element("css selector", "#dead tbody tr")
+            assert sent.id in row.text and POISON_TASK in row.text
+            assert "organization_id=42" in row.text and "execution_id=exec-9" in row.text
+            assert row.find_element("css selector", "td.hooks").text == "1 ok, 1 failed"
+            row.find_element("css selector", "td a").click()  # its own page: each hook
+            hooks = element(browser, "hooks").text
+            assert "mark_pipeline_failed ok" in hooks and "flaky_hook failed" in hooks
+            assert "exec-9" in browser.find_element("id", "payload").text
+
+            # Run the hooks again: each handler is called once more, outcomes recorded.
+            dead_id = env.scalar("SELECT id FROM {schema}.dead_letter")
+            browser.find_element("id", "rehook").click()
+            assert f"row {dead_id}: 1 of 2 handlers ok" in element(browser, "result").text
+            assert env.scalar("SELECT count(*) FROM {schema}.poison_log") == 2
+            browser.get(f"{console.url}/dead/{dead_id}")
+            element(browser, "requeue").click()
+            assert "1 dead-letter row requeued" in element(browser, "result").text
+            # A worker runs it again (and dies of it again: that is the task).
+            wait_for(lambda: len(env.runs()) == 2, 60, "the requeued task to run")
+            assert env.runs()[1][0] == sent.id
+            wait_for(
+                lambda: "alice from 127.0.0.1 requeued dead letters" in console.output(),
+                10,
+                "the audit line",
+            )
+    finally:
+        second.stop()
+
+
+def test_purge_asks_for_confirmation_first(env: Env, browser: Any) -> None:
+    ids = add_dead(env, 3)
+    with web.console(env, token=TOKEN) as console:
+        sign_in(browser, console.url, "bob")
+        browser.get(console.url + "/dead")
+        for ident in ids[:2]:
+            browser.find_element("css selector", f'input[name="id"][value="{ident}"]').click()
+        browser.find_element("id", "purge").click()
+        element(browser, "confirm-purge")
+        assert "Purge 2 dead-letter rows?" in browser.find_element("tag name", "h1").text
+        # Asked, not done: every row is still there.
+        assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 3
+        browser.find_element("id", "confirm-purge").click()
+        assert "2 dead-letter rows purged" in element(browser, "result").text
+        left = env.scalar("SELECT array_agg(id) FROM {schema}.dead_letter")
+        assert left == [ids[2]]
+        wait_for(
+            lambda: "bob from 127.0.0.1 purged dead letters" in console.output(),
+            10,
+            "the audit line",
+        )
+
+
+def post_form(base: str, path: str, fields: list[tuple[str, str]], xsrf: bool = True) -> int:
+    """POST a form as a page of the console would, with its XSRF cookie and field."""
+    jar = CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    opener.open(base + "/dead").read()
+    token = next(c.value for c in jar if c.name == "_xsrf")
+    body = urllib.parse.urlencode([*fields, *([("_xsrf", token)] if xsrf else [])]).encode()
+    try:
+        return int(opener.open(base + path, data=body).status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_without_the_token_no_action_is_possible(env: Env, browser: Any) -> None:
+    ids = add_dead(env, 1)
+    # A password in the URL (the server trusts local connections and ignores it) is
+    # shown on no page.
+    url = to_broker_url(env.pg_url).replace("postgres@", "postgres:hunter2-secret@", 1)
+    assert "hunter2-secret" in url
+    with web.console(env, url=url) as console:
+        for path in ("/queues", "/processes", "/dead/999999"):
+            browser.get(console.url + path)
+            assert "hunter2-secret" not in browser.page_source, path
+        assert "hunter2-secret" not in console.output()
+        # A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) gets
+        # nothing: it sends its own name as Host.
+        rebound = urllib.request.Request(console.url + "/dead", headers={"Host": "evil.test"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(rebound, timeout=10)
+        assert refused.value.code == 400
+        browser.get(console.url + "/dead")
+        assert browser.find_element("id", "mode").text == "read-only"
+        assert str(ids[0]) in browser.find_element("id", "dead").text
+        for control in ("requeue", "rehook", "purge"):
+            assert not browser.find_elements("id", control)
+        assert not browser.find_elements("css selector", 'input[type="checkbox"]')
+        for path in ("/dead/requeue", "/dead/purge", "/dead/rehook"):
+            fields = [("id", str(ids[0])), ("confirm", "yes")]
+            assert post_form(console.url, path, fields) == 403, path
+        assert post_form(console.url, "/login", [("name", "eve"), ("token", "")]) == 404
+    with web.console(env, token=TOKEN) as console:
+        # With a token, but not signed in; and signed in needs the form's XSRF field.
+        assert (
+            post_form(console.url, "/dead/purge", [("id", str(ids[0])), ("confirm", "yes")]) == 403
+        )
+        assert post_form(console.url, "/login", [("name", "eve"), ("token", "wrong" * 4)]) == 403
+        assert post_form(console.url, "/login", [("name", "eve"), ("token", TOKEN)], False) == 403
+    assert env.scalar("SELECT array_agg(id) FROM {schema}.dead_letter") == ids
+
+
+def monitor_role(env: Env, role: str) -> None:
+    """Block 5 of docs/least-privilege.md (docker/grants.sql), for this schema and role."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docker" / "grants.sql").read_text()
+    block = text.split("-- 5. monitor rights, as pgq_owner\n")[1].split("-- 6.")[0]
+    schema = sql.Identifier(env.schema).as_string(None)
+    block = block.replace("pgq_owner", "CURRENT_USER").replace("pgq_monitor", role)
+    block = re.sub(r"\bpgq\b(?=[. ;\n])", schema, block)
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT CONNECT ON DATABASE {} TO {}").format(
+                sql.Identifier(conn.info.dbname), sql.Identifier(role)
+            )
+        )
+        conn.execute(block)
+
+
+def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> None:
+    role = f"{env.schema}_monitor"
+    monitor_role(env, role)
+    try:
+        for i in range(5):
+            env.client().send_task(MARK, kwargs={"label": f"secret-{i}"}, queue="web.mon")
+        add_dead(env, 2, queue="web.mon")
+        url = to_broker_url(env.pg_url).replace("postgres@", f"{role}@", 1)
+        assert role in url
+        with web.console(env, url=url) as console:
+            showing(
+                browser,
+                console.url + "/queues",
+                lambda b: cell(b, "web.mon", "ready") == "5",
+                "the monitor's counts",
+            )
+            assert cell(browser, "web.mon", "dead") == "2"
+            browser.get(console.url + "/queue?name=web.mon")
+            assert browser.find_element("id", "no-payloads")
+            assert len(browser.find_elements("css selector", "#ready tbody tr")) == 5
+            assert "secret" not in browser.page_source and MARK not in browser.page_source
+            browser.get(console.url + "/dead?queue=web.mon")
+            assert browser.find_element("id", "no-details")
+            assert "rejected" not in browser.page_source and "app.t" not in browser.page_source
+            assert len(browser.find_elements("css selector", "#dead tbody tr")) == 2
+            browser.get(console.url + "/schedules")  # the schedule holds task arguments
+            assert browser.find_element("id", "error-title").text == "Not allowed for this role"
+            assert "permission denied" in browser.find_element("id", "error-detail").text
+    finally:
+        with psycopg.connect(env.pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) -> None:
+    hostile = '"><img src=x onerror=alert(1)><script>alert(2)</script>'
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        s = sql.Identifier(env.schema)
+        conn.execute(
+            sql.SQL("INSERT INTO {}.message (queue, payload) VALUES (%s, '{{}}')").format(s),
+            [hostile],
+        )
+        dead_id = conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.dead_letter (message_id, queue, read_ct, enqueued_at, reason,"
+                " task_name, task_id, identity, hooks, payload) VALUES (1, %s, 1, now(), %s,"
+                " %s, %s, jsonb_build_object('k', %s::text),"
+                " jsonb_build_array(jsonb_build_object('receiver', %s::text, 'ok', false,"
+                " 'error', %s::text)), '{{}}') RETURNING id"
+            ).format(s),
+            [hostile] * 7,
+        ).fetchone()[0]  # type: ignore[index]
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.barrier (id, total, remaining, callback, expires_at,"
+                " stuck_timeout) VALUES (%s, 2, 1, json_build_object('task', %s::text),"
+                " now() + interval '1 hour', interval '1 minute')"
+            ).format(s),
+            [hostile, hostile],
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.beat_entry (name, task, schedule, origin)"
+                " VALUES (%s, %s, '{{\"every\": 5}}', 'command')"
+            ).format(s),
+            [hostile, hostile],
+        )
+    quoted = urllib.parse.quote(hostile, safe="")
+    with web.console(env) as console:
+        for path in (
+            "/queues",
+            f"/queue?name={quoted}",
+            "/dead",
+            f"/dead/{dead_id}",
+            f"/barriers?id={quoted}",
+            "/schedules",
+        ):
+            browser.get(console.url + path)
+            assert hostile in browser.find_element("tag name", "main").text, path
+            for tag in ("img", "script"):
+                assert not browser.find_elements("tag name", tag), (path, tag)
