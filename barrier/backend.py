@@ -85,8 +85,15 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         uses = f"a {scheme}:// broker" if scheme else "a broker URL without a scheme"
         raise ConfigurationError(f"the barrier needs a pgq:// broker, app {app.main!r} uses {uses}")
     options = Options.from_sources(app.conf.broker_transport_options, environ)
+    # Behind a transaction pooler (use_notify off), as the transport's: no session
+    # state, nothing prepared (the barrier's SQL names every table and function by schema).
+    own = options.use_notify
     connector = Connector(
-        url_to_conninfo(url), display_url=mask_url(url), application_name="pgq-barrier"
+        url_to_conninfo(url),
+        display_url=mask_url(url),
+        application_name="pgq-barrier",
+        prepare_threshold=5 if own else None,
+        pin_search_path=own,
     )
     ensure_schema(connector, options.schema, auto_migrate=options.auto_migrate)
     return Backend(

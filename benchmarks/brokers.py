@@ -52,6 +52,7 @@ from benchmarks.report import RATIO_MEANING, combine, format_report, pgbench_rat
 from benchmarks.targets import (
     AmqpBroker,
     Broker,
+    PgqBouncerBroker,
     PgqBroker,
     RedisBroker,
     RedisFsyncBroker,
@@ -63,6 +64,9 @@ from benchmarks.worker import ROOT, Worker, WorkerSpec, start_worker
 
 RESULTS = ROOT / "benchmarks" / "results"
 BROKERS = ("pgq", "pgq-async", "redis", "redis-fsync", "rabbitmq", "rabbitmq-confirm", "sqla")
+# Chosen by name only: pgq behind a PgBouncer of its own, with a direct listening
+# session (listen_url) or polling.
+EXTRA_BROKERS = ("pgq-bouncer", "pgq-bouncer-poll")
 LOCAL_PG = "postgresql://postgres@127.0.0.1:5432/test"
 # Once the probe workers are up, let them block waiting for work, so that the latency
 # probes meet really idle workers.
@@ -100,7 +104,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--pool", choices=("threads", "prefork"), default="threads", help="worker pool")
     add("--concurrency", type=int, default=4, help="worker concurrency (default 4)")
     add("--prefetch-multiplier", type=int, default=4, help="worker_prefetch_multiplier")
-    add("--brokers", default=",".join(BROKERS), help=f"subset of {','.join(BROKERS)}")
+    add(
+        "--brokers",
+        default=",".join(BROKERS),
+        help=f"subset of {','.join(BROKERS + EXTRA_BROKERS)} (default: {','.join(BROKERS)})",
+    )
     add("--pg-url", default=default_pg_url(), help="Postgres for pgq and sqla (libpq URL)")
     add("--redis-url", default="redis://127.0.0.1:6379", help="Redis server (broker and sink)")
     add("--redis-db", type=int, default=14, help="Redis db of the Redis broker (flushed)")
@@ -145,9 +153,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         )
     if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
         parser.error("--phase-timeout and --probe-timeout must be > 0, --probe-gap >= 0")
-    unknown = set(args.brokers.split(",")) - set(BROKERS)
+    known = BROKERS + EXTRA_BROKERS
+    unknown = set(args.brokers.split(",")) - set(known)
     if unknown:
-        parser.error(f"unknown broker(s) {', '.join(sorted(unknown))}; known: {', '.join(BROKERS)}")
+        parser.error(f"unknown broker(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
 
 
 def make_brokers(args: argparse.Namespace) -> list[Broker]:
@@ -159,8 +168,10 @@ def make_brokers(args: argparse.Namespace) -> list[Broker]:
         "rabbitmq": AmqpBroker(args.amqp_url),
         "rabbitmq-confirm": AmqpBroker(args.amqp_url, confirm=True),
         "sqla": SqlaBroker(args.pg_url),
+        "pgq-bouncer": PgqBouncerBroker(args.pg_url, "pgq-bouncer", listen=True),
+        "pgq-bouncer-poll": PgqBouncerBroker(args.pg_url, "pgq-bouncer-poll", listen=False),
     }
-    return [every[name] for name in BROKERS if name in args.brokers.split(",")]
+    return [every[name] for name in BROKERS + EXTRA_BROKERS if name in args.brokers.split(",")]
 
 
 def sink_url(args: argparse.Namespace) -> str:

@@ -24,10 +24,12 @@ from psycopg import sql
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from tests.acceptance.cluster import free_port
+from tests.bouncer import BouncerUnavailable, pgbouncer
 
 __all__ = [
     "AmqpBroker",
     "Broker",
+    "PgqBouncerBroker",
     "PgqBroker",
     "RedisBroker",
     "RedisFsyncBroker",
@@ -123,6 +125,45 @@ class PgqBroker(Broker):
         schema = target.transport_options["schema"]
         with psycopg.connect(self.pg_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+class PgqBouncerBroker(PgqBroker):
+    """pgq behind a PgBouncer of its own (transaction pooling, started for the run):
+    ``use_notify`` off, and with ``listen`` a direct LISTEN-only session per process
+    (``listen_url``, Postgres itself); without it, idle workers poll."""
+
+    def __init__(self, pg_url: str, name: str, *, listen: bool) -> None:
+        options: dict[str, Any] = {"use_notify": False}
+        if listen:
+            options["listen_url"] = "pgq://" + _after_scheme(pg_url)
+        super().__init__(pg_url, name, options)
+        self._bouncer: contextlib.AbstractContextManager[Any] | None = None
+
+    def check(self) -> str | None:
+        if shutil.which("pgbouncer") is None and not Path("/usr/sbin/pgbouncer").exists():
+            return "pgbouncer is not installed"
+        return super().check()
+
+    def setup(self, run_id: str) -> Target:
+        target = super().setup(run_id)
+        # The schema is made on Postgres directly, as `pgq migrate` would.
+        conn = Connection(target.broker_url, transport_options=target.transport_options)  # type: ignore[no-untyped-call]
+        with conn:
+            conn.connect()  # type: ignore[no-untyped-call]
+        self._bouncer = pgbouncer(self.pg_url, pool_size=8)
+        try:
+            bouncer = self._bouncer.__enter__()
+        except BouncerUnavailable:
+            self._bouncer = None
+            raise
+        target.broker_url = bouncer.url("pgq")
+        return target
+
+    def teardown(self, target: Target) -> None:
+        if self._bouncer is not None:
+            self._bouncer.__exit__(None, None, None)
+            self._bouncer = None
+        super().teardown(target)
 
 
 class RedisBroker(Broker):

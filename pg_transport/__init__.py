@@ -20,6 +20,7 @@ from pg_transport.errors import (
     MessageTooLarge,
     NotPermitted,
     PgqError,
+    PoolerDetected,
     SchemaError,
     TransactionRefused,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "NotPermitted",
     "Options",
     "PgqError",
+    "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
     "batch",

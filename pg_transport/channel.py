@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import uuid
 from hashlib import md5
 from queue import Empty
 from typing import Any
@@ -26,7 +27,15 @@ from pg_transport.producer_batch import PublishBatch
 from pg_transport.qos import Message, QoS, lease_of
 from pg_transport.store import Claimed, Lease, Store
 
-__all__ = ["EXCHANGE_TYPES", "MAX_PRIORITY", "Channel", "check_queue_name", "fault"]
+__all__ = [
+    "EXCHANGE_TYPES",
+    "MAX_PRIORITY",
+    "PUBLISH_ID",
+    "Channel",
+    "check_queue_name",
+    "fault",
+    "publish_id",
+]
 
 logger = logging.getLogger("pg_transport.transport")
 
@@ -34,6 +43,28 @@ MAX_PRIORITY = 255
 # Queue names are index keys and part of a wake-up channel's digest: both have byte
 # limits well above this.
 MAX_QUEUE_NAME_BYTES = 1024
+
+#: The message property naming one logical publish: its publish keys derive from it.
+PUBLISH_ID = "pgq_publish_id"
+
+
+def publish_id(props: dict[str, Any]) -> str:
+    """The id of the logical publish ``props`` belong to, given on its first attempt.
+
+    kombu's publish retry (``Producer.publish(retry=True)``, which Celery's
+    ``task_publish_retry`` is) prepares the message again for every attempt, with a new
+    delivery tag, but from the same properties dict: the ``**properties`` of that one
+    ``Producer.publish`` call. An id kept in that dict is therefore the same for every
+    attempt of one publish and new for the next call, even one carrying the same task
+    id (``self.retry()``, ``Task.replace()``). A publish whose commit landed but whose
+    answer was lost, sent again by whoever, then finds its key taken and inserts nothing.
+    The id is removed again before a consumer sees the message (see
+    :meth:`pg_transport.transport.Transport.as_payload`): a message published anew
+    from a delivered one's properties is a new publish."""
+    found = props.get(PUBLISH_ID)
+    if not isinstance(found, str) or not found:
+        found = props[PUBLISH_ID] = uuid.uuid4().hex
+    return found
 
 
 def check_queue_name(queue: str) -> str:
@@ -130,9 +161,9 @@ class Channel(virtual.Channel):
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
         check_queue_name(queue)
         props = message.setdefault("properties", {})
-        tag = props.get("delivery_tag")
-        # The same key the routed publish computes in SQL: md5(tag || queue).
-        key = md5(f"{tag}{queue}".encode()).hexdigest() if tag else None
+        tag = publish_id(props)
+        # The same key the routed publish computes in SQL: md5(id || queue).
+        key = md5(f"{tag}{queue}".encode()).hexdigest()
         self.store.publisher.publish(
             queue,
             message,
@@ -237,7 +268,7 @@ class Channel(virtual.Channel):
             priority=self._get_message_priority(message),
             delay=self._delay(message),
             ttl=_expiration(props.get("expiration")),
-            publish_tag=props.get("delivery_tag"),
+            publish_tag=publish_id(props),
         )
         if not matched:
             self._unroutable(message, exchange, routing_key or "", kind)

@@ -135,6 +135,36 @@ def _flag(key: str, value: Any) -> bool:
     raise ConfigurationError(f"pgq option {key}={value!r} is not a boolean (true/false)")
 
 
+#: ``durable_acks`` values: the consumer's commits (claims, acks, releases, renewals).
+DURABLE_ACKS = ("auto", "on", "off")
+
+
+def _durable_acks(key: str, value: Any) -> str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if _flag(key, value) else "off"
+    except ConfigurationError:
+        raise ConfigurationError(
+            f"pgq option {key}={value!r} must be auto, true or false"
+        ) from None
+
+
+def _listen_url(key: str, value: Any) -> str | None:
+    """A ``pgq://`` URL of Postgres itself (not the pooler), or nothing."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str):
+        raise ConfigurationError(f"pgq option {key} must be a pgq:// URL, not {type(value)}")
+    from pg_transport.db.url import parse_url  # (db.url needs nothing of this module)
+
+    try:
+        parse_url(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"pgq option {key}: {exc}") from None
+    return value.strip()
+
+
 def _schema(key: str, value: Any) -> str:
     if not isinstance(value, str) or not _IDENT.match(value) or len(value) > 48:
         raise ConfigurationError(
@@ -176,6 +206,8 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "native_delayed_delivery": _flag,
     "auto_migrate": _flag,
     "durable_publish": _flag,
+    "durable_acks": _durable_acks,
+    "listen_url": _listen_url,
     "vacuum_threshold": _vacuum_threshold,
     "max_message_bytes": _message_bytes,
 }
@@ -198,6 +230,13 @@ class Options:
     native_delayed_delivery: bool = True
     auto_migrate: bool = True
     durable_publish: bool = True
+    #: Whether claims, acks and renewals wait as the server's commits do (its WAL flush,
+    #: its synchronous standbys): "on", "off", or "auto" (on when the server has
+    #: synchronous standbys, as a session finds it when it opens).
+    durable_acks: str = "auto"
+    #: With use_notify off (behind a pooler): Postgres itself, for one LISTEN-only
+    #: session per process, so idle consumers are woken instead of polling.
+    listen_url: str | None = None
     vacuum_threshold: int = 10_000
     #: Largest message (its JSON text, bytes) published; also what a claim brings at once.
     max_message_bytes: int = 16 * 1024 * 1024
@@ -232,6 +271,11 @@ class Options:
                 env_vt[_env_queue(name, "PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
             elif name.startswith("PGQ_MAX_ATTEMPTS_"):
                 env_attempts[_env_queue(name, "PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
+        if values.get("listen_url") and values.get("use_notify", True):
+            raise ConfigurationError(
+                "pgq option listen_url is for use_notify=false (behind a transaction "
+                "pooler): with use_notify on, consumers listen on their own sessions"
+            )
         return cls(
             **values,
             env_queue_visibility_timeouts=env_vt,

@@ -10,6 +10,7 @@ __all__ = [
     "MessageTooLarge",
     "NotPermitted",
     "PgqError",
+    "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
 ]
@@ -53,3 +54,9 @@ class TransactionRefused(PgqError):
     """pgq will not publish in this transaction (another database or server than the
     broker's, another driver, no transaction open, the transaction lost): the message
     names both sides. Nothing was published, in the transaction or apart from it."""
+
+
+class PoolerDetected(BrokerRefused):
+    """A transaction pooler (PgBouncer's ``pool_mode = transaction``, say) stands between
+    pgq and Postgres while pgq counts on a session of its own (``use_notify`` on): the
+    message names ``use_notify=false``, the setting that makes pgq work behind one."""

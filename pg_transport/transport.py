@@ -39,13 +39,14 @@ from urllib.parse import quote
 import psycopg
 from kombu.transport import virtual
 
-from pg_transport.channel import EXCHANGE_TYPES
+from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options
 from pg_transport.consume.blocking import BlockingDriver
 from pg_transport.consume.engine import UNLIMITED_BATCH, Engine
 from pg_transport.consume.housekeeping import Housekeeper
 from pg_transport.consume.hub import HubDriver
+from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Session
 from pg_transport.consume.source import Want
 from pg_transport.consume.vacuum import Vacuumer
@@ -139,7 +140,11 @@ class Transport(virtual.Transport):
                 conninfo,
                 display_url=shown,
                 prepare_threshold=prepare,
-                setup=(queries["relax_commit"], queries["generic_plans"], *no_jit),
+                setup=(
+                    *_commit_setup(self.options.durable_acks, queries),
+                    queries["generic_plans"],
+                    *no_jit,
+                ),
             )
             if own
             else self.connector
@@ -166,10 +171,39 @@ class Transport(virtual.Transport):
         session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
         #: The consumer, one for every way of driving it.
         self.engine = Engine(
-            self, self.store, session, max_message_bytes=self.options.max_message_bytes
+            self,
+            self.store,
+            session,
+            max_message_bytes=self.options.max_message_bytes,
+            listener=self._listener(),
         )
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
+
+    # kombu's Connection drops ``client`` from a transport it collects after a lost
+    # connection, but a publish retry (kombu's, Celery's ``task_publish_retry``) then
+    # declares the queue again through an entity still bound to this transport's
+    # channel, which reads ``channel.connection.client``: a lost transport keeps its
+    # client, and that declare lands through the store, which outlives the loss.
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        if value is not None or not getattr(self, "lost", False):
+            self._client = value
+
+    def _listener(self) -> Listener | None:
+        """Behind a pooler with ``listen_url``: the direct session that LISTENs for this
+        process's consumer (no prepared statements; search_path pinned, as it is ours)."""
+        url = self.options.listen_url
+        if not url:
+            return None
+        connector = Connector(
+            url_to_conninfo(url), display_url=mask_url(url), max_idle=0, prepare_threshold=None
+        )
+        return Listener(connector, self.options.schema, lambda: self.engine.pipe.wake())
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
@@ -226,6 +260,7 @@ class Transport(virtual.Transport):
         payload = claimed.payload
         assert payload is not None, "a message with no payload is dead-lettered"
         props = payload.setdefault("properties", {})
+        props.pop(PUBLISH_ID, None)  # the publish's, not the delivery's (channel.publish_id)
         props["delivery_tag"] = f"{claimed.id}:{claimed.lease}"
         info = props.setdefault("delivery_info", {})
         info[TOKEN] = [claimed.id, claimed.lease]
@@ -343,6 +378,16 @@ class Transport(virtual.Transport):
             if qos is not None:
                 held.extend(qos.held())
         return held
+
+
+def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]:
+    """How the consumer's session commits (``durable_acks``): relaxed (off), as the
+    server says (on), or relaxed unless the server has synchronous standbys (auto)."""
+    return {
+        "off": (queries["relax_commit"],),
+        "on": (),
+        "auto": (queries["relax_commit_unless_synchronous"],),
+    }[durable_acks]
 
 
 # A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).

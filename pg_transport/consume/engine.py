@@ -40,6 +40,7 @@ import psycopg
 
 from pg_transport.consume import envelope
 from pg_transport.consume.acks import AckBuffer
+from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Row, Session
 from pg_transport.consume.source import Handle, Source, Statements, Timers, Want
 from pg_transport.consume.undeliverable import Undeliverable
@@ -72,11 +73,19 @@ class _InFlight:
 
 class Engine:
     def __init__(
-        self, source: Source, store: Store, session: Session, *, max_message_bytes: int
+        self,
+        source: Source,
+        store: Store,
+        session: Session,
+        *,
+        max_message_bytes: int,
+        listener: Listener | None = None,
     ) -> None:
         self.source = source
         self.store = store
         self.session = session
+        #: Behind a pooler, the direct session that LISTENs for this one (listen_url).
+        self.listener = listener
         self.max_message_bytes = max_message_bytes
         self.acks = AckBuffer()
         self.undeliverable = Undeliverable(store)
@@ -141,6 +150,8 @@ class Engine:
         """Stop, land the acks still buffered, finish the rows handed to be
         dead-lettered, and close the wake-up pipe."""
         self.stop()
+        if self.listener is not None:
+            self.listener.close()
         self.land_acks(self.acks.close())
         self.undeliverable.close()
         self.pipe.close()
@@ -197,6 +208,8 @@ class Engine:
 
     def on_wake(self) -> None:
         self.pipe.clear()
+        if self.listener is not None:
+            self.notified(self.listener.take())
         self.kick()
 
     def on_poll(self) -> None:
@@ -246,6 +259,8 @@ class Engine:
     def _send_next(self) -> None:
         session = self.session
         wants = self.source.wants()
+        if self.listener is not None:
+            self.listener.want({self.channel(q) for w in wants for q in (*w.acked, *w.unacked)})
         if session.listen:
             missing = {self.channel(q) for w in wants for q in (*w.acked, *w.unacked)}
             missing -= session.listening

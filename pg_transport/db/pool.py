@@ -24,7 +24,12 @@ from psycopg import conninfo as pg_conninfo
 
 from pg_transport.db.retry import FENCED, ONCE, attempt, is_dead_connection, is_refusal
 from pg_transport.db.url import mask_url, parse_url
-from pg_transport.errors import BrokerRefused, BrokerUnavailable, BrokerUnreachable
+from pg_transport.errors import (
+    BrokerRefused,
+    BrokerUnavailable,
+    BrokerUnreachable,
+    PoolerDetected,
+)
 
 __all__ = [
     "DEFAULT_MAX_LIFETIME",
@@ -34,6 +39,7 @@ __all__ = [
     "describe",
     "is_own",
     "mask_url",
+    "pooler_detected",
     "url_to_conninfo",
 ]
 
@@ -43,6 +49,13 @@ T = TypeVar("T")
 
 # Built-in names first and only: pgq's tables are always named with their schema.
 PINNED_SEARCH_PATH = "-c search_path=pg_catalog,pg_temp"
+#: The pinned path as the server shows it (without spaces): else the option never reached it.
+PINNED_SHOWN = "pg_catalog,pg_temp"
+# What PgBouncer answers a startup option it does not pass on.
+_POOLER_REFUSAL = "unsupported startup parameter"
+# A prepared statement of this session missing, or one of another session's present:
+# the session is not one server session (transaction pooling).
+_FOREIGN_SESSION_SQLSTATES = frozenset({"26000", "42P05"})
 DEFAULT_CONNECT_TIMEOUT = 10
 #: Pooled connections of one Connector at most (in use and idle).
 DEFAULT_MAX_SIZE = 16
@@ -134,6 +147,7 @@ class Connector:
         self.wait_timeout = wait_timeout
         self.prepare_threshold = prepare_threshold
         self.setup = setup
+        self.pin_search_path = pin_search_path
         given = pg_conninfo.conninfo_to_dict(conninfo)
         self._application_name = None if "application_name" in given else application_name
         self._kwargs: dict[str, Any] = {}
@@ -162,6 +176,8 @@ class Connector:
                 kwargs["application_name"] = f"{self._application_name}:{os.getpid()}"
             conn = psycopg.connect(self.conninfo, autocommit=autocommit, **kwargs)
         except psycopg.Error as exc:
+            if self.pin_search_path and _POOLER_REFUSAL in str(exc):
+                raise pooler_detected(self.display_url, describe(exc)) from exc
             kind = BrokerRefused if is_refusal(exc) else BrokerUnreachable
             raise kind(
                 f"cannot connect to Postgres at {self.display_url}: {describe(exc)}"
@@ -169,12 +185,26 @@ class Connector:
         conn.prepare_threshold = self.prepare_threshold
         _live.add(conn)
         try:
+            if self.pin_search_path:
+                self._check_pinned(conn)
             for statement in self.setup:
                 conn.execute(statement)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _check_pinned(self, conn: psycopg.Connection[Any]) -> None:
+        """The pinned ``search_path`` is in effect, or something between pgq and the
+        server dropped the startup option that set it: a pooler (PgBouncer accepts
+        ``options`` only to ignore it), whose sessions are not pgq's own."""
+        row = conn.execute("SHOW search_path").fetchone()
+        shown = str(row[0]) if row else ""
+        if shown.replace(" ", "") != PINNED_SHOWN:
+            raise pooler_detected(
+                self.display_url,
+                f"the search_path pgq sets at connect did not reach the server (it is {shown!r})",
+            )
 
     def _take(self) -> psycopg.Connection[Any]:
         deadline = monotonic() + self.wait_timeout
@@ -240,6 +270,17 @@ class Connector:
         try:
             yield conn
         except BaseException as exc:
+            if (
+                self.prepare_threshold is not None
+                and isinstance(exc, psycopg.Error)
+                and exc.sqlstate in _FOREIGN_SESSION_SQLSTATES
+            ):
+                # A statement pgq prepared on this session is gone, or one it is about
+                # to prepare is there already: statements of one session run on
+                # different server sessions. That is a transaction pooler.
+                conn.close()
+                self._give_back(conn)
+                raise pooler_detected(self.display_url, describe(exc)) from exc
             if is_dead_connection(exc, conn):
                 if not conn.closed:
                     conn.close()
@@ -280,6 +321,17 @@ class Connector:
     def close(self) -> None:
         self.closed = True
         self._discard_idle()
+
+
+def pooler_detected(display_url: str, detail: str) -> PoolerDetected:
+    """The one error for a pooler in the way of a session pgq needs as its own."""
+    return PoolerDetected(
+        f"{display_url} is not a Postgres session of pgq's own: {detail}. A connection "
+        f"pooler is in between (PgBouncer, say, in pool_mode = transaction or session). "
+        f"Set the transport option use_notify=false (or PGQ_USE_NOTIFY=false): "
+        f"pgq then keeps no session state (no LISTEN, no prepared statements, no session "
+        f"settings) and idle workers poll; or connect pgq to Postgres directly"
+    )
 
 
 def describe(exc: BaseException) -> str:

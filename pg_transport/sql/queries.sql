@@ -529,6 +529,13 @@ SET jit TO off
 -- crash makes a message visible again (delivered twice), it never loses one.
 SET synchronous_commit TO off
 
+-- name: relax_commit_unless_synchronous
+-- relax_commit, unless the server has synchronous standbys (durable_acks=auto): then an
+-- ack returns once a standby has it, and a failover to that standby does not run the
+-- acked task again. Read when the session opens.
+SELECT pg_catalog.set_config('synchronous_commit', 'off', false)
+WHERE pg_catalog.current_setting('synchronous_standby_names') = ''
+
 -- name: schema_owner
 -- The role owning the schema, or no row when the schema does not exist.
 SELECT nspowner::regrole::text FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s::name

@@ -134,8 +134,9 @@ def start_worker(
     ready_timeout: float = 60,
     app: str = APP,
     may_exit: bool = False,
+    wait: bool = True,
 ) -> Worker:
-    """Start a worker and wait until it is ready.
+    """Start a worker and wait until it is ready (``wait`` false: do not wait).
 
     ``may_exit``: the worker is expected to die on its first task (which can happen
     before it logs that it is ready); its exit then ends the wait instead of failing.
@@ -173,6 +174,8 @@ def start_worker(
             start_new_session=True,
         )
     worker = Worker(proc, log, name)
+    if not wait:
+        return worker
 
     def ready() -> bool:
         if proc.poll() is not None:

@@ -203,7 +203,9 @@ def test_configuration_lists_every_option_default_and_variable() -> None:
         row = re.search(rf"^\| `{f.name}` \| `([^`]*)` \|", text, re.MULTILINE)
         assert row, f"configuration.md has no row for `{f.name}`"
         shown, value = row.group(1), getattr(defaults, f.name)
-        if isinstance(value, bool):
+        if value is None:  # unset unless given
+            assert shown == "none", f.name
+        elif isinstance(value, bool):
             assert shown == str(value).lower(), f.name
         elif isinstance(value, (int, float)):
             assert float(shown) == value, f.name

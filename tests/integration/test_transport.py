@@ -30,6 +30,13 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
     # No JIT: compiling a claim would cost more than a thousand claims.
     assert setting(transport.relaxed, "jit") == "off"
     assert setting(transport.connector, "jit") == "off"
+    # durable_acks: auto (the default) is relaxed without synchronous standbys (this
+    # server has none: tests/acceptance/test_failover.py has one); on follows the server.
+    for durable_acks, expected in (("on", "on"), ("off", "off"), ("auto", "off")):
+        options = {"schema": schema, "durable_acks": durable_acks}
+        with Connection(broker_url, transport_options=options) as chosen:
+            chosen.connect()
+            assert setting(chosen.transport.relaxed, "synchronous_commit") == expected
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as pooled:
         pooled.connect()

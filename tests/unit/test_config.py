@@ -41,6 +41,7 @@ def test_defaults(transport_options: dict[str, Any] | None) -> None:
     assert opts.native_delayed_delivery is True
     assert opts.auto_migrate is True
     assert opts.durable_publish is True
+    assert opts.durable_acks == "auto"
     assert opts.vacuum_threshold == 10_000
     assert dict(opts.queue_visibility_timeouts) == {}
     assert dict(opts.queue_max_attempts) == {}
@@ -71,6 +72,8 @@ OPTION_CASES: list[tuple[str, Any, Any, str, Any]] = [
     ("native_delayed_delivery", False, False, "on", True),
     ("auto_migrate", False, False, "1", True),
     ("durable_publish", False, False, "true", True),
+    ("durable_acks", True, "on", "auto", "auto"),
+    ("durable_acks", "off", "off", "ON", "on"),
     ("vacuum_threshold", 0, 0, "50000", 50000),
 ]
 
@@ -313,3 +316,23 @@ def test_environment_is_validated_even_when_option_is_valid() -> None:
 def test_errors_are_value_errors_too() -> None:
     with pytest.raises(ValueError, match="PGQ_VISIBILITY_TIMEOUT"):
         options(None, PGQ_VISIBILITY_TIMEOUT="abc")
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "", 2, None])
+def test_durable_acks_is_auto_or_a_boolean(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match=r"durable_acks=.* must be auto, true or false"):
+        options({"durable_acks": bad})
+
+
+def test_listen_url_goes_with_use_notify_off() -> None:
+    url = "pgq://app@db1:5432/app"
+    assert options({"use_notify": False, "listen_url": url}).listen_url == url
+    assert options(None, PGQ_USE_NOTIFY="false", PGQ_LISTEN_URL=url).listen_url == url
+    assert options({"use_notify": False, "listen_url": ""}).listen_url is None
+    assert options(None).listen_url is None
+    with pytest.raises(ConfigurationError, match="listen_url is for use_notify=false"):
+        options({"listen_url": url})
+    with pytest.raises(ConfigurationError, match="listen_url"):
+        options({"use_notify": False, "listen_url": "redis://x"})
+    with pytest.raises(ConfigurationError, match="listen_url"):
+        options({"use_notify": False, "listen_url": 5})

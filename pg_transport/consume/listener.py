@@ -1,0 +1,151 @@
+"""Wake-ups behind a pooler: one direct session per process that only LISTENs.
+
+Behind a transaction pooler (``use_notify`` off) the consumer's statements go through the
+pooler and its idle consumers poll. With ``listen_url`` set, a :class:`Listener` keeps one
+connection straight to Postgres (bypassing the pooler) on which it LISTENs on the
+channels of the queues consumed, in a thread of its own: a notification only marks its
+channel, and the consumer's driver is woken (the engine's wake-up pipe) to claim that
+queue through the pooler at once. Nothing else runs on that connection.
+
+A notification is a hint, never data (as on the consumer's own session, see
+:mod:`pg_transport.consume.session`): a channel's name is all that is taken from one.
+
+When the connection is lost the consumer goes on polling, with a warning; the listener
+connects again (every :data:`RECONNECT_INTERVAL` seconds) and, once it listens again,
+marks every channel as notified: what was published meanwhile is claimed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from pg_transport.consume.session import Notifications
+from pg_transport.db.pool import Connector
+from pg_transport.errors import PgqError
+from pg_transport.sql import compose_channel, load_queries
+
+__all__ = ["RECONNECT_INTERVAL", "Listener"]
+
+logger = logging.getLogger("pg_transport.consume")
+
+#: Seconds between two attempts to open the listening connection again.
+RECONNECT_INTERVAL = 2.0
+
+
+class Listener:
+    """A thread holding one LISTEN-only session; ``wake`` is called (from that thread)
+    when a channel was notified (or may have been, after a reconnection)."""
+
+    def __init__(self, connector: Connector, schema: str, wake: Callable[[], None]) -> None:
+        self.connector = connector
+        self.wake = wake
+        self._listen = load_queries(schema)["listen"]
+        self._lock = threading.Lock()
+        self._wanted: set[str] = set()
+        self._notified: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        #: Whether the session is up and listening on every channel wanted.
+        self.listening = False
+        #: Times the connection was lost (or could not be opened) since the start.
+        self.losses = 0
+
+    def want(self, channels: set[str]) -> None:
+        """Listen on ``channels`` too (from the driver's thread: never waits)."""
+        with self._lock:
+            if channels <= self._wanted:
+                return
+            self._wanted |= channels
+        self._ensure_thread()
+
+    def take(self) -> set[str]:
+        """The channels notified since the last call."""
+        with self._lock:
+            found, self._notified = self._notified, set()
+        return found
+
+    def close(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(RECONNECT_INTERVAL + 5)
+
+    def _ensure_thread(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._thread, self._pid = None, os.getpid()
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="pgq-listener", daemon=True)
+            self._thread.start()
+
+    def _mark(self, channels: set[str]) -> None:
+        if not channels:
+            return
+        with self._lock:
+            self._notified |= channels
+        self.wake()
+
+    def _run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            try:
+                conn = self.connector.connect()
+            except (psycopg.Error, PgqError) as exc:
+                self._lost(exc)
+                self._stop.wait(RECONNECT_INTERVAL)
+                continue
+            try:
+                self._serve(conn, announce=not first)
+            except psycopg.Error as exc:
+                self._lost(exc)
+            finally:
+                self.listening = False
+                conn.close()
+            first = False
+            self._stop.wait(RECONNECT_INTERVAL)
+
+    def _lost(self, exc: BaseException) -> None:
+        self.losses += 1
+        if self.losses == 1 or self.listening:
+            logger.warning(
+                "pgq: the listening connection (listen_url) is lost (%s): idle consumers "
+                "poll every polling_interval until it is back",
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            )
+
+    def _serve(self, conn: psycopg.Connection[Any], *, announce: bool) -> None:
+        notes = Notifications()
+        listening: set[str] = set()
+        pgconn = conn.pgconn
+        while not self._stop.is_set():
+            with self._lock:
+                missing = self._wanted - listening
+            if missing:
+                for channel in sorted(missing):
+                    conn.execute(compose_channel(self._listen, channel))
+                listening |= missing
+                if not self.listening:
+                    self.listening = True
+                    if announce:
+                        logger.warning("pgq: the listening connection (listen_url) is back")
+                    # Anything published while nobody listened: claim it now.
+                    self._mark(set(listening))
+                else:
+                    self._mark(missing)
+            found: set[str] = set()
+            notes.collect(pgconn, found)
+            self._mark(found)
+            # A queue consumed anew waits this long at most for its LISTEN (it is
+            # claimed at once all the same, and polled).
+            ready, _, _ = select.select([pgconn.socket], [], [], 0.2)
+            if ready:
+                pgconn.consume_input()
+                notes.collect(pgconn, found)
+                self._mark(found)

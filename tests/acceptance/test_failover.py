@@ -1,0 +1,269 @@
+"""Failover under real workers: a primary and a streaming standby, the primary crashed
+while the standby had stopped receiving, the standby promoted.
+
+Two Celery workers (4 threads each, acks_late) and a producer (Celery's publish retry) use
+one multi-host URL with ``target_session_attrs=read-write``. The run: a backlog and a
+steady trickle of tasks; replication stalls for :data:`STALL` seconds (the standby
+receives nothing); the primary is stopped with ``-m immediate``; the standby is
+promoted; every task published (its publish returned) must then run.
+
+- Synchronous replication (runs by default): nothing is lost, and a task runs twice only
+  if a worker held it at the stall (its ack could not reach the standby): at most
+  workers times prefetch. With ``durable_acks=off`` (on request: ``pytest -m failover``),
+  acks made during the stall vanish with the primary and many more tasks run again.
+- Asynchronous replication (on request): publishes that returned during the stall are
+  lost, and only those: the loss window is the standby's lag.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import psycopg
+import pytest
+from celery import Celery
+from psycopg import sql
+
+import pg_transport
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
+from tests.acceptance.cluster import ClusterUnavailable
+from tests.acceptance.harness import Env, wait_for, workers
+from tests.acceptance.replication import Pair, replicated_pair
+
+pytestmark = pytest.mark.acceptance
+
+WORK = "tests.acceptance.failover_app.work"
+SCHEMA = "pgq"
+WORKERS = ("w1", "w2")
+CONCURRENCY = 4
+PREFETCH = 4  # failover_app's worker_prefetch_multiplier
+#: Deliveries a worker holds at once (running and prefetched).
+HELD = CONCURRENCY * PREFETCH
+BACKLOG = 1500
+STALL = 2.0
+VT = 4
+
+
+@dataclass
+class Outcome:
+    published: dict[str, float] = field(default_factory=dict)  # task id: when it returned
+    runs: Counter[str] = field(default_factory=Counter)
+    stalled_at: float = 0.0
+    crashed_at: float = 0.0
+    promoted_at: float = 0.0
+    first_run_after_promotion: float | None = None
+
+    @property
+    def lost(self) -> set[str]:
+        return set(self.published) - set(self.runs)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(n - 1 for n in self.runs.values() if n > 1)
+
+    def report(self, label: str) -> str:
+        after = self.first_run_after_promotion
+        return (
+            f"failover [{label}]: published {len(self.published)}, "
+            f"lost {len(self.lost)}, duplicate runs {self.duplicates}, "
+            f"tasks flow again {after:.2f} s after promotion"
+            if after is not None
+            else f"failover [{label}]: no task published after promotion ran"
+        )
+
+
+@dataclass
+class Record:
+    """Where the workers record their runs: the test's own server, not the pair."""
+
+    pg_url: str
+    schema: str
+
+    def create(self) -> None:
+        with psycopg.connect(self.pg_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL(
+                    "CREATE SCHEMA {0}; CREATE TABLE {0}.runs (run_id uuid PRIMARY KEY,"
+                    " task_id text NOT NULL, n integer,"
+                    " at timestamptz NOT NULL DEFAULT clock_timestamp())"
+                ).format(sql.Identifier(self.schema))
+            )
+
+    def runs(self) -> list[tuple[str, float]]:
+        with psycopg.connect(self.pg_url, autocommit=True) as conn:
+            query = sql.SQL("SELECT task_id, extract(epoch FROM at) FROM {}.runs").format(
+                sql.Identifier(self.schema)
+            )
+            return [(str(r[0]), float(r[1])) for r in conn.execute(query)]
+
+
+def prepare(pair: Pair) -> None:
+    connector = Connector(pair.primary.url())
+    ensure_schema(connector, SCHEMA, auto_migrate=True)
+    connector.close()
+
+
+def producer_app(pair: Pair) -> Celery:
+    app = Celery("producer", broker=pair.url("pgq"), set_as_current=False)
+    app.conf.broker_transport_options = {"schema": SCHEMA}
+    # Through the failover: the promotion takes a second or two.
+    app.conf.task_publish_retry_policy = {
+        "max_retries": 200,
+        "interval_start": 0,
+        "interval_step": 0.1,
+        "interval_max": 0.2,
+    }
+    return app
+
+
+def fail_over(record: Record, *, synchronous: bool, durable_acks: str) -> Outcome:
+    try:
+        pair_cm = replicated_pair(synchronous=synchronous)
+        pair = pair_cm.__enter__()
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    outcome = Outcome()
+    try:
+        prepare(pair)
+        record.create()
+        runs = record.runs
+        app = producer_app(pair)
+        with app.connection_for_write() as conn, pg_transport.batch():
+            for n in range(BACKLOG):
+                result = app.send_task(WORK, args=[n], connection=conn)
+                outcome.published[result.id] = 0.0
+        env = Env(pair.url(), SCHEMA)
+        environ = {
+            "PGQ_VISIBILITY_TIMEOUT": str(VT),
+            "PGQ_DURABLE_ACKS": durable_acks,
+            "TEST_PG_URL": record.pg_url,
+            "TEST_RUNS_SCHEMA": record.schema,
+        }
+        stop = threading.Event()
+
+        def produce() -> None:
+            n = BACKLOG
+            with app.connection_for_write() as conn:
+                while not stop.is_set():
+                    try:
+                        result = app.send_task(WORK, args=[n], connection=conn)
+                    except Exception:
+                        continue  # not published: not counted
+                    outcome.published[result.id] = time.time()
+                    n += 1
+                    stop.wait(0.02)
+
+        with workers(
+            env,
+            *WORKERS,
+            app="tests.acceptance.failover_app",
+            concurrency=CONCURRENCY,
+            environ=environ,
+        ):
+            producer = threading.Thread(target=produce)
+            producer.start()
+            try:
+                wait_for(lambda: len(runs()) >= 200, 60, "tasks flowing")
+                outcome.stalled_at = time.time()
+                pair.link.pause()  # the standby receives nothing from here on
+                time.sleep(STALL)  # the length of the stall is the scenario, not an ordering
+                pair.crash_primary()
+                outcome.crashed_at = time.time()  # (pg_ctl stop -m immediate has returned)
+                pair.promote()
+                outcome.promoted_at = time.time()
+                # Tasks flowing again: a probe published now, ahead of the backlog
+                # (highest priority), runs once a producer and a worker have both
+                # found the new primary.
+                with app.connection_for_write() as conn:
+                    probe = app.send_task(WORK, args=[-1], priority=255, connection=conn).id
+                outcome.published[probe] = time.time()
+                probe_at = wait_for(
+                    lambda: next((at for task, at in runs() if task == probe), None),
+                    60,
+                    "the probe to run after the promotion",
+                )
+                outcome.first_run_after_promotion = probe_at - outcome.promoted_at
+                time.sleep(1.0)  # a second of publishing after the promotion
+            finally:
+                stop.set()
+                producer.join(60)
+            published = set(outcome.published)
+            wait_for(
+                lambda: published <= {task for task, _ in runs()} or None,
+                VT * 3 + 30,
+                "every published task to run",
+                step=0.5,
+            ) if synchronous else time.sleep(VT * 2)
+        found = runs()
+        outcome.runs = Counter(task for task, _ in found)
+        return outcome
+    finally:
+        pair_cm.__exit__(None, None, None)
+
+
+@pytest.fixture
+def record(pg_url: str, schema: str) -> Record:
+    return Record(pg_url, schema)
+
+
+def test_synchronous_replication_loses_nothing_and_runs_again_only_what_workers_held(
+    record: Record,
+) -> None:
+    outcome = fail_over(record, synchronous=True, durable_acks="auto")
+    print(outcome.report("synchronous, durable_acks=auto"))
+    assert outcome.lost == set()
+    # A duplicate is a delivery held at the stall: its ack could not reach the standby.
+    assert outcome.duplicates <= len(WORKERS) * HELD, outcome.report("synchronous")
+
+
+@pytest.mark.failover
+def test_relaxed_acks_under_synchronous_replication_run_acked_tasks_again(
+    record: Record,
+) -> None:
+    outcome = fail_over(record, synchronous=True, durable_acks="off")
+    print(outcome.report("synchronous, durable_acks=off"))
+    assert outcome.lost == set()
+    # The acks of the stall returned without the standby and vanished with the primary.
+    assert outcome.duplicates > len(WORKERS) * HELD, outcome.report("durable_acks=off")
+
+
+@pytest.mark.failover
+def test_asynchronous_replication_loses_what_was_published_while_the_standby_lagged(
+    record: Record,
+) -> None:
+    outcome = fail_over(record, synchronous=False, durable_acks="auto")
+    print(outcome.report("asynchronous"))
+    lost_at = sorted(outcome.published[task] for task in outcome.lost)
+    assert lost_at, "a standby that received nothing for the stall lost nothing"
+    # Only publishes that returned while the standby received nothing are lost.
+    assert outcome.stalled_at <= lost_at[0] and lost_at[-1] <= outcome.crashed_at
+    print(
+        f"asynchronous loss window: {len(lost_at)} publishes returned in the "
+        f"{outcome.crashed_at - outcome.stalled_at:.1f} s the standby lagged"
+    )
+
+
+def test_durable_acks_auto_waits_on_a_server_with_synchronous_standbys() -> None:
+    # (On a server without them, auto is relaxed: tests/integration/test_transport.py.)
+    from kombu import Connection
+
+    try:
+        pair_cm = replicated_pair(synchronous=True)
+        pair = pair_cm.__enter__()
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        prepare(pair)
+        for durable_acks, expected in (("auto", "on"), ("on", "on"), ("off", "off")):
+            options = {"schema": SCHEMA, "durable_acks": durable_acks}
+            with Connection(pair.url("pgq"), transport_options=options) as conn:
+                conn.connect()
+                with conn.transport.relaxed.connection() as session:
+                    row = session.execute("SHOW synchronous_commit").fetchone()
+                assert row is not None and row[0] == expected, durable_acks
+    finally:
+        pair_cm.__exit__(None, None, None)

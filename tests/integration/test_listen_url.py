@@ -1,0 +1,148 @@
+"""Behind a transaction pooler, ``listen_url``: one direct session per process that only
+LISTENs wakes idle consumers whose statements all go through the pooler."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import pytest
+from kombu import Connection, Consumer, Exchange, Queue
+
+from pg_transport.errors import ConfigurationError
+from tests.bouncer import Bouncer, BouncerUnavailable, pgbouncer
+from tests.integration.conftest import Peek
+from tests.pg import to_broker_url
+
+LISTENER = (
+    "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+    " AND query LIKE 'LISTEN%%' AND backend_type = 'client backend'"
+)
+
+
+@pytest.fixture
+def bouncer(pg_url: str) -> Iterator[Bouncer]:
+    try:
+        with pgbouncer(pg_url, pool_size=2) as found:
+            yield found
+    except BouncerUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def rows(pg_url: str, schema: str, broker_url: str) -> Iterator[Peek]:
+    with Connection(broker_url, transport_options={"schema": schema}) as c:
+        c.connect()
+    p = Peek(pg_url, schema)
+    yield p
+    p.conn.close()
+
+
+@contextmanager
+def consuming(url: str, options: dict[str, Any], queue: Queue) -> Iterator[tuple[list[float], Any]]:
+    """A consumer draining ``queue`` in a thread; yields when each message arrived, and
+    its engine."""
+    got: list[float] = []
+    stop = threading.Event()
+    with Connection(url, transport_options=options) as conn:
+        consumer = Consumer(
+            conn,
+            [queue],
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append(time.monotonic()), msg.ack())],
+        )
+        consumer.consume()
+
+        def drain() -> None:
+            while not stop.is_set():
+                with suppress(TimeoutError):
+                    conn.drain_events(timeout=0.2)
+
+        thread = threading.Thread(target=drain)
+        thread.start()
+        try:
+            yield got, conn.transport.engine
+        finally:
+            stop.set()
+            thread.join(10)
+
+
+def idle(engine: Any) -> None:
+    """Until the consumer's claim came back empty and it waits: from then on only a
+    wake-up (or its poll) brings it a message."""
+    deadline = time.monotonic() + 10
+    while not engine.waiting:
+        assert time.monotonic() < deadline, "the consumer never came to wait"
+        time.sleep(0.005)
+
+
+def arrival(got: list[float], n: int) -> float:
+    deadline = time.monotonic() + 5
+    while len(got) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(got) == n, f"{len(got)} messages of {n} arrived"
+    return got[n - 1]
+
+
+def publish(url: str, schema: str, queue: Queue) -> float:
+    with Connection(url, transport_options={"schema": schema, "use_notify": False}) as conn:
+        conn.connect()
+        started = time.monotonic()
+        conn.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="r")
+    return started
+
+
+def test_an_idle_consumer_behind_the_pooler_is_woken_through_its_direct_listener(
+    bouncer: Bouncer, pg_url: str, schema: str, rows: Peek, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = {
+        "schema": schema,
+        "use_notify": False,
+        "listen_url": to_broker_url(pg_url),
+        "polling_interval": 30,  # only a wake-up brings a message within the test
+    }
+    queue = Queue("woken", Exchange("woken"), "r")
+    with consuming(bouncer.url("pgq"), options, queue) as (got, engine):
+        application = f"pgq:{os.getpid()}"
+        deadline = time.monotonic() + 10
+        while not engine.listener.listening:  # its LISTEN answered
+            assert time.monotonic() < deadline, "the listener never listened"
+            time.sleep(0.005)
+        assert len(rows(LISTENER, application)) == 1  # one direct session, to Postgres
+        idle(engine)
+        started = publish(bouncer.url("pgq"), schema, queue)
+        assert arrival(got, 1) - started < 1.0, "not woken: it would have waited for its poll"
+
+        # The direct session lost: a warning, and the consumer polls until it is back.
+        caplog.set_level(logging.WARNING, logger="pg_transport.consume")
+        [(pid,)] = rows(LISTENER, application)
+        rows("SELECT pg_terminate_backend(%s)", pid)
+        rows.wait_until(
+            "SELECT count(*) = 1 FROM pg_stat_activity WHERE application_name = %s"
+            " AND query LIKE 'LISTEN%%' AND pid <> %s",
+            application,
+            pid,
+            failure="the listener did not come back",
+        )
+        deadline = time.monotonic() + 10
+        while "listening connection (listen_url) is back" not in caplog.text:
+            assert time.monotonic() < deadline, "the listener never said it is back"
+            time.sleep(0.01)
+        assert engine.listener.listening
+        assert "listening connection (listen_url) is lost" in caplog.text
+        idle(engine)
+        started = publish(bouncer.url("pgq"), schema, queue)
+        assert arrival(got, 2) - started < 1.0, "not woken after the reconnection"
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_listen_url_is_for_use_notify_off(broker_url: str, schema: str) -> None:
+    with pytest.raises(ConfigurationError, match="listen_url is for use_notify=false"):
+        Connection(
+            broker_url, transport_options={"schema": schema, "listen_url": broker_url}
+        ).connect()
