@@ -49,14 +49,21 @@ _connectors: dict[str, Connector] = {}
 _connectors_lock = threading.Lock()
 
 
-def _connector(conninfo: str, display_url: str) -> Connector:
+def _connector(conninfo: str, display_url: str, *, own_sessions: bool) -> Connector:
     # One pool per process and database, whatever the number of backend objects
-    # (Celery builds one per thread).
+    # (Celery builds one per thread). Without sessions of its own (use_notify off: a
+    # transaction pooler in between) nothing is pinned or prepared: the results' SQL
+    # names every table and function by schema.
+    key = f"{own_sessions}:{conninfo}"
     with _connectors_lock:
-        found = _connectors.get(conninfo)
+        found = _connectors.get(key)
         if found is None or found.closed:
-            found = _connectors[conninfo] = Connector(
-                conninfo, display_url=display_url, application_name="pgq"
+            found = _connectors[key] = Connector(
+                conninfo,
+                display_url=display_url,
+                application_name="pgq",
+                prepare_threshold=5 if own_sessions else None,
+                pin_search_path=own_sessions,
             )
         return found
 
@@ -154,7 +161,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
             default_schema=_default_schema(app),
         )
         self.schema = self.options.schema
-        self.connector = _connector(url_to_conninfo(url), mask_url(url))
+        self.connector = _connector(
+            url_to_conninfo(url), mask_url(url), own_sessions=self.options.use_notify
+        )
         self.q = load_named("results.sql", self.schema, "pg_transport.results")
         self._checked = False
         self.chords = Chords(self)

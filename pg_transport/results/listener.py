@@ -307,6 +307,8 @@ def listener_for(
                     display_url=connector.display_url,
                     application_name="pgq-results",
                     max_size=1,
+                    prepare_threshold=connector.prepare_threshold,
+                    pin_search_path=connector.pin_search_path,
                 ),
                 schema,
                 use_notify=use_notify,

@@ -142,3 +142,32 @@ def test_a_barrier_dispatched_through_the_pooler_with_use_notify_off(
         Barrier(app).dispatch(f"b{n}", parts, app.signature("t.collect"))
     assert rows("SELECT count(*) FROM {schema}.barrier WHERE status = 'armed'") == [(6,)]
     assert rows("SELECT count(*) FROM {schema}.message") == [(48,)]
+
+
+def test_results_stored_and_read_through_the_pooler_with_use_notify_off(
+    bouncer: Bouncer, schema: str, rows: Peek
+) -> None:
+    # The result backend's connections follow its use_notify as the transport's do:
+    # nothing pinned, nothing prepared, so a pooler's shared sessions serve them, and
+    # waiting is the batched poll.
+    from celery import Celery
+
+    app = Celery(
+        "pooled-results",
+        broker=bouncer.url("pgq"),
+        backend=bouncer.url("pgq"),
+        set_as_current=False,
+    )
+    app.conf.broker_transport_options = {"schema": schema, "use_notify": False}
+    app.conf.result_backend_transport_options = {
+        "schema": schema,
+        "use_notify": False,
+        "polling_interval": 0.05,
+    }
+    backend = app.backend
+    for n in range(12):  # past psycopg's prepare threshold, on two server sessions
+        backend.mark_as_done(f"task-{n}", {"n": n})
+    assert [app.AsyncResult(f"task-{n}").get(timeout=10) for n in range(12)] == [
+        {"n": n} for n in range(12)
+    ]
+    assert rows("SELECT count(*) FROM {schema}.result") == [(12,)]
