@@ -44,7 +44,7 @@ __all__ = ["main"]
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="pgq", prog_name="pgq")
+@click.version_option(package_name="celery-pgq", prog_name="pgq")
 def main() -> None:
     """pgq: PostgreSQL as a Celery broker."""
 
