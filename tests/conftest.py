@@ -1,15 +1,48 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
-from tests.pg import drop_schema, find_postgres, new_schema_name, to_broker_url
+from tests.pg import (
+    ConnectionMeter,
+    create_database,
+    drop_database,
+    drop_schema,
+    find_postgres,
+    new_database_name,
+    new_schema_name,
+    to_broker_url,
+)
+
+# The most sessions the suite may hold on its database at once (PGQ_TEST_MAX_CONNECTIONS):
+# a server with max_connections=100 is shared with whatever else runs there.
+MAX_CONNECTIONS = int(os.environ.get("PGQ_TEST_MAX_CONNECTIONS", "30"))
+_meter: ConnectionMeter | None = None
+_running = ""
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> str:
-    return find_postgres()
+def pg_url() -> Iterator[str]:
+    """A libpq URL of a database this test session created (and drops at its end)."""
+    global _meter
+    server = find_postgres()
+    name = new_database_name()
+    try:
+        url = create_database(server, name)
+    except psycopg.errors.InsufficientPrivilege:
+        # A role that may not create databases: the database it was given, as it is.
+        yield server
+        return
+    _meter = ConnectionMeter(url, lambda: _running)
+    _meter.start()
+    try:
+        yield url
+    finally:
+        _meter.stop()
+        drop_database(server, name)
 
 
 @pytest.fixture
@@ -22,3 +55,27 @@ def schema(pg_url: str) -> Iterator[str]:
 @pytest.fixture
 def broker_url(pg_url: str) -> str:
     return to_broker_url(pg_url)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    global _running
+    _running = item.nodeid
+    yield
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _meter is not None and _meter.peak > MAX_CONNECTIONS:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _meter is None:
+        return
+    verdict = "over" if _meter.peak > MAX_CONNECTIONS else "within"
+    terminalreporter.write_line(
+        f"pgq: at most {_meter.peak} sessions on the test database at once, {verdict} "
+        f"the budget of {MAX_CONNECTIONS} (PGQ_TEST_MAX_CONNECTIONS); peak during "
+        f"{_meter.peak_during or '-'}",
+        red=_meter.peak > MAX_CONNECTIONS,
+    )
