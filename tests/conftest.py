@@ -79,3 +79,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"{_meter.peak_during or '-'}",
         red=_meter.peak > MAX_CONNECTIONS,
     )
+    if _meter.peak > MAX_CONNECTIONS:
+        by = ", ".join(f"{name or '(unnamed)'}: {n}" for name, n in _meter.peak_by.items())
+        terminalreporter.write_line(f"pgq: sessions at the peak by application_name: {by}")

@@ -103,6 +103,8 @@ class ConnectionMeter:
         self.interval = interval
         self.peak = 0
         self.peak_during = ""
+        #: Sessions at the peak by application_name (pgq's name its process: pgq:<pid>).
+        self.peak_by: dict[str, int] = {}
         self.label = label
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pgq-test-meter", daemon=True)
@@ -116,13 +118,14 @@ class ConnectionMeter:
 
     def _run(self) -> None:
         query = (
-            "SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_activity"
+            "SELECT application_name, pg_catalog.count(*) FROM pg_catalog.pg_stat_activity"
             " WHERE datname = pg_catalog.current_database()"
-            " AND pid <> pg_catalog.pg_backend_pid()"
+            " AND pid <> pg_catalog.pg_backend_pid() GROUP BY 1 ORDER BY 2 DESC, 1"
         )
         with psycopg.connect(self.pg_url, autocommit=True, application_name="pgq-test-meter") as c:
             while not self._stop.wait(self.interval):
-                row = c.execute(query).fetchone()
-                seen = int(row[0]) if row else 0
+                rows = c.execute(query).fetchall()
+                seen = sum(int(n) for _, n in rows)
                 if seen > self.peak:
                     self.peak, self.peak_during = seen, self.label()
+                    self.peak_by = {str(name): int(n) for name, n in rows}

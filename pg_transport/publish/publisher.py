@@ -129,7 +129,7 @@ class Publisher:
             "delay": max(delay, 0.0),
             "publish_key": publish_key,
             "payload": self.encode(payload),
-            "notify": delay <= 0,
+            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel": self.channel(queue),
         }
 
@@ -210,7 +210,7 @@ class Publisher:
             "ttl": ttl,
             "publish_tag": publish_tag,
             "payload": self.encode(payload),
-            "notify": delay <= 0,
+            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel_prefix": self.channel_prefix,
         }
 
