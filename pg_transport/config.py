@@ -211,16 +211,20 @@ class Options:
     ) -> Options:
         """Validate options, then let ``PGQ_*`` environment variables override them."""
         values: dict[str, Any] = {}
-        for key, value in (transport_options or {}).items():
+        given = dict(transport_options or {})
+        unknown = [k for k in given if k not in _SCALARS and k not in _MAPPINGS]
+        unknown = [k for k in unknown if k not in KOMBU_KEYS]
+        if unknown:
+            # Every one at once: a migration removes them in one go, not one per start.
+            known = ", ".join(sorted([*_SCALARS, *_MAPPINGS]))
+            listed = ", ".join(f"{k!r} (value {given[k]!r})" for k in unknown)
+            word = "option" if len(unknown) == 1 else "options"
+            raise ConfigurationError(f"unknown pgq transport {word} {listed}; known: {known}")
+        for key, value in given.items():
             if key in _SCALARS:
                 values[key] = _SCALARS[key](key, value)
             elif key in _MAPPINGS:
                 values[key] = _per_queue(key, value, _MAPPINGS[key])
-            elif key not in KOMBU_KEYS:
-                known = ", ".join(sorted([*_SCALARS, *_MAPPINGS]))
-                raise ConfigurationError(
-                    f"unknown pgq transport option {key!r} (value {value!r}); known: {known}"
-                )
         for key, parse in _SCALARS.items():
             env_name = f"PGQ_{key.upper()}"
             if env_name in environ:

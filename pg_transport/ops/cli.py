@@ -91,6 +91,12 @@ def purge(url: str | None, schema: str, queue: str) -> None:
     """
     with open_store(url, schema) as store:
         count = store.purge(queue)
+        known = count > 0 or store.has_queue(queue) or store.size(queue) > 0
+    if not known:
+        raise click.ClickException(
+            f"no queue {quoted(queue)} in pgq schema {quoted(schema)}: nothing was purged "
+            "(`pgq status` lists the queues)"
+        )
     click.echo(f"{plural(count, 'waiting message')} purged from queue {quoted(queue)}")
 
 
@@ -102,7 +108,7 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
 
     In flight means claimed by a consumer whose lease runs; delayed means waiting for
-    its ETA. Clients are pgq
+    its ETA, and NEXT DUE IN says when the first of them falls due. Clients are pgq
     processes connected to this database (workers and publishers of every pgq schema
     in it: Postgres does not know which schema a session uses).
     """
@@ -116,7 +122,7 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     if report.queues:
         click.echo(
             table(
-                ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
+                ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY", "NEXT DUE IN"],
                 [
                     [
                         q.queue,
@@ -125,10 +131,11 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
                         str(q.delayed),
                         str(q.dead),
                         age(q.oldest_ready_age_s),
+                        age(q.next_due_in_s),
                     ]
                     for q in report.queues
                 ],
-                right={1, 2, 3, 4, 5, 6},
+                right={1, 2, 3, 4, 5, 6, 7},
             )
         )
     else:
@@ -191,7 +198,15 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
 
 
 @main.command()
-@url_option
+@click.option(
+    "--url",
+    envvar="PGQ_URL",
+    show_envvar=True,
+    metavar="URL",
+    help="Postgres to run the demo on: pgq://[user[:password]@]host[:port]/dbname. "
+    "Without one, an embedded Postgres is started and deleted after (pip install "
+    "'celery-pgq[embedded]').",
+)
 @click.option(
     "--schema",
     metavar="NAME",

@@ -31,6 +31,8 @@ class QueueStatus:
     dead: int
     #: Seconds the longest-waiting ready message has been deliverable; None when none is.
     oldest_ready_age_s: float | None
+    #: Seconds until the first delayed message falls due; None when none is delayed.
+    next_due_in_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ def collect(store: Store) -> Status:
                 int(row[3]),
                 int(row[4]),
                 None if row[5] is None else float(row[5]),
+                None if row[6] is None else float(row[6]),
             )
             for row in queues
         ],

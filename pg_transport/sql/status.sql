@@ -3,7 +3,8 @@
 
 -- name: status_queues
 -- Per queue: ready, in flight (claimed, lease running), delayed (ETA not reached,
--- never delivered), dead, and how long the oldest ready message has been deliverable.
+-- never delivered), dead, how long the oldest ready message has been deliverable, and
+-- in how many seconds the first delayed message falls due.
 -- One GROUP BY over message; declared queues without messages are listed too.
 WITH m AS (
     SELECT queue,
@@ -13,7 +14,10 @@ WITH m AS (
            pg_catalog.count(*) FILTER (WHERE visible_at > pg_catalog.now() AND read_ct = 0)
                AS delayed,
            pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(visible_at)
-               FILTER (WHERE visible_at <= pg_catalog.now())) AS oldest_ready_age
+               FILTER (WHERE visible_at <= pg_catalog.now())) AS oldest_ready_age,
+           pg_catalog.date_part('epoch', pg_catalog.min(visible_at)
+               FILTER (WHERE visible_at > pg_catalog.now() AND read_ct = 0)
+               - pg_catalog.now()) AS next_due_in
     FROM {schema}.message
     GROUP BY queue
 ), d AS (
@@ -25,7 +29,7 @@ WITH m AS (
 )
 SELECT names.queue,
        COALESCE(m.ready, 0), COALESCE(m.in_flight, 0), COALESCE(m.delayed, 0),
-       COALESCE(d.dead, 0), m.oldest_ready_age::float8
+       COALESCE(d.dead, 0), m.oldest_ready_age::float8, m.next_due_in::float8
 FROM names
 LEFT JOIN m ON m.queue = names.queue
 LEFT JOIN d ON d.queue = names.queue

@@ -59,10 +59,15 @@ def test_counts_each_state_per_queue(
     assert list(queues) == ["idle", "jobs", "other"]
     age = queues["jobs"].pop("oldest_ready_age_s")
     assert 120 <= age < 180
+    # The delayed message falls due in an hour; the one in flight (lease of 300 s) is
+    # not delayed and does not count.
+    due = queues["jobs"].pop("next_due_in_s")
+    assert 3500 < due <= 3600
+    nothing = {"oldest_ready_age_s": None, "next_due_in_s": None}
     assert queues == {
-        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, "oldest_ready_age_s": None},
+        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, **nothing},
         "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
-        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1, "oldest_ready_age_s": None},
+        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1, **nothing},
     }
     assert report["barriers"] == []
 
@@ -84,11 +89,15 @@ def test_counts_each_state_per_queue(
         "DEAD",
         "OLDEST",
         "READY",
+        "NEXT",
+        "DUE",
+        "IN",
     ]
-    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
+    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-", "-"]
     assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
     assert lines[3].split()[5] == "2m"  # "2m 0s": oldest ready for two minutes
-    assert lines[4].split() == ["other", "0", "0", "0", "1", "-"]
+    assert lines[3].split()[7] in ("59m", "1h")  # the delayed one falls due in an hour
+    assert lines[4].split() == ["other", "0", "0", "0", "1", "-", "-"]
     assert lines[5].startswith("clients: ")
 
 
