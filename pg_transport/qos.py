@@ -185,7 +185,7 @@ class QoS(virtual.QoS):
                 "to their queue only if the lease lapses (visibility_timeout)",
                 len(state),
             )
-        state.restored = True
+        state.restored = True  # type: ignore[attr-defined]  # kombu marks it so too
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Release every unacked delivery in one statement (shutdown, recover).
