@@ -5,8 +5,15 @@
 -- Per queue: ready, in flight (claimed, lease running), delayed (ETA not reached,
 -- never delivered), dead, how long the oldest ready message has been deliverable, and
 -- in how many seconds the first delayed message falls due.
--- One GROUP BY over message; declared queues without messages are listed too.
-WITH m AS (
+-- One GROUP BY over message; declared queues without messages are listed too. A queue
+-- unused past its expiry (x-expires: the pidbox and event queues of Celery processes
+-- that stopped) is left out with its messages: any consumer's maintenance deletes it.
+WITH expired AS (
+    SELECT q.name FROM {schema}.queue AS q
+    WHERE q.expires_ms IS NOT NULL
+      AND q.last_used + pg_catalog.make_interval(secs => q.expires_ms::float8 / 1000.0::float8)
+          < pg_catalog.now()
+), m AS (
     SELECT queue,
            pg_catalog.count(*) FILTER (WHERE visible_at <= pg_catalog.now()) AS ready,
            pg_catalog.count(*) FILTER (WHERE visible_at > pg_catalog.now() AND read_ct > 0)
@@ -33,6 +40,7 @@ SELECT names.queue,
 FROM names
 LEFT JOIN m ON m.queue = names.queue
 LEFT JOIN d ON d.queue = names.queue
+WHERE names.queue NOT IN (SELECT name FROM expired)
 ORDER BY names.queue
 
 -- name: status_clients

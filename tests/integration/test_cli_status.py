@@ -101,6 +101,33 @@ def test_counts_each_state_per_queue(
     assert lines[5].startswith("clients: ")
 
 
+def test_queues_unused_past_their_expiry_are_not_listed(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    # The pidbox and event queues of Celery processes: x-expires 10 s and 60 s.
+    for name, expires_ms in (
+        ("stopped@host.celery.pidbox", 10_000),
+        ("celeryev.gone", 60_000),
+        ("running@host.celery.pidbox", 10_000),
+    ):
+        store.declare_queue(name, expires_ms=expires_ms)
+        store.publisher.publish(name, message(1))
+    store.declare_queue("celery")  # no expiry: listed however long it is unused
+    # The first two were last used (consumed) before their expiry; nothing deletes
+    # them until some consumer's maintenance runs.
+    peek(
+        "UPDATE {schema}.queue SET last_used = now() - interval '2 minutes'"
+        " WHERE name IN ('stopped@host.celery.pidbox', 'celeryev.gone', 'celery')"
+    )
+    listed = [q["queue"] for q in status(broker_url, schema)["queues"]]
+    assert listed == ["celery", "running@host.celery.pidbox"]
+    table = invoke("status", "--url", broker_url, "--schema", schema).stdout
+    assert "stopped@host" not in table and "celeryev.gone" not in table
+    metrics = invoke("metrics", "--url", broker_url, "--schema", schema).stdout
+    assert "running@host.celery.pidbox" in metrics
+    assert "stopped@host" not in metrics and "celeryev.gone" not in metrics
+
+
 def test_an_empty_schema_has_no_queues(broker_url: str, schema: str, store: Store) -> None:
     assert status(broker_url, schema)["queues"] == []
     table = invoke("status", "--url", broker_url, "--schema", schema)
