@@ -116,6 +116,11 @@ def _message_bytes(key: str, value: Any) -> int:
     )
 
 
+def _pool_size(key: str, value: Any) -> int:
+    # Sessions one pool of a process may hold at once (in use and idle).
+    return int(_number(key, value, integer=True, minimum=1, allow_zero=False, maximum=1000))
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -178,6 +183,8 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "durable_publish": _flag,
     "vacuum_threshold": _vacuum_threshold,
     "max_message_bytes": _message_bytes,
+    "pool_size": _pool_size,
+    "pool_idle_timeout": _seconds,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -201,6 +208,10 @@ class Options:
     vacuum_threshold: int = 10_000
     #: Largest message (its JSON text, bytes) published; also what a claim brings at once.
     max_message_bytes: int = 16 * 1024 * 1024
+    #: Sessions each of a process's two pools holds at most (publishing; housekeeping).
+    pool_size: int = 16
+    #: Seconds a pooled session may stay idle before it is closed.
+    pool_idle_timeout: float = 30.0
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)

@@ -145,6 +145,11 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         f"clients: {plural(clients.processes, 'process', 'processes')}, "
         f"{plural(clients.sessions, 'session')}"
     )
+    for process in clients.by_process:
+        click.echo(
+            f"  {printable(process.name)} from {printable(process.address)}: "
+            f"{plural(process.sessions, 'session')}, {process.active} active"
+        )
     if report.barriers:
         click.echo(
             "barriers: " + ", ".join(f"{b.count} {printable(b.status)}" for b in report.barriers)

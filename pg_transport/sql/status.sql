@@ -55,3 +55,19 @@ FROM pg_catalog.pg_stat_activity AS a
 WHERE a.datname = pg_catalog.current_database()
   AND pg_catalog.left(a.application_name, 4) = 'pgq:'
   AND a.application_name <> pg_catalog.current_setting('application_name')
+
+-- name: status_client_processes
+-- The sessions of each pgq client process (as status_clients counts them), most first:
+-- its application_name ('pgq:<pid>'), where it connects from ('?' where this role may not
+-- see it), and how many of its sessions are running a statement now.
+SELECT a.application_name,
+       CASE WHEN a.client_port = -1 THEN 'local'  -- a unix socket
+            ELSE COALESCE(pg_catalog.host(a.client_addr), a.client_hostname, '?') END AS address,
+       pg_catalog.count(*) AS sessions,
+       pg_catalog.count(*) FILTER (WHERE a.state = 'active') AS active
+FROM pg_catalog.pg_stat_activity AS a
+WHERE a.datname = pg_catalog.current_database()
+  AND pg_catalog.left(a.application_name, 4) = 'pgq:'
+  AND a.application_name <> pg_catalog.current_setting('application_name')
+GROUP BY 1, 2
+ORDER BY 3 DESC, 1, 2

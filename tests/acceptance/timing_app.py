@@ -29,3 +29,10 @@ def retry_once(self: Any, countdown: float) -> None:
 @app.task(bind=True)
 def lapsed(self: Any) -> None:
     record(self.request.id, "lapsed")
+
+
+@app.task
+def relay(hops: int) -> None:
+    """Publish from inside a task (a pool child's producer), ``hops`` times down a chain."""
+    if hops > 0:
+        relay.delay(hops - 1)

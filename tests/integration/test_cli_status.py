@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -152,7 +153,7 @@ def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: st
     url = to_broker_url(lonely_database)
     assert invoke("migrate", "--url", url).exit_code == 0
     # This command's own session is not a client.
-    assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0}
+    assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0, "by_process": []}
 
     with ExitStack() as stack:
 
@@ -163,9 +164,17 @@ def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: st
         # sessions (claims, LISTEN, lease renewal), and a session that is not pgq's.
         for name in ("pgq:900001", "pgq:900001", "pgq:900001", "pgq:900002", "psql"):
             session(name)
-        assert status(url, "pgq")["clients"] == {"processes": 2, "sessions": 4}
-        table = invoke("status", "--url", url)
-        assert table.stdout.splitlines()[-1] == "clients: 2 processes, 4 sessions"
+        clients = status(url, "pgq")["clients"]
+        assert (clients["processes"], clients["sessions"]) == (2, 4)
+        # Each process with its sessions, most first: what it holds of max_connections.
+        assert [(p["name"], p["sessions"]) for p in clients["by_process"]] == [
+            ("pgq:900001", 3),
+            ("pgq:900002", 1),
+        ]
+        table = invoke("status", "--url", url).stdout.splitlines()
+        assert table[-3] == "clients: 2 processes, 4 sessions"
+        assert re.fullmatch(r"  pgq:900001 from \S+: 3 sessions, 0 active", table[-2]), table
+        assert re.fullmatch(r"  pgq:900002 from \S+: 1 session, 0 active", table[-1]), table
 
 
 def test_missing_schema_says_to_migrate(broker_url: str, schema: str) -> None:
