@@ -335,13 +335,15 @@ class _Reaper:
         if self._pid == os.getpid() and not self._parked and connector in self._pools:
             return
         with self._lock:
+            new = connector not in self._pools
             self._pools.add(connector)
             if self._pid != os.getpid():
                 self._pid, self._parked = os.getpid(), False
                 self._wake = threading.Event()
                 thread = threading.Thread(target=self._run, name="pgq-pool-reaper", daemon=True)
                 thread.start()
-            elif self._parked:
+            elif self._parked or new:
+                # Parked, or asleep for longer than this pool's idle_timeout may allow.
                 self._parked = False
                 self._wake.set()
 
