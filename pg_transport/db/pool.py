@@ -359,7 +359,9 @@ class _Reaper:
                 wake.wait()  # until a pool keeps an idle connection again
                 continue
             step = min(p.idle_timeout for p in waiting) / 4
-            wake.wait(min(max(step, 0.05), 10.0))
+            if wake.wait(min(max(step, 0.05), 10.0)):
+                wake.clear()  # (woken for a new pool: the next turn takes it in)
+                continue
             for pool in waiting:
                 pool.reap()
 

@@ -303,6 +303,8 @@ def pgq(*args: str, url: str, env: Env) -> subprocess.CompletedProcess[str]:
 
 def test_every_pgq_command_and_error_shows_the_url_masked(env: Env, hostile: Hostile) -> None:
     url, shown = hostile.url(), mask_url(hostile.url())
+    # A queue to purge (purging one that does not exist is an error of its own).
+    assert env.scalar("INSERT INTO {schema}.queue (name) VALUES ('celery') RETURNING name")
     commands = (
         ("migrate",),
         ("status",),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from contextlib import ExitStack
 from typing import Any
@@ -96,3 +97,25 @@ def test_the_pool_is_capped(pg_url: str) -> None:
             pass
     finally:
         pool.close()
+
+
+def test_the_reaper_sleeps_between_turns(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It wakes every idle_timeout/4 at most (a busy loop would starve a gevent worker)."""
+    turns: list[float] = []
+    real = Connector.reap
+
+    def counted(self: Connector) -> None:
+        turns.append(time.monotonic())
+        real(self)
+
+    monkeypatch.setattr(Connector, "reap", counted)
+    pools = [Connector(pg_url, idle_timeout=2.0) for _ in range(2)]  # two new pools: woken twice
+    try:
+        for pool in pools:
+            with pool.connection():
+                pass
+        time.sleep(1.2)
+        assert len(turns) <= 2 * 3, len(turns)  # (every 0.5 s, for each pool)
+    finally:
+        for pool in pools:
+            pool.close()
