@@ -32,8 +32,8 @@ sys.stdin.readline()  # stay alive, idle, until told
 """
 
 # The documented footprint (docs/configuration.md, "Connections").
-PARENT_MOST = 6  # consumer session, housekeeping, barrier, a few pool sessions at a burst
-PARENT_IDLE = 3  # consumer session, housekeeping, barrier
+PARENT_MOST = 7  # the idle ones, and a few pool sessions for a moment at a burst
+PARENT_IDLE = 4  # consumer session, lease renewal/maintenance, vacuum check, barrier
 CHILD_MOST = 1  # a child publishing: one session, closed once idle
 PRODUCER_MOST = 1  # one publishing thread: one session, closed once idle
 
