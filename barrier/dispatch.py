@@ -17,6 +17,7 @@ from barrier.errors import BarrierError
 from barrier.messages import as_signature, task_message
 from barrier.protocol import HEADER_BARRIER, HEADER_PART
 from barrier.settings import seconds
+from pg_transport.publish import joined
 
 __all__ = ["Barrier", "Dispatched"]
 
@@ -79,7 +80,8 @@ class Barrier:
         Zero parts fire the callback at once (with ``[]``). An id that exists already
         is refused (:class:`~barrier.errors.BarrierExists`): ids are single-use.
         ``conn`` arms inside the caller's open transaction (a savepoint) instead of
-        a transaction of our own.
+        a transaction of our own, as does an open ``pg_transport.transaction()`` block
+        (or a joined Django ``transaction.atomic()``).
         """
         if not isinstance(barrier_id, str) or not barrier_id:
             raise BarrierError(f"a barrier id must be a non-empty string, not {barrier_id!r}")
@@ -112,8 +114,11 @@ class Barrier:
                 metadata=metadata or {},
             )
 
+        caller = joined.current() if conn is None else None
         if conn is not None:
             work(conn)
+        elif caller is not None:
+            db.store.publisher.on_caller(caller, work)
         else:
             # Not retried: after a lost commit a retry would find the id taken.
             db.connector.run(work, idempotent=False)

@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 from celery.canvas import Signature
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from barrier.backend import Backend
@@ -36,6 +37,7 @@ from barrier.protocol import (
     ROLE_ERRBACK,
     TRANSPORT_MARKER,
 )
+from pg_transport.db.pool import is_own
 
 __all__ = [
     "COUNTED",
@@ -71,6 +73,16 @@ class Stranded:
     metadata: dict[str, Any]
     callback_task: str
     errback_id: str | None
+
+
+def _run(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
+) -> psycopg.Cursor[tuple[Any, ...]]:
+    """``query`` through a cursor of pgq's own (the connection may be an application's,
+    with a row factory of its own), prepared only on a session of pgq's own: nothing of
+    pgq's outlives its statement on an application's session."""
+    cur = psycopg.Cursor(conn, row_factory=tuple_row)
+    return cur.execute(query, params, prepare=None if is_own(conn) else False)
 
 
 def _publish(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, *key: str) -> None:
@@ -109,7 +121,7 @@ def arm(
         "stuck_timeout": stuck_timeout,
     }
     with conn.transaction():
-        if conn.execute(db.q["barrier_arm"], params).fetchone() is None:
+        if _run(conn, db.q["barrier_arm"], params).fetchone() is None:
             raise BarrierExists(barrier_id, _status(db, conn, barrier_id))
         # One round trip for all the parts, not one per part.
         with conn.pipeline():
@@ -120,7 +132,7 @@ def arm(
 
 
 def _status(db: Backend, conn: psycopg.Connection[Any], barrier_id: str) -> str | None:
-    row = conn.execute(db.q["barrier_status"], {"id": barrier_id}).fetchone()
+    row = _run(conn, db.q["barrier_status"], {"id": barrier_id}).fetchone()
     return str(row[0]) if row else None
 
 
@@ -140,7 +152,7 @@ def _record(
         "outcome": outcome,
         "result": result_json,
     }
-    return conn.execute(db.q["barrier_part_record"], params).fetchone() is not None
+    return _run(conn, db.q["barrier_part_record"], params).fetchone() is not None
 
 
 def part_succeeded(
@@ -156,7 +168,7 @@ def part_succeeded(
     with conn.transaction():
         if not _record(db, conn, barrier_id, index, task_id, "succeeded", result_json):
             return DUPLICATE if _status(db, conn, barrier_id) else IGNORED
-        row = conn.execute(db.q["barrier_count_part"], {"id": barrier_id}).fetchone()
+        row = _run(conn, db.q["barrier_count_part"], {"id": barrier_id}).fetchone()
         if row is None:
             return IGNORED
         if int(row[0]) > 0:
@@ -166,14 +178,14 @@ def part_succeeded(
 
 
 def _fire(db: Backend, conn: psycopg.Connection[Any], barrier_id: str) -> None:
-    row = conn.execute(db.q["barrier_fire"], {"id": barrier_id}).fetchone()
+    row = _run(conn, db.q["barrier_fire"], {"id": barrier_id}).fetchone()
     if row is None:
         # Unreachable while we hold the row lock with remaining = 0, and armed.
         raise BarrierError(f"barrier {barrier_id!r} reached 0 but could not fire")
     callback = Signature.from_dict(json_loads(row[0]), app=db.app)
     # A statement of its own, so under READ COMMITTED it sees every part whose
     # decrement we waited for: those transactions committed before we got the lock.
-    results = [json_loads(r[0]) for r in conn.execute(db.q["barrier_results"], {"id": barrier_id})]
+    results = [json_loads(r[0]) for r in _run(conn, db.q["barrier_results"], {"id": barrier_id})]
     if len(results) != row[1]:
         # Never fire with a result missing: roll the whole completion back instead.
         raise BarrierError(
@@ -236,7 +248,7 @@ def part_failed(
         if not _record(db, conn, barrier_id, index, task_id, "failed", json_dumps(error)):
             return DUPLICATE if _status(db, conn, barrier_id) else IGNORED
         reason = f"part {index} failed: {error}"
-        row = conn.execute(db.q["barrier_fail"], {"id": barrier_id, "reason": reason}).fetchone()
+        row = _run(conn, db.q["barrier_fail"], {"id": barrier_id, "reason": reason}).fetchone()
         if row is None:
             return IGNORED
         errback_json, metadata, total, remaining = row
@@ -251,7 +263,7 @@ def sweep_due(db: Backend, conn: psycopg.Connection[Any], limit: int) -> list[St
     transaction; the caller sends ``barrier_stranded`` once it committed."""
     stranded: list[Stranded] = []
     with conn.transaction():
-        rows = conn.execute(db.q["barrier_sweep"], {"limit": limit}).fetchall()
+        rows = _run(conn, db.q["barrier_sweep"], {"limit": limit}).fetchall()
         for barrier_id, reason, errback_json, metadata, total, remaining, task in rows:
             info = _errback_info(barrier_id, "expired", reason, total, remaining, metadata)
             errback_id = _publish_errback(db, conn, barrier_id, errback_json, info)

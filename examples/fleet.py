@@ -42,6 +42,9 @@ app.conf.update(
     # pgq is the broker only; a result backend is a separate choice.
     task_ignore_result=True,
     broker_connection_retry_on_startup=True,
+    # Sent by `celery -A fleet beat -S pgq` (the compose file runs two): once per slot
+    # however many beats run, kept in Postgres (docs/beat.md).
+    beat_schedule={"tick-every-30s": {"task": "fleet.tick", "schedule": 30.0}},
 )
 health.install(app)
 

@@ -19,8 +19,10 @@ from pg_transport.errors import (
     NotPermitted,
     PgqError,
     SchemaError,
+    TransactionRefused,
 )
 from pg_transport.publish.batching import batch
+from pg_transport.publish.joined import transaction
 
 __all__ = [
     "TRANSPORT",
@@ -33,7 +35,9 @@ __all__ = [
     "Options",
     "PgqError",
     "SchemaError",
+    "TransactionRefused",
     "batch",
+    "transaction",
 ]
 
 TRANSPORT = "pg_transport.transport:Transport"

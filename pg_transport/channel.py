@@ -22,6 +22,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 from pg_transport import identity, topic
 from pg_transport.consume import envelope, poison
 from pg_transport.eta import eta_delay
+from pg_transport.producer_batch import PublishBatch
 from pg_transport.qos import Message, QoS, lease_of
 from pg_transport.store import Claimed, Lease, Store
 
@@ -233,6 +234,10 @@ class Channel(virtual.Channel):
         if not matched:
             self._unroutable(message, exchange, routing_key or "", kind)
         return None
+
+    def create_publish_batch(self, max_size: int) -> PublishBatch:
+        """kombu's ``Producer.batch()``: a flush is one commit (:mod:`producer_batch`)."""
+        return PublishBatch(self, max_size)
 
     def _unroutable(self, message: Any, exchange: str, routing_key: str, kind: str | None) -> None:
         """Nothing was bound to receive it. Pub/sub (fanout, topic) drops it, as AMQP

@@ -11,6 +11,7 @@ __all__ = [
     "NotPermitted",
     "PgqError",
     "SchemaError",
+    "TransactionRefused",
 ]
 
 
@@ -46,3 +47,9 @@ class MessageTooLarge(PgqError, ValueError):
 class NotPermitted(PgqError, PermissionError):
     """The role may not do this (a publisher-only role declaring a queue, say): the
     message says which role may, or how to do without."""
+
+
+class TransactionRefused(PgqError):
+    """pgq will not publish in this transaction (another database or server than the
+    broker's, another driver, no transaction open, the transaction lost): the message
+    names both sides. Nothing was published, in the transaction or apart from it."""

@@ -97,6 +97,7 @@ class Transport(virtual.Transport):
         asynchronous=True,
         exchange_type=EXCHANGE_TYPES,
         heartbeats=False,
+        batch_publish=True,
     )
 
     def __init__(self, client: Any, **kwargs: Any) -> None:

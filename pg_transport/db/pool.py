@@ -37,6 +37,7 @@ __all__ = [
     "PINNED_SEARCH_PATH",
     "Connector",
     "describe",
+    "is_own",
     "mask_url",
     "shared",
     "url_to_conninfo",
@@ -99,6 +100,13 @@ if hasattr(os, "register_at_fork"):
 
 def is_inherited(conn: psycopg.Connection[Any]) -> bool:
     return conn in _inherited
+
+
+def is_own(conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``conn`` is a session pgq opened (a :class:`Connector`'s) in this process,
+    not an application's: pgq sets nothing on an application's session, not even a
+    prepared statement, that outlives its statement."""
+    return conn in _live
 
 
 class Connector:

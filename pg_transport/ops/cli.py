@@ -37,6 +37,7 @@ from pg_transport.ops.cli_common import (
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
+from pg_transport.ops.cli_schedule import schedule
 from pg_transport.ops.terminal import printable, quoted
 from pg_transport.store import Store
 
@@ -50,6 +51,7 @@ def main() -> None:
 
 
 main.add_command(dead)
+main.add_command(schedule)
 
 
 @main.command()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
@@ -100,11 +100,29 @@ class Batch:
             return  # the outermost block commits, or abandons, everything
         assert self._token is not None
         _open.reset(self._token)
-        parts, self._parts = list(self._parts.values()), {}
         if exc_type is not None:
-            for part in parts:
-                part.abandon()
+            self.abandon()
             return
+        self.commit()
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[Batch]:
+        """This batch as the one open in this context while the block runs (kombu's
+        ``Producer.batch()`` publishes through it one message at a time); an outer
+        batch already open stays the one publishes join."""
+        if _open.get() is not None:
+            yield self
+            return
+        token = _open.set(self)
+        try:
+            yield self
+        finally:
+            _open.reset(token)
+
+    def commit(self) -> None:
+        """Commit everything published so far (one transaction per database); the
+        batch can then take more, for a commit of their own."""
+        parts, self._parts = list(self._parts.values()), {}
         try:
             for part in parts:
                 part.commit()
@@ -112,6 +130,12 @@ class Batch:
             for part in parts:
                 part.abandon()  # (those not committed yet; a committed one is left alone)
             raise
+
+    def abandon(self) -> None:
+        """Roll back everything published and not committed yet."""
+        parts, self._parts = list(self._parts.values()), {}
+        for part in parts:
+            part.abandon()
 
     def run(self, key: tuple[str, str, bool], connector: Connector, op: Op) -> Any:
         """Run ``op`` in the transaction of the database ``key`` names (conninfo, schema,

@@ -11,8 +11,17 @@ payload on the queue's channel). How they go depends on where the statement runs
   (``durable_publish``): the insert and the wake-up as two transactions sent at once, so
   the durable commit holds no NOTIFY lock through its flush and no consumer is woken for
   a message not on disk yet.
-- ``together``: anywhere else (a caller's open transaction, ``durable_publish`` off, a
-  transaction pooler): one statement, insert and NOTIFY in one transaction.
+- ``together``: anywhere else on a session of pgq's own (a transaction open on it,
+  ``durable_publish`` off, a transaction pooler): one statement, insert and NOTIFY in
+  one transaction.
+- ``joined``: on an application's connection (``pg_transport.transaction()``,
+  :mod:`~pg_transport.publish.joined`): one statement in the application's transaction,
+  not prepared, through a cursor of pgq's own; the application's commit sends the
+  wake-up, its rollback takes the message back.
+
+Inside an application's transaction a publish goes there before anything else (a
+``batch()`` open around or inside it adds nothing: that transaction is already one
+commit).
 """
 
 from __future__ import annotations
@@ -20,17 +29,21 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
+from psycopg.rows import tuple_row
 
-from pg_transport.db.pool import Connector
+from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import MessageTooLarge
-from pg_transport.publish import batching
+from pg_transport.publish import batching, joined
+from pg_transport.publish.callers import Caller
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "WAYS", "Publisher", "way_of"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("pg_transport.publish")
 
@@ -86,8 +99,13 @@ class Publisher:
     ) -> None:
         """Insert a message and wake its queue's consumers once it is committed. With a
         ``publish_key`` a repeated call inserts nothing. Inside a batch
-        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead."""
+        (:mod:`~pg_transport.batching`) it joins the batch's transaction instead; inside
+        the application's (:mod:`~pg_transport.publish.joined`), that one."""
         params = self._publish_params(queue, payload, priority, delay, publish_key)
+        caller = joined.current()
+        if caller is not None:
+            self.on_caller(caller, lambda conn: self._insert_on(conn, params))
+            return
         open_batch = batching.current()
         if open_batch is not None:
             open_batch.run(
@@ -115,6 +133,15 @@ class Publisher:
         wake-up (a NOTIFY, transactional) goes out then."""
         self._insert_on(conn, self._publish_params(queue, payload, priority, delay, publish_key))
 
+    def in_batch(self, op: batching.Op) -> Any:
+        """Run ``op`` in the open batch's transaction on this publisher's database: the
+        one the publishes of the batch join. For work that must commit exactly when its
+        messages do (a periodic task's slot taken in the transaction that sends it)."""
+        open_batch = batching.current()
+        if open_batch is None:
+            raise RuntimeError("no pgq batch is open in this context")
+        return open_batch.run(self._batch_key(), self.connector, op)
+
     def _publish_params(
         self,
         queue: str,
@@ -139,6 +166,13 @@ class Publisher:
 
     def _batched(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         conn.execute(self.q["publish_plain"], params)  # joins the caller's pipeline
+
+    def _joined(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
+        # A cursor of pgq's own (the application may have set its connection's row or
+        # cursor factory), never prepared (its session may be a transaction pooler's),
+        # left open: in the application's pipeline, if it runs one, its result comes later.
+        cur = psycopg.Cursor(conn, row_factory=tuple_row)
+        cur.execute(self.q["publish_plain"], params, prepare=False)
 
     def _together(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         prepare = conn.prepare_threshold is not None
@@ -215,10 +249,13 @@ class Publisher:
         }
 
         def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
-            row = conn.execute(self.q["publish_routed"], params).fetchone()
+            row = _fetch_one(conn, self.q["publish_routed"], params)
             assert row is not None
             return row[0], int(row[1] or 0)
 
+        caller = joined.current()
+        if caller is not None:
+            return self.on_caller(caller, routed)
         open_batch = batching.current()
         if open_batch is not None:
             found: tuple[str | None, int] = open_batch.run(
@@ -236,6 +273,14 @@ class Publisher:
             "priority": priority,
             "reason": reason,
         }
+        caller = joined.current()
+        if caller is not None:  # kept only if the application's transaction commits
+            return int(
+                self.on_caller(
+                    caller,
+                    lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                )
+            )
         open_batch = batching.current()
         if open_batch is not None:  # kept only if the batch's message is published
             return int(
@@ -252,6 +297,14 @@ class Publisher:
             )
         )
 
+    def on_caller(self, caller: Caller, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``work`` in the application's transaction ``caller``, once its connection
+        is known to be on this publisher's database (else
+        :class:`~pg_transport.errors.TransactionRefused`)."""
+        return joined.on_caller(
+            caller, self.connector, self.schema, self.q["server_identity"], work
+        )
+
     def _batch_key(self) -> tuple[str, str, bool]:
         """Which transaction of a batch this store's publishes join: the publisher's
         database, the schema, and whether its commits wait for their WAL flush."""
@@ -259,10 +312,12 @@ class Publisher:
 
 
 def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> str:
-    """How a publish goes on ``conn`` (see the module's docstring): ``batched`` in a
-    pipeline; ``apart`` for a message due now on a session of pgq's own (it prepares:
-    not a transaction pooler's), idle, whose commits wait for their flush; else
-    ``together``."""
+    """How a publish goes on ``conn`` (see the module's docstring): ``joined`` on an
+    application's connection; on pgq's own, ``batched`` in a pipeline, ``apart`` for a
+    message due now on a session that prepares (not a transaction pooler's), idle,
+    whose commits wait for their flush; else ``together``."""
+    if not is_own(conn):
+        return "joined"
     if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
         return "batched"
     own_idle = (
@@ -277,9 +332,20 @@ WAYS: dict[str, Callable[[Publisher, psycopg.Connection[Any], dict[str, Any]], N
     "batched": Publisher._batched,
     "apart": Publisher._enqueue_then_wake,
     "together": Publisher._together,
+    "joined": Publisher._joined,
 }
 
 
+def _fetch_one(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
+) -> tuple[Any, ...] | None:
+    """``query``'s first row, through a cursor of pgq's own (an application may have set
+    its connection's row or cursor factory), prepared only on a session of pgq's own."""
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        cur.execute(query, params, prepare=None if is_own(conn) else False)
+        return cur.fetchone()
+
+
 def _scalar_on_(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
-    row = conn.execute(query, params).fetchone()
+    row = _fetch_one(conn, query, params)
     return row[0] if row else None

@@ -24,6 +24,17 @@ WITH inserted AS (
 )
 SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
 
+-- name: server_identity
+-- Which database of which running server a session is on: the cluster's system
+-- identifier (a copy made from a base backup shares it), when the server started (which
+-- tells such copies apart), the database, and where the server says it listens (for
+-- error messages only: behind a pooler it is the pooler's side of the server).
+SELECT c.system_identifier::text, pg_catalog.pg_postmaster_start_time()::text,
+       pg_catalog.current_database()::text,
+       pg_catalog.host(pg_catalog.inet_server_addr()),
+       pg_catalog.inet_server_port()
+FROM pg_catalog.pg_control_system() AS c
+
 -- name: enqueue
 -- publish_plain without its wake-up, which the wake query sends right after it in a
 -- transaction of its own (see Store.publish_on).

@@ -63,6 +63,25 @@ def noop() -> None:
     return None
 
 
+@app.task(bind=True)
+def find_order(self, label: str) -> bool:
+    """Whether the order row the task is about exists when the task runs (the
+    transactional-enqueue tests: tests/acceptance/test_transactional.py)."""
+    found = (
+        _db()
+        .execute(
+            sql.SQL("SELECT 1 FROM {}.orders WHERE label = %s").format(
+                sql.Identifier(os.environ["PGQ_SCHEMA"])
+            ),
+            [label],
+        )
+        .fetchone()
+        is not None
+    )
+    record(self.request.id, f"{'found' if found else 'missing'}:{label}")
+    return found
+
+
 # -- barrier (tests/acceptance/test_barrier*.py) ------------------------------
 from psycopg.types.json import Json  # noqa: E402
 

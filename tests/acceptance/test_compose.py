@@ -478,3 +478,69 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
         pytest.raises(psycopg.errors.InsufficientPrivilege),
     ):
         monitor.execute("SELECT payload FROM pgq.message")
+
+
+def test_the_beat_service_runs_two_replicas_as_the_worker_role(
+    local: Local, env: Env, running: list[Worker], tmp_path: Path
+) -> None:
+    """The compose file's beat service, twice, as `docker compose up` starts it: the
+    example app's schedule is stored once, one beat sends, the scheduler worker runs what
+    it sends, and when the sending beat is SIGKILLed the other one goes on."""
+    services = load_compose()["services"]
+    init_postgres(local, services["postgres"])
+    for one_shot in ("migrate", "grants"):
+        done = run_service(local, services[one_shot])
+        assert done.returncode == 0, done.stderr
+    worker_svc = next(
+        svc for svc in workers(load_compose()).values() if "scheduler" in worker_queues(svc)
+    )
+    worker = start(
+        "worker-scheduler",
+        command_of(worker_svc),
+        service_env(local, worker_svc, tmp_path / "w.heartbeat"),
+    )
+    running.append(worker)
+    beat_svc = services["beat"]
+    assert beat_svc["deploy"]["replicas"] == 2
+    beats = [start(f"beat-{n}", command_of(beat_svc), service_env(local, beat_svc)) for n in (1, 2)]
+    running.extend(beats)
+    wait_for(lambda: " ready." in worker.output(), 90, "the scheduler worker")
+    wait_for(
+        lambda: (
+            all("pgq beat:" in b.output() for b in beats)
+            and env.scalar("SELECT count(*) FROM {schema}.beat_leader") == 1
+        ),
+        90,
+        "both beats to start, one to lead",
+    )
+    assert env.scalar("SELECT origin FROM {schema}.beat_entry WHERE name = 'tick-every-30s'") == (
+        "config"
+    )
+    # A faster tick than the example app's 30 s, added as the compose file's worker role.
+    worker_url = service_env(local, beat_svc)["PGQ_URL"]
+    added = subprocess.run(
+        [*pgq_command(), "schedule", "add", "fast-tick", "--task", "fleet.tick", "--every", "1",
+         "--url", worker_url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+
+    def ticks_run() -> list[str]:
+        return re.findall(r"fleet\.tick\[([0-9a-f-]+)\] succeeded", worker.output())
+
+    wait_for(lambda: len(ticks_run()) >= 3, 60, "the scheduler worker to run three ticks")
+    leader_pid = int(str(env.scalar("SELECT holder FROM {schema}.beat_leader")).split(":")[-2])
+    [leader] = [b for b in beats if b.proc.pid == leader_pid]
+    leader.kill(signal.SIGKILL)
+    before = len(ticks_run())
+    wait_for(lambda: len(ticks_run()) >= before + 3, 60, "the other beat to go on")
+    # Each slot's task ran once, and was sent by one of the two beats (the second after
+    # the first was killed).
+    ran = ticks_run()
+    assert len(ran) == len(set(ran)), ran
+    with psycopg.connect(env.pg_url) as conn:
+        slots = dict(conn.execute("SELECT task_id, sent_by FROM pgq.beat_slot").fetchall())
+    assert set(ran) <= set(slots), set(ran) - set(slots)
+    assert len({slots[task_id] for task_id in ran}) == 2
+    roles = sessions_by_role(env)
+    assert set(roles) == {local.role("pgq_worker")}, roles

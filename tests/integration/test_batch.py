@@ -311,3 +311,33 @@ def test_a_batch_behind_a_transaction_pooler(broker_url: str, schema: str, rows:
         assert rows(MESSAGES) == [(5, 1)]
         assert q.get(timeout=5).payload == {"n": 0}
         q.close()
+
+
+def test_kombus_producer_batch_publishes_in_one_commit(
+    conn: Connection, rows: Peek, schema: str
+) -> None:
+    """kombu's own batch API (``Producer.batch()``, which asks the channel for
+    ``create_publish_batch``) gets pgq's one-commit batches."""
+    producer = Producer(conn)
+    assert producer.supports_batch_publish
+    exchange = Exchange("orders", type="direct")
+    Queue("kombu-batched", exchange, routing_key="o")(producer.channel).declare()
+    with producer.batch():
+        for n in range(30):
+            producer.publish({"n": n}, exchange=exchange, routing_key="o")
+            producer.publish({"n": n}, routing_key="kombu-direct")  # the default exchange
+        assert rows(MESSAGES) == [(0, 0)]  # nothing before the block's end
+    assert rows(MESSAGES) == [(60, 1)]  # one transaction id: one commit
+    with pytest.raises(KeyError), producer.batch():
+        producer.publish({"n": "gone"}, routing_key="kombu-direct")
+        raise KeyError("the producer's own error")
+    assert rows(MESSAGES) == [(60, 1)]  # discarded
+    # max_size: kombu's bound on what a batch holds before it flushes on its own.
+    with producer.batch(max_size=10):
+        for n in range(25):
+            producer.publish({"n": n}, routing_key="kombu-sized")
+        assert rows("SELECT count(*) FROM {schema}.message WHERE queue = 'kombu-sized'") == [(20,)]
+    assert rows(
+        "SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message"
+        " WHERE queue = 'kombu-sized'"
+    ) == [(25, 3)]

@@ -103,6 +103,11 @@ def test_the_docs_show_pgq_commands() -> None:
         ("dead", "purge"),
         ("dead", "rehook"),
         ("health",),
+        ("schedule", "add"),
+        ("schedule", "list"),
+        ("schedule", "disable"),
+        ("schedule", "enable"),
+        ("schedule", "remove"),
     ]:
         assert expected in shown, f"`pgq {' '.join(expected)}` is not documented"
 

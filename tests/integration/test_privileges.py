@@ -111,6 +111,9 @@ CONTENT = {
     ("barrier", "errback"),
     ("barrier", "metadata"),
     ("barrier_part", "result"),
+    ("beat_entry", "args"),
+    ("beat_entry", "kwargs"),
+    ("beat_entry", "options"),
 }
 
 
@@ -427,6 +430,44 @@ def test_worker_role_round_trips_and_handles_dead_letters(granted: Roles) -> Non
         queue.close()
     status = cli(granted, granted.worker, "status", "--json")
     assert status.exit_code == 0, status.output
+
+
+def test_worker_role_runs_beat_and_pgq_schedule_and_no_other_role_does(granted: Roles) -> None:
+    from pg_transport.beat import CannotStart, Scheduler
+
+    added = cli(
+        granted, granted.worker, "schedule", "add", "tick", "--task", "t.tick", "--every", "1"
+    )
+    assert added.exit_code == 0, added.output
+    app = Celery("beat_priv", broker=granted.url(granted.worker))
+    app.conf.update(
+        broker_transport_options=options(granted), beat_schedule={}, result_expires=None
+    )
+    beat = Scheduler(app)
+    try:
+        assert beat.hold_lease()
+        with psycopg.connect(granted.pg_url, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("UPDATE {}.beat_entry SET anchor = now() - interval '1.5 s'").format(
+                    sql.Identifier(granted.schema)
+                )
+            )
+        beat.send_due()
+    finally:
+        beat.close()
+    listed = cli(granted, granted.worker, "schedule", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.stdout)["entries"][0]["sent_count"] == 1
+    publisher_app = Celery("beat_pub", broker=granted.url(granted.publisher))
+    publisher_app.conf.update(
+        broker_transport_options=options(granted), beat_schedule={}, result_expires=None
+    )
+    with pytest.raises(CannotStart, match=r"may not keep the schedule.*run beats as the worker"):
+        Scheduler(publisher_app)
+    for kind in ("publisher", "monitor"):
+        refused_list = cli(granted, granted.role(kind), "schedule", "list")
+        assert refused_list.exit_code == 1, (kind, refused_list.output)
+        assert "permission denied" in refused_list.output, (kind, refused_list.output)
 
 
 def test_no_role_but_the_owner_changes_the_schema(granted: Roles) -> None:

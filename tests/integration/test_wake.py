@@ -255,7 +255,11 @@ def test_each_publish_goes_the_way_its_connection_allows(pg_url: str, store: Sto
                 assert way_of(conn, flushes=True, due_now=True) == "batched"
         with pooled.connection() as conn:
             assert way_of(conn, flushes=True, due_now=True) == "together"
+        with psycopg.connect(pg_url) as app_conn:  # an application's: never prepared
+            assert way_of(app_conn, flushes=True, due_now=True) == "joined"
+            with app_conn.pipeline():
+                assert way_of(app_conn, flushes=True, due_now=True) == "joined"
     finally:
         own.close()
         pooled.close()
-    assert set(WAYS) == {"batched", "apart", "together"}
+    assert set(WAYS) == {"batched", "apart", "together", "joined"}

@@ -392,6 +392,19 @@ def test_every_worker_scales_and_waits_for_the_migration_and_grants() -> None:
         assert command_of(svc)[:4] == ["celery", "-A", "fleet", "worker"], name
 
 
+def test_two_beats_run_the_pgq_scheduler_after_the_grants() -> None:
+    beat = load_compose()["services"]["beat"]
+    command = command_of(beat)
+    assert command[:4] == ["celery", "-A", "fleet", "beat"]
+    assert command[command.index("-S") + 1] == "pgq"
+    assert beat["deploy"] == {"replicas": 2}
+    assert "container_name" not in beat and "ports" not in beat
+    assert beat["depends_on"] == {"grants": {"condition": "service_completed_successfully"}}
+    assert beat.get("restart") == "unless-stopped"
+    # The migrate service owns the schema, as for the workers.
+    assert environment_of(beat)["PGQ_AUTO_MIGRATE"] == "false"
+
+
 def test_every_worker_sets_the_vt_of_each_of_its_queues() -> None:
     for name, svc in workers(load_compose()).items():
         env = environment_of(svc)
@@ -503,7 +516,12 @@ def test_dockerfile_copies_what_the_fleet_runs() -> None:
 
 # The role of docs/least-privilege.md each service runs as, and the variable holding
 # its password.
-ROLE_OF = {"migrate": "pgq_owner", "grants": "pgq_owner", "metrics": "pgq_monitor"}
+ROLE_OF = {
+    "migrate": "pgq_owner",
+    "grants": "pgq_owner",
+    "metrics": "pgq_monitor",
+    "beat": "pgq_worker",
+}
 PASSWORD_OF = {
     "pgq_owner": "OWNER_PASSWORD",
     "pgq_worker": "WORKER_PASSWORD",
