@@ -3,17 +3,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from tests.pg import (
     ConnectionMeter,
-    create_database,
-    drop_database,
+    created_session_database,
     drop_schema,
-    find_postgres,
-    new_database_name,
+    drop_session_database,
     new_schema_name,
+    session_database,
     to_broker_url,
 )
 
@@ -28,21 +26,16 @@ _running = ""
 def pg_url() -> Iterator[str]:
     """A libpq URL of a database this test session created (and drops at its end)."""
     global _meter
-    server = find_postgres()
-    name = new_database_name()
-    try:
-        url = create_database(server, name)
-    except psycopg.errors.InsufficientPrivilege:
-        # A role that may not create databases: the database it was given, as it is.
-        yield server
-        return
-    _meter = ConnectionMeter(url, lambda: _running)
-    _meter.start()
+    url = session_database()
+    if created_session_database():
+        _meter = ConnectionMeter(url, lambda: _running)
+        _meter.start()
     try:
         yield url
     finally:
-        _meter.stop()
-        drop_database(server, name)
+        if _meter is not None:
+            _meter.stop()
+        drop_session_database()
 
 
 @pytest.fixture
@@ -65,6 +58,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    drop_session_database()  # (made at import by a settings module, with no test using it)
     if _meter is not None and _meter.peak > MAX_CONNECTIONS:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

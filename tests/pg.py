@@ -63,6 +63,36 @@ def drop_schema(pg_url: str, schema: str) -> None:
         )
 
 
+_session: dict[str, str] = {}
+
+
+def session_database() -> str:
+    """A libpq URL of this test run's own database on the server :func:`find_postgres`
+    finds, created on first use (settings modules read it at import), dropped by
+    :func:`drop_session_database` when the run ends. A role that may not create
+    databases gets the database it was given, as it is."""
+    if "url" not in _session:
+        server, name = find_postgres(), new_database_name()
+        try:
+            _session["url"] = create_database(server, name)
+        except psycopg.errors.InsufficientPrivilege:
+            _session["url"] = server
+        else:
+            _session.update(server=server, name=name)
+    return _session["url"]
+
+
+def created_session_database() -> bool:
+    """Whether :func:`session_database` made a database of its own."""
+    return "name" in _session
+
+
+def drop_session_database() -> None:
+    if "name" in _session:
+        drop_database(_session["server"], _session["name"])
+    _session.clear()
+
+
 def with_database(pg_url: str, dbname: str) -> str:
     """``pg_url`` (a libpq URL) naming database ``dbname`` instead."""
     parts = urlsplit(pg_url)
