@@ -106,7 +106,7 @@ def test_readme_install_line_installs_the_wheel_and_the_demo_passes(
     newcomer: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
     home, result = newcomer
-    out = result.stdout + result.stderr
+    out = f"exit status {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, out
     assert re.search(r"demo OK: 6 tasks, each ran exactly once", result.stdout), out
     venv = home / ".venv"
@@ -130,7 +130,7 @@ def test_migrating_steps_run_a_celery_worker_on_pgq(
     newcomer: tuple[Path, subprocess.CompletedProcess[str]], pg_url: str, schema: str
 ) -> None:
     home, installed = newcomer
-    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert installed.returncode == 0, f"exit status {installed.returncode}"
     venv_bin = home / ".venv" / "bin"
     url = to_broker_url(pg_url)
     (home / "app.py").write_text(APP.format(url=url), encoding="utf-8")
