@@ -116,6 +116,11 @@ def _message_bytes(key: str, value: Any) -> int:
     )
 
 
+def _pool_size(key: str, value: Any) -> int:
+    # Sessions one pool of a process may hold at once (in use and idle).
+    return int(_number(key, value, integer=True, minimum=1, allow_zero=False, maximum=1000))
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -210,6 +215,8 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "listen_url": _listen_url,
     "vacuum_threshold": _vacuum_threshold,
     "max_message_bytes": _message_bytes,
+    "pool_size": _pool_size,
+    "pool_idle_timeout": _seconds,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -240,6 +247,10 @@ class Options:
     vacuum_threshold: int = 10_000
     #: Largest message (its JSON text, bytes) published; also what a claim brings at once.
     max_message_bytes: int = 16 * 1024 * 1024
+    #: Sessions each of a process's two pools holds at most (publishing; housekeeping).
+    pool_size: int = 16
+    #: Seconds a pooled session may stay idle before it is closed.
+    pool_idle_timeout: float = 30.0
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
@@ -250,16 +261,20 @@ class Options:
     ) -> Options:
         """Validate options, then let ``PGQ_*`` environment variables override them."""
         values: dict[str, Any] = {}
-        for key, value in (transport_options or {}).items():
+        given = dict(transport_options or {})
+        unknown = [k for k in given if k not in _SCALARS and k not in _MAPPINGS]
+        unknown = [k for k in unknown if k not in KOMBU_KEYS]
+        if unknown:
+            # Every one at once: a migration removes them in one go, not one per start.
+            known = ", ".join(sorted([*_SCALARS, *_MAPPINGS]))
+            listed = ", ".join(f"{k!r} (value {given[k]!r})" for k in unknown)
+            word = "option" if len(unknown) == 1 else "options"
+            raise ConfigurationError(f"unknown pgq transport {word} {listed}; known: {known}")
+        for key, value in given.items():
             if key in _SCALARS:
                 values[key] = _SCALARS[key](key, value)
             elif key in _MAPPINGS:
                 values[key] = _per_queue(key, value, _MAPPINGS[key])
-            elif key not in KOMBU_KEYS:
-                known = ", ".join(sorted([*_SCALARS, *_MAPPINGS]))
-                raise ConfigurationError(
-                    f"unknown pgq transport option {key!r} (value {value!r}); known: {known}"
-                )
         for key, parse in _SCALARS.items():
             env_name = f"PGQ_{key.upper()}"
             if env_name in environ:

@@ -167,6 +167,26 @@ class QoS(virtual.QoS):
             exc,
         )
 
+    def restore_unacked_once(self, stderr: Any = None) -> None:
+        """kombu's shutdown and collect hook. After a lost connection nothing is restored
+        (see :meth:`restore_unacked`): one line says what happens instead of kombu's
+        "Restoring N unacknowledged message(s)"."""
+        transport = self.channel.connection
+        if transport is None or not transport.lost:
+            super().restore_unacked_once(stderr)
+            return
+        self._on_collect.cancel()
+        self._flush()
+        state = self._delivered
+        if state and not getattr(state, "restored", None):
+            logger.warning(
+                "connection lost: %d unacknowledged message(s) are not restored; they stay "
+                "leased to this worker, whose running tasks can still ack them, and return "
+                "to their queue only if the lease lapses (visibility_timeout)",
+                len(state),
+            )
+        state.restored = True  # type: ignore[attr-defined]  # kombu marks it so too
+
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Release every unacked delivery in one statement (shutdown, recover).
 
@@ -175,12 +195,7 @@ class QoS(virtual.QoS):
         """
         transport = self.channel.connection
         if transport is not None and transport.lost:
-            logger.info(
-                "connection lost: %d unacked messages keep their lease until they are "
-                "acked or it lapses",
-                len(self._held),
-            )
-            return []
+            return []  # restore_unacked_once said so
         self._flush()
         with self._held_lock:
             held, self._held = self._held, {}

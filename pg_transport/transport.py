@@ -52,6 +52,7 @@ from pg_transport.consume.source import Want
 from pg_transport.consume.vacuum import Vacuumer
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, mask_url, url_to_conninfo
+from pg_transport.db.pool import shared as shared_connector
 from pg_transport.db.url import first_port, seal, unseal
 from pg_transport.errors import (
     BrokerUnavailable,
@@ -127,16 +128,26 @@ class Transport(virtual.Transport):
         own = self.options.use_notify
         prepare = 5 if own else None
         no_jit = (queries["no_jit"],) if own else ()
-        self.connector = Connector(
+        # Every kombu connection of this process with the same settings shares these
+        # two pools (shared): a process holds one set of sessions, capped by pool_size,
+        # however many connections Celery or Flower open; an idle one closes after
+        # pool_idle_timeout.
+        sizes = {
+            "max_size": self.options.pool_size,
+            "max_idle": self.options.pool_size,
+            "idle_timeout": self.options.pool_idle_timeout,
+        }
+        self.connector = shared_connector(
             conninfo,
             display_url=shown,
             prepare_threshold=prepare,
             setup=no_jit,
             pin_search_path=own,
+            **sizes,
         )
         # The consumer's statements (claim, ack, renew, ...) are planned once.
         self.relaxed = (
-            Connector(
+            shared_connector(
                 conninfo,
                 display_url=shown,
                 prepare_threshold=prepare,
@@ -145,6 +156,7 @@ class Transport(virtual.Transport):
                     queries["generic_plans"],
                     *no_jit,
                 ),
+                **sizes,
             )
             if own
             else self.connector
@@ -231,8 +243,8 @@ class Transport(virtual.Transport):
             self.hub.unregister()
             self.engine.close()
             self._stop_housekeeping()
-            self.relaxed.close()
-            self.connector.close()
+            # The pools are the process's (shared): their idle sessions close after
+            # pool_idle_timeout, or when another user finds them dead.
 
     def _collect(self, connection: Any) -> None:
         """Drop a lost connection without releasing what it delivered.
@@ -248,8 +260,9 @@ class Transport(virtual.Transport):
         # Acks open fresh connections: what finished before the loss still lands.
         self.hub.unregister()
         self.engine.close()
-        self.relaxed.close()
-        self.connector.close()
+        # What killed this connection most likely killed the pools' idle sessions too.
+        self.relaxed.discard_idle()
+        self.connector.discard_idle()
 
     def wake(self) -> None:
         """A claim may be worth making now (an ack freed a slot): tell the engine."""

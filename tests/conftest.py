@@ -1,15 +1,41 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
-from tests.pg import drop_schema, find_postgres, new_schema_name, to_broker_url
+from tests.pg import (
+    ConnectionMeter,
+    created_session_database,
+    drop_schema,
+    drop_session_database,
+    new_schema_name,
+    session_database,
+    to_broker_url,
+)
+
+# The most sessions the suite may hold on its database at once (PGQ_TEST_MAX_CONNECTIONS):
+# a server with max_connections=100 is shared with whatever else runs there.
+MAX_CONNECTIONS = int(os.environ.get("PGQ_TEST_MAX_CONNECTIONS", "30"))
+_meter: ConnectionMeter | None = None
+_running = ""
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> str:
-    return find_postgres()
+def pg_url() -> Iterator[str]:
+    """A libpq URL of a database this test session created (and drops at its end)."""
+    global _meter
+    url = session_database()
+    if created_session_database():
+        _meter = ConnectionMeter(url, lambda: _running)
+        _meter.start()
+    try:
+        yield url
+    finally:
+        if _meter is not None:
+            _meter.stop()
+        drop_session_database()
 
 
 @pytest.fixture
@@ -31,3 +57,31 @@ def _results_listeners() -> Iterator[None]:
 @pytest.fixture
 def broker_url(pg_url: str) -> str:
     return to_broker_url(pg_url)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    global _running
+    _running = item.nodeid
+    yield
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    drop_session_database()  # (made at import by a settings module, with no test using it)
+    if _meter is not None and _meter.peak > MAX_CONNECTIONS:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _meter is None:
+        return
+    verdict = "over" if _meter.peak > MAX_CONNECTIONS else "within"
+    terminalreporter.write_line(
+        f"pgq: at most {_meter.peak} sessions on the test database at once, {verdict} "
+        f"the budget of {MAX_CONNECTIONS} (PGQ_TEST_MAX_CONNECTIONS); peak during "
+        f"{_meter.peak_during or '-'}",
+        red=_meter.peak > MAX_CONNECTIONS,
+    )
+    if _meter.peak > MAX_CONNECTIONS:
+        by = ", ".join(f"{name or '(unnamed)'}: {n}" for name, n in _meter.peak_by.items())
+        terminalreporter.write_line(f"pgq: sessions at the peak by application_name: {by}")

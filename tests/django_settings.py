@@ -8,9 +8,10 @@ import os
 
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.pg import find_postgres
+from tests.pg import session_database
 
-_url = os.environ.get("TEST_PG_URL") or find_postgres()
+# A worker or producer subprocess is told the test database; the test run makes its own.
+_url = os.environ.get("TEST_PG_URL") or session_database()
 _parts = conninfo_to_dict(_url)
 
 

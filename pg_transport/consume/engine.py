@@ -20,6 +20,11 @@ Three things keep it cheap:
   messages falling due and lapsed leases send none). LISTEN comes before a queue's first
   claim, and a notification read with a claim's answer is taken after it, so no wake-up
   is lost.
+* An idle consumer knows when it next has work without a notification: after a claim
+  comes back short (and at every poll) it asks when the first message of its queues that
+  is not visible yet — a delayed one, or one whose lease runs out — becomes visible
+  (``next_due``), and claims at that moment (:meth:`Engine.on_due`). A delayed publish
+  wakes the queue's consumers too, so they ask again.
 * A refill waits a moment (``REFILL_DELAY``) for more prefetch slots to free up while the
   worker still holds a good part of its window, so claims grow with the load instead of
   costing a statement per task; an idle consumer, or one running low, claims at once.
@@ -99,6 +104,9 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._refill: Handle | None = None
         self._refill_due = False
+        # The timer set for the next message falling due, and whether to ask again.
+        self._due: Handle | None = None
+        self._due_stale = True
         self._loop_thread = 0
         self._looping = False
         self._kick_due = False
@@ -121,6 +129,7 @@ class Engine:
             self.stop()
         self.session.open()
         self._timers = timers
+        self._due_stale = True
         self._loop_thread = threading.get_ident()
         self._kick_due = False
         self.looping(True)
@@ -136,6 +145,7 @@ class Engine:
             self._refill.cancel()
             self._refill = None
         self._refill_due = False
+        self._disarm_due()
         flight = self._in_flight
         if flight is not None:
             reply = self.session.finish(timeout=RETIRE_TIMEOUT)
@@ -215,7 +225,26 @@ class Engine:
     def on_poll(self) -> None:
         """The polling interval: every queue may hold something again."""
         self.exhausted.clear()
+        self._due_stale = True
         self.kick()
+
+    def on_due(self) -> None:
+        """The first message not visible yet (:meth:`_arm_due`) is due: claim it now."""
+        self._due = None
+        self.exhausted.clear()
+        self._due_stale = True
+        self.kick()
+
+    def _arm_due(self, seconds: float | None) -> None:
+        """Claim again in ``seconds`` (the answer of ``next_due``; None: nothing due)."""
+        self._disarm_due()
+        if seconds is not None and self._timers is not None:
+            self._due = self._timers.call_later(max(seconds, 0.0), self.on_due)
+
+    def _disarm_due(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+            self._due = None
 
     def reset(self, queue: str) -> None:
         """A new consumer of ``queue``: claim it at once."""
@@ -327,6 +356,14 @@ class Engine:
             )
             self.statements.ack += 1
             self.statements.acks_alone += len(acks)
+        elif self._due_stale:
+            # Nothing to claim and nothing to ack: when does something fall due?
+            queues = sorted({q for w in wants for q in (*w.acked, *w.unacked)})
+            if queues:
+                self._due_stale = False
+                self._in_flight = _InFlight("next_due", queues=queues)
+                session.send("next_due", {"queues": queues})
+                self.statements.next_due += 1
 
     def _worth_claiming(self, want: Want) -> bool:
         """Claim now, or let more slots free up first (up to REFILL_DELAY)?
@@ -364,9 +401,14 @@ class Engine:
         flight, self._in_flight = self._in_flight, None
         if flight is None or flight.kind in ("listen", "ack"):
             return
+        if flight.kind == "next_due":
+            due = rows[0][0] if rows else None
+            self._arm_due(None if due is None else float(due))
+            return
         batch = [decode_claimed(row) for row in rows]
         if len(batch) < flight.limit:
             self.exhausted.update(flight.queues)
+            self._due_stale = True
         leased = flight.kind == "claim"
         if leased:
             self.track(batch)

@@ -64,3 +64,4 @@ class Statements:
     ack: int = 0
     acks_riding: int = 0
     acks_alone: int = 0
+    next_due: int = 0

@@ -3,8 +3,12 @@
 :class:`Connector` hands out autocommit connections, reusing healthy ones: at most
 ``max_size`` at once (a caller waits for one to come back, up to ``wait_timeout``), none
 older than ``max_lifetime`` (a server's memory and a pooler's view of a session do not
-grow without end), and never one whose transaction is not idle, that died, or that this
-process inherited across a fork. Dead-connection classification and retries are
+grow without end), none kept idle longer than ``idle_timeout`` (a process that stopped
+publishing gives its sessions back to the server; one reaper thread per process closes
+them), and never one whose transaction is not idle, that died, or that this process
+inherited across a fork. :func:`shared` hands every user in a process with the same
+settings the same connector, so a process holds one pool however many kombu
+connections it opens. Dead-connection classification and retries are
 :mod:`pg_transport.db.retry`'s; :meth:`Connector.run` runs work under one of its policies.
 """
 
@@ -32,6 +36,7 @@ from pg_transport.errors import (
 )
 
 __all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_MAX_LIFETIME",
     "DEFAULT_MAX_SIZE",
     "PINNED_SEARCH_PATH",
@@ -40,6 +45,7 @@ __all__ = [
     "is_own",
     "mask_url",
     "pooler_detected",
+    "shared",
     "url_to_conninfo",
 ]
 
@@ -61,6 +67,8 @@ DEFAULT_CONNECT_TIMEOUT = 10
 DEFAULT_MAX_SIZE = 16
 #: Seconds after which a pooled connection is closed rather than reused.
 DEFAULT_MAX_LIFETIME = 1800.0
+#: Seconds a pooled connection may stay idle before the reaper closes it.
+DEFAULT_IDLE_TIMEOUT = 30.0
 
 
 def url_to_conninfo(url: str | None) -> str:
@@ -125,6 +133,7 @@ class Connector:
         max_idle: int = 8,
         max_size: int = DEFAULT_MAX_SIZE,
         max_lifetime: float = DEFAULT_MAX_LIFETIME,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         wait_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         application_name: str = "pgq",
         prepare_threshold: int | None = 5,
@@ -144,6 +153,7 @@ class Connector:
         self.max_idle = max_idle
         self.max_size = max_size
         self.max_lifetime = max_lifetime
+        self.idle_timeout = idle_timeout
         self.wait_timeout = wait_timeout
         self.prepare_threshold = prepare_threshold
         self.setup = setup
@@ -160,6 +170,10 @@ class Connector:
         # Pooled connections out and idle, and when each was opened.
         self._size = 0
         self._born: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = (
+            weakref.WeakKeyDictionary()
+        )
+        # When each idle connection was given back.
+        self._idle_since: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -243,14 +257,19 @@ class Connector:
             not conn.closed
             and not is_inherited(conn)
             and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
             and monotonic() - born < self.max_lifetime
         )
         if healthy and not self.closed:
             with self._lock:
-                if len(self._idle) < self.max_idle and self._pid == os.getpid():
+                kept = len(self._idle) < self.max_idle and self._pid == os.getpid()
+                if kept:
                     self._idle.append(conn)
+                    self._idle_since[conn] = monotonic()
                     self._returned.notify()
-                    return
+            if kept:
+                _reaper.watch(self)  # (outside the pool's lock: the reaper takes it)
+                return
         if not is_inherited(conn):
             conn.close()
         self._forget(conn)
@@ -287,7 +306,7 @@ class Connector:
                 # Whatever killed this one (a restart, a pooler reaping idle
                 # sessions) most likely killed its idle siblings too: the retry
                 # must get a fresh connection, not the next corpse.
-                self._discard_idle()
+                self.discard_idle()
             self._give_back(conn)
             raise
         self._give_back(conn)
@@ -310,7 +329,7 @@ class Connector:
 
         return attempt(policy, once)
 
-    def _discard_idle(self) -> None:
+    def discard_idle(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
@@ -318,9 +337,100 @@ class Connector:
                 conn.close()
             self._forget(conn)
 
+    @property
+    def idle_count(self) -> int:
+        """Connections kept idle in the pool now."""
+        with self._lock:
+            return len(self._idle)
+
+    def reap(self) -> None:
+        """Close the idle connections kept past ``idle_timeout`` or ``max_lifetime``."""
+        now = monotonic()
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            stale = [
+                c
+                for c in self._idle
+                if now - self._idle_since.get(c, now) >= self.idle_timeout
+                or now - self._born.get(c, now) >= self.max_lifetime
+            ]
+            self._idle = [c for c in self._idle if c not in stale]
+        for conn in stale:
+            if not is_inherited(conn):
+                conn.close()
+            self._forget(conn)
+
     def close(self) -> None:
         self.closed = True
-        self._discard_idle()
+        self.discard_idle()
+
+
+class _Reaper:
+    """One daemon thread per process that closes pooled connections idle too long.
+
+    It sleeps while no pool keeps an idle connection, and starts again (in a forked
+    child too, where the parent's thread does not exist) when one does. A give-back to a
+    pool it already watches costs no lock and wakes nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: weakref.WeakSet[Connector] = weakref.WeakSet()
+        self._wake = threading.Event()
+        self._pid = 0
+        self._parked = False
+
+    def watch(self, connector: Connector) -> None:
+        if self._pid == os.getpid() and not self._parked and connector in self._pools:
+            return
+        with self._lock:
+            new = connector not in self._pools
+            self._pools.add(connector)
+            if self._pid != os.getpid():
+                self._pid, self._parked = os.getpid(), False
+                self._wake = threading.Event()
+                thread = threading.Thread(target=self._run, name="pgq-pool-reaper", daemon=True)
+                thread.start()
+            elif self._parked or new:
+                # Parked, or asleep for longer than this pool's idle_timeout may allow.
+                self._parked = False
+                self._wake.set()
+
+    def _run(self) -> None:
+        wake = self._wake
+        while True:
+            with self._lock:
+                waiting = [p for p in self._pools if not p.closed and p.idle_count]
+                if not waiting:
+                    self._parked = True
+                    wake.clear()
+            if not waiting:
+                wake.wait()  # until a pool keeps an idle connection again
+                continue
+            step = min(p.idle_timeout for p in waiting) / 4
+            if wake.wait(min(max(step, 0.05), 10.0)):
+                wake.clear()  # (woken for a new pool: the next turn takes it in)
+                continue
+            for pool in waiting:
+                pool.reap()
+
+
+_reaper = _Reaper()
+
+_shared: dict[tuple[Any, ...], Connector] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(conninfo: str, **settings: Any) -> Connector:
+    """This process's connector for ``conninfo`` with these settings (``Connector``'s
+    keyword arguments), made on first use: every kombu connection of a process shares
+    one pool, so the process's sessions are capped by ``max_size`` however many it opens."""
+    key = (os.getpid(), conninfo, tuple(sorted(settings.items())))
+    with _shared_lock:
+        found = _shared.get(key)
+        if found is None or found.closed:
+            found = _shared[key] = Connector(conninfo, **settings)
+        return found
 
 
 def pooler_detected(display_url: str, detail: str) -> PoolerDetected:

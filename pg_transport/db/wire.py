@@ -14,6 +14,7 @@ Behind a transaction pooler nothing is prepared: the statement is sent whole eac
 
 from __future__ import annotations
 
+import hashlib
 import select
 import weakref
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,10 @@ class Statement:
         self.name = name
         text, self.params = to_positional(query)
         self.text = text.encode()
-        self.key = f"pgq_{name}".encode()
+        # The text's digest in the name: one session may serve several schemas (a
+        # process's pools are shared), whose statements of one name differ.
+        digest = hashlib.blake2b(self.text, digest_size=6).hexdigest()
+        self.key = f"pgq_{name}_{digest}".encode()
 
     def values(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
         """Parameters as libpq text values (None is NULL, which libpq's types omit):
@@ -70,7 +74,13 @@ class Statement:
         pgconn = conn.pgconn
         values = self.values(conn, params)
         if prepare and self.ready(conn):
+            idle = pgconn.transaction_status == pq.TransactionStatus.IDLE
             result = pgconn.exec_prepared(self.key, values)
+            if idle and _deallocated(result):
+                # Outside a transaction the failed call changed nothing: prepare again.
+                self.forget(conn)
+                self.ready(conn)
+                result = pgconn.exec_prepared(self.key, values)
         else:
             result = pgconn.exec_params(self.text, values)
         return rows(result, conn)
@@ -86,6 +96,14 @@ class Statement:
         else:
             pgconn.send_query_params(self.text, values)
 
+    def forget(self, conn: psycopg.Connection[Any]) -> None:
+        """Forget that it was prepared on ``conn``: it is gone. psycopg sends ``DEALLOCATE
+        ALL`` on a session where it prepared statements of its own once a DROP, ALTER or
+        ROLLBACK ran there, and ours go with them (those prepared since stay)."""
+        prepared = _prepared.get(conn)
+        if prepared is not None:
+            prepared.discard(self.key)
+
     def ready(self, conn: psycopg.Connection[Any]) -> bool:
         """Prepare it on this session once (a blocking round trip, the first time)."""
         prepared = _prepared.get(conn)
@@ -97,7 +115,35 @@ class Statement:
         return True
 
 
+def _deallocated(result: pq.abc.PGresult) -> bool:
+    """Whether a call failed because its prepared statement is gone (SQLSTATE 26000)."""
+    if result.status in _OK:
+        return False
+    return result.error_field(pq.DiagnosticField.SQLSTATE) == b"26000"
+
+
 def run_apart(
+    conn: psycopg.Connection[Any],
+    steps: Sequence[tuple[Statement, Mapping[str, Any]]],
+    *,
+    prepare: bool,
+) -> list[list[Row] | psycopg.Error]:
+    """:func:`_run_apart`; the steps that found their prepared statement gone (see
+    :meth:`Statement.forget`) did not run, and are prepared and run again once."""
+    outcomes = _run_apart(conn, steps, prepare=prepare)
+    gone = [
+        n for n, o in enumerate(outcomes) if isinstance(o, psycopg.errors.InvalidSqlStatementName)
+    ]
+    if prepare and gone and not conn.closed:
+        for n in gone:
+            steps[n][0].forget(conn)
+        again = _run_apart(conn, [steps[n] for n in gone], prepare=True)
+        for n, outcome in zip(gone, again, strict=True):
+            outcomes[n] = outcome
+    return outcomes
+
+
+def _run_apart(
     conn: psycopg.Connection[Any],
     steps: Sequence[tuple[Statement, Mapping[str, Any]]],
     *,

@@ -46,7 +46,7 @@ __all__ = ["main"]
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="pgq", prog_name="pgq")
+@click.version_option(package_name="celery-pgq", prog_name="pgq")
 def main() -> None:
     """pgq: PostgreSQL as a Celery broker."""
 
@@ -94,6 +94,12 @@ def purge(url: str | None, schema: str, queue: str) -> None:
     """
     with open_store(url, schema) as store:
         count = store.purge(queue)
+        known = count > 0 or store.has_queue(queue) or store.size(queue) > 0
+    if not known:
+        raise click.ClickException(
+            f"no queue {quoted(queue)} in pgq schema {quoted(schema)}: nothing was purged "
+            "(`pgq status` lists the queues)"
+        )
     click.echo(f"{plural(count, 'waiting message')} purged from queue {quoted(queue)}")
 
 
@@ -105,7 +111,7 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
 
     In flight means claimed by a consumer whose lease runs; delayed means waiting for
-    its ETA. Clients are pgq
+    its ETA, and NEXT DUE IN says when the first of them falls due. Clients are pgq
     processes connected to this database (workers and publishers of every pgq schema
     in it: Postgres does not know which schema a session uses).
     """
@@ -119,7 +125,7 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     if report.queues:
         click.echo(
             table(
-                ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY"],
+                ["QUEUE", "READY", "IN FLIGHT", "DELAYED", "DEAD", "OLDEST READY", "NEXT DUE IN"],
                 [
                     [
                         q.queue,
@@ -128,10 +134,11 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
                         str(q.delayed),
                         str(q.dead),
                         age(q.oldest_ready_age_s),
+                        age(q.next_due_in_s),
                     ]
                     for q in report.queues
                 ],
-                right={1, 2, 3, 4, 5, 6},
+                right={1, 2, 3, 4, 5, 6, 7},
             )
         )
     else:
@@ -141,6 +148,11 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         f"clients: {plural(clients.processes, 'process', 'processes')}, "
         f"{plural(clients.sessions, 'session')}"
     )
+    for process in clients.by_process:
+        click.echo(
+            f"  {printable(process.name)} from {printable(process.address)}: "
+            f"{plural(process.sessions, 'session')}, {process.active} active"
+        )
     if report.barriers:
         click.echo(
             "barriers: " + ", ".join(f"{b.count} {printable(b.status)}" for b in report.barriers)
@@ -243,7 +255,15 @@ def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -
 
 
 @main.command()
-@url_option
+@click.option(
+    "--url",
+    envvar="PGQ_URL",
+    show_envvar=True,
+    metavar="URL",
+    help="Postgres to run the demo on: pgq://[user[:password]@]host[:port]/dbname. "
+    "Without one, an embedded Postgres is started and deleted after (pip install "
+    "'celery-pgq[embedded]').",
+)
 @click.option(
     "--schema",
     metavar="NAME",

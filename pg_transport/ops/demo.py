@@ -148,7 +148,7 @@ def _embedded_postgres(workdir: Path) -> Iterator[str]:
         except ImportError:
             raise DemoError(
                 "pgq demo without --url needs an embedded Postgres: "
-                "pip install 'pgq[embedded]', or pass --url pgq://user@host/db"
+                "pip install 'celery-pgq[embedded]', or pass --url pgq://user@host/db"
             ) from None
         try:
             server = pgserver.get_server(  # type: ignore[attr-defined]  # no __all__ there

@@ -15,7 +15,15 @@ import psycopg
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
-__all__ = ["BarrierCount", "Clients", "QueueStatus", "Status", "barrier_counts", "collect"]
+__all__ = [
+    "BarrierCount",
+    "ClientProcess",
+    "Clients",
+    "QueueStatus",
+    "Status",
+    "barrier_counts",
+    "collect",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,21 @@ class QueueStatus:
     dead: int
     #: Seconds the longest-waiting ready message has been deliverable; None when none is.
     oldest_ready_age_s: float | None
+    #: Seconds until the first delayed message falls due; None when none is delayed.
+    next_due_in_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ClientProcess:
+    """One pgq client process and its sessions."""
+
+    #: Its application_name: ``pgq:<pid>``.
+    name: str
+    #: Where it connects from (an address, a host name, or ``local`` for a unix socket).
+    address: str
+    sessions: int
+    #: Sessions running a statement right now.
+    active: int
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,8 @@ class Clients:
 
     processes: int
     sessions: int
+    #: Each process, most sessions first.
+    by_process: list[ClientProcess] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -69,12 +94,17 @@ def barrier_counts(store: Store) -> list[BarrierCount]:
 def collect(store: Store) -> Status:
     q = load_named("status.sql", store.schema)
 
-    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], Any]:
+    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], Any, list[Any]]:
         queues = conn.execute(q["status_queues"]).fetchall()
         clients = conn.execute(q["status_clients"]).fetchone()
-        return queues, clients
+        processes = conn.execute(q["status_client_processes"]).fetchall()
+        return queues, clients, processes
 
-    queues, clients = store.connector.run(work, idempotent=True)
+    queues, clients, processes = store.connector.run(work, idempotent=True)
+    by_process = [
+        ClientProcess(str(name), str(address), int(sessions), int(active))
+        for name, address, sessions, active in processes
+    ]
     return Status(
         schema=store.schema,
         queues=[
@@ -85,9 +115,12 @@ def collect(store: Store) -> Status:
                 int(row[3]),
                 int(row[4]),
                 None if row[5] is None else float(row[5]),
+                None if row[6] is None else float(row[6]),
             )
             for row in queues
         ],
-        clients=Clients(int(clients[0]), int(clients[1])) if clients else Clients(0, 0),
+        clients=(
+            Clients(int(clients[0]), int(clients[1]), by_process) if clients else Clients(0, 0)
+        ),
         barriers=barrier_counts(store),
     )

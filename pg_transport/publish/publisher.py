@@ -163,7 +163,7 @@ class Publisher:
             "publish_key": publish_key,
             "ttl": ttl,
             "payload": self.encode(payload),
-            "notify": delay <= 0,
+            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel": self.channel(queue),
         }
 
@@ -251,7 +251,7 @@ class Publisher:
             "ttl": ttl,
             "publish_tag": publish_tag,
             "payload": self.encode(payload),
-            "notify": delay <= 0,
+            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel_prefix": self.channel_prefix,
         }
 

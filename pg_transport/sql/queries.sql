@@ -10,8 +10,8 @@
 -- send one on any channel, so a consumer only ever takes it as a reason to claim.
 
 -- name: publish_plain
--- Insert one message (a retried publish with the same key is a no-op) and, if it is due
--- now, wake its queue's listeners. Where the publisher's session is its own (not behind a
+-- Insert one message (a retried publish with the same key is a no-op) and wake its
+-- queue's listeners (for a delayed message too: they ask when it falls due). Where the publisher's session is its own (not behind a
 -- transaction pooler) and its commits wait for their flush, a publish due now runs
 -- enqueue and wake instead, as two transactions sent at once.
 -- The message expires after the shorter of its own ttl (seconds, the message's
@@ -174,6 +174,31 @@ SELECT delivered.id, delivered.queue, delivered.priority, delivered.read_ct,
        delivered.dead_letter_id, picked.doom
 FROM delivered JOIN picked ON picked.id = delivered.id
 ORDER BY picked.priority DESC, picked.visible_at, picked.id
+
+-- name: next_due
+-- Seconds from now until the first message of the given queues that is not visible yet
+-- (a delayed one, or one whose lease runs out) becomes visible; NULL when there is none.
+-- An idle consumer arms a timer with it, to claim the moment the message is due. One
+-- index descent per priority present in a queue, as in claim (a skip scan), then the
+-- first visible_at past now at that priority.
+WITH RECURSIVE level AS (
+    SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
+                    WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
+    FROM pg_catalog.unnest(%(queues)s::text[]) AS w(name)
+    UNION ALL
+    SELECT l.name, (SELECT m.priority FROM {schema}.message AS m
+                    WHERE m.queue = l.name AND m.priority < l.priority
+                    ORDER BY m.priority DESC LIMIT 1)
+    FROM level AS l WHERE l.priority IS NOT NULL
+)
+SELECT EXTRACT(EPOCH FROM pg_catalog.min(d.at) - pg_catalog.clock_timestamp())::float8
+FROM level AS l
+CROSS JOIN LATERAL (
+    SELECT m.visible_at AS at FROM {schema}.message AS m
+    WHERE m.queue = l.name AND m.priority = l.priority AND m.visible_at > pg_catalog.now()
+    ORDER BY m.visible_at LIMIT 1
+) AS d
+WHERE l.priority IS NOT NULL
 
 -- name: pop
 -- Take and delete up to limit visible messages at once, for consumers that never ack

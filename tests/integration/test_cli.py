@@ -96,6 +96,7 @@ def test_purge_deletes_waiting_messages_and_prints_the_count(
     schema: str,
     store: Store,  # the store fixture migrates the schema
 ) -> None:
+    store.declare_queue("jobs")  # as a worker or a producer does
     for n in range(4):
         store.publisher.publish("jobs", message(n))
     store.publisher.publish("jobs", message(9), delay=3600)  # delayed: still waiting, so purged
@@ -110,6 +111,26 @@ def test_purge_deletes_waiting_messages_and_prints_the_count(
 
     again = invoke("purge", "jobs", "--url", broker_url, "--schema", schema)
     assert again.stdout.strip() == "0 waiting messages purged from queue 'jobs'"
+
+
+def test_purge_of_a_queue_that_does_not_exist_fails_naming_it(
+    broker_url: str, schema: str, store: Store
+) -> None:
+    store.declare_queue("jobs")
+    store.publisher.publish("jobs", message(1))
+    result = invoke("purge", "jbos", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 1
+    assert "no queue 'jbos'" in result.output
+    assert "nothing was purged" in result.output
+    assert store.size("jobs") == 1
+
+
+def test_demo_help_says_what_happens_without_a_url() -> None:
+    result = invoke("demo", "--help")
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "embedded Postgres" in text
+    assert "libpq's defaults" not in text  # what every other command does without one
 
 
 def test_purge_of_a_missing_schema_says_to_migrate(broker_url: str, schema: str) -> None:

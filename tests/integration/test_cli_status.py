@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -59,10 +60,15 @@ def test_counts_each_state_per_queue(
     assert list(queues) == ["idle", "jobs", "other"]
     age = queues["jobs"].pop("oldest_ready_age_s")
     assert 120 <= age < 180
+    # The delayed message falls due in an hour; the one in flight (lease of 300 s) is
+    # not delayed and does not count.
+    due = queues["jobs"].pop("next_due_in_s")
+    assert 3500 < due <= 3600
+    nothing = {"oldest_ready_age_s": None, "next_due_in_s": None}
     assert queues == {
-        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, "oldest_ready_age_s": None},
+        "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, **nothing},
         "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1},
-        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1, "oldest_ready_age_s": None},
+        "other": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 1, **nothing},
     }
     assert report["barriers"] == []
 
@@ -84,12 +90,43 @@ def test_counts_each_state_per_queue(
         "DEAD",
         "OLDEST",
         "READY",
+        "NEXT",
+        "DUE",
+        "IN",
     ]
-    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-"]
+    assert lines[2].split() == ["idle", "0", "0", "0", "0", "-", "-"]
     assert lines[3].split()[:5] == ["jobs", "3", "0", "1", "1"]
     assert lines[3].split()[5] == "2m"  # "2m 0s": oldest ready for two minutes
-    assert lines[4].split() == ["other", "0", "0", "0", "1", "-"]
+    assert lines[3].split()[7] in ("59m", "1h")  # the delayed one falls due in an hour
+    assert lines[4].split() == ["other", "0", "0", "0", "1", "-", "-"]
     assert lines[5].startswith("clients: ")
+
+
+def test_queues_unused_past_their_expiry_are_not_listed(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    # The pidbox and event queues of Celery processes: x-expires 10 s and 60 s.
+    for name, expires_ms in (
+        ("stopped@host.celery.pidbox", 10_000),
+        ("celeryev.gone", 60_000),
+        ("running@host.celery.pidbox", 10_000),
+    ):
+        store.declare_queue(name, expires_ms=expires_ms)
+        store.publisher.publish(name, message(1))
+    store.declare_queue("celery")  # no expiry: listed however long it is unused
+    # The first two were last used (consumed) before their expiry; nothing deletes
+    # them until some consumer's maintenance runs.
+    peek(
+        "UPDATE {schema}.queue SET last_used = now() - interval '2 minutes'"
+        " WHERE name IN ('stopped@host.celery.pidbox', 'celeryev.gone', 'celery')"
+    )
+    listed = [q["queue"] for q in status(broker_url, schema)["queues"]]
+    assert listed == ["celery", "running@host.celery.pidbox"]
+    table = invoke("status", "--url", broker_url, "--schema", schema).stdout
+    assert "stopped@host" not in table and "celeryev.gone" not in table
+    metrics = invoke("metrics", "--url", broker_url, "--schema", schema).stdout
+    assert "running@host.celery.pidbox" in metrics
+    assert "stopped@host" not in metrics and "celeryev.gone" not in metrics
 
 
 def test_an_empty_schema_has_no_queues(broker_url: str, schema: str, store: Store) -> None:
@@ -116,7 +153,7 @@ def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: st
     url = to_broker_url(lonely_database)
     assert invoke("migrate", "--url", url).exit_code == 0
     # This command's own session is not a client.
-    assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0}
+    assert status(url, "pgq")["clients"] == {"processes": 0, "sessions": 0, "by_process": []}
 
     with ExitStack() as stack:
 
@@ -127,9 +164,17 @@ def test_clients_are_pgq_processes_connected_to_the_database(lonely_database: st
         # sessions (claims, LISTEN, lease renewal), and a session that is not pgq's.
         for name in ("pgq:900001", "pgq:900001", "pgq:900001", "pgq:900002", "psql"):
             session(name)
-        assert status(url, "pgq")["clients"] == {"processes": 2, "sessions": 4}
-        table = invoke("status", "--url", url)
-        assert table.stdout.splitlines()[-1] == "clients: 2 processes, 4 sessions"
+        clients = status(url, "pgq")["clients"]
+        assert (clients["processes"], clients["sessions"]) == (2, 4)
+        # Each process with its sessions, most first: what it holds of max_connections.
+        assert [(p["name"], p["sessions"]) for p in clients["by_process"]] == [
+            ("pgq:900001", 3),
+            ("pgq:900002", 1),
+        ]
+        table = invoke("status", "--url", url).stdout.splitlines()
+        assert table[-3] == "clients: 2 processes, 4 sessions"
+        assert re.fullmatch(r"  pgq:900001 from \S+: 3 sessions, 0 active", table[-2]), table
+        assert re.fullmatch(r"  pgq:900002 from \S+: 1 session, 0 active", table[-1]), table
 
 
 def test_missing_schema_says_to_migrate(broker_url: str, schema: str) -> None:

@@ -32,6 +32,7 @@ import pytest
 from psycopg import sql
 
 from pg_transport.config import KOMBU_KEYS, Options
+from pg_transport.db.pool import Connector
 from pg_transport.errors import ConfigurationError
 from pg_transport.ops.cli import main
 from pg_transport.store import Store
@@ -171,10 +172,25 @@ def test_safe_commands_run_against_a_test_schema(
     for args in lines:
         for dead_id in _ids(args):
             _dead_letter_with_id(pg_url, schema, dead_id)
+        for queue in _purged(args):
+            _declared(pg_url, schema, queue)  # purging a queue that does not exist fails
         result = invoke(*_substituted(args, broker_url, schema))
         assert result.exit_code == 0, f"{page.name}: `pgq {shlex.join(args)}`:\n{result.output}"
         ran += 1
     assert ran == len(lines)
+
+
+def _purged(args: list[str]) -> list[str]:
+    path, _, rest = resolve(args)
+    return [w for w in rest if not w.startswith("-")][:1] if path == ["purge"] else []
+
+
+def _declared(pg_url: str, schema: str, queue: str) -> None:
+    connector = Connector(pg_url)
+    try:
+        Store(connector, schema).declare_queue(queue)
+    finally:
+        connector.close()
 
 
 def _dead_letter_with_id(pg_url: str, schema: str, dead_id: int) -> None:

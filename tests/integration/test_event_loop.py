@@ -6,6 +6,7 @@ so what happens between two iterations is what the test says, not what a timer d
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -197,6 +198,29 @@ def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
     # Celery now collects the transport: the ack still lands, on a fresh session.
     transport._collect(conn.connection)
     assert rows("SELECT count(*), min(read_ct) FROM {schema}.message") == [(1, 0)]
+
+
+def test_after_a_lost_connection_one_line_says_the_unacked_stay_leased(
+    conn: Connection,
+    hub: Hub,
+    rows: Peek,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    transport = conn.transport
+    _, got = started(conn, hub, monkeypatch, "gone", prefetch=1, messages=1)
+    turn_until(hub, lambda: len(got) == 1)
+    transport._collect(conn.connection)  # Celery, on losing the connection
+    with caplog.at_level(logging.INFO):
+        got[0].channel.qos.restore_unacked_once()
+    said = [r.getMessage() for r in caplog.records]
+    # kombu's "Restoring 1 unacknowledged message(s)" would contradict what happens.
+    assert not any("Restoring" in line for line in said), said
+    (line,) = [line for line in said if "unacknowledged" in line]
+    assert "1 unacknowledged message(s) are not restored" in line
+    assert "lease lapses" in line
+    # And so it is: the message is still leased, not back in the queue.
+    assert rows("SELECT read_ct, visible_at > now() FROM {schema}.message") == [(1, True)]
 
 
 def test_many_acks_from_pool_threads_land_in_few_statements(

@@ -812,7 +812,9 @@ def queue_figures(text: str) -> list[str]:
 
 def without_ages(figures: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
     queues = [dict(q) for q in figures["queues"]]
+    # Ages and the time to the next due message move between two calls.
     ages = [q.pop("oldest_ready_age_s") or 0.0 for q in queues]
+    ages += [q.pop("next_due_in_s") or 0.0 for q in queues]
     return {**figures, "queues": queues}, ages
 
 

@@ -227,6 +227,9 @@ def test_waiting_consumer_is_woken_by_a_publish(
     failed: list[BaseException] = []
     options = {"schema": schema, "polling_interval": 120}
     connection = Connection(broker_url, transport_options=options)
+    # Made here, before the consumer thread: kombu creates a connection's transport on
+    # first use without a lock, and two threads racing there would watch two of them.
+    transport = connection.transport
 
     def consume() -> None:
         try:
@@ -244,7 +247,7 @@ def test_waiting_consumer_is_woken_by_a_publish(
         # The consumer LISTENs before its first claim, which finds nothing: from here
         # on, only a wake-up (or the 120 s poll) can deliver the message.
         wait_for(
-            lambda: connection.transport.engine.waiting or not thread.is_alive(),
+            lambda: transport.engine.waiting or not thread.is_alive(),
             30,
             "the consumer to wait",
         )

@@ -137,7 +137,7 @@ def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
     monkeypatch.setattr(transport.relaxed, "conninfo", "postgresql://postgres@127.0.0.1:1/x")
     # No healthy session may be reused either (the renewal thread may hold one now).
     monkeypatch.setattr(transport.relaxed, "max_idle", 0)
-    transport.relaxed._discard_idle()
+    transport.relaxed.discard_idle()
     message.ack()  # must not raise
     assert transport.held() == []  # not renewed any more: the lease will lapse
     transport.engine.flush_acks()  # where a buffered ack lands when no claim takes it: no raise

@@ -287,6 +287,16 @@ def test_bad_transport_options_are_refused_naming_key_and_value(
     assert problem in message
 
 
+def test_every_unknown_key_is_named_at_once() -> None:
+    message = refused(
+        {"sep": ":", "priority_steps": [0, 3], "visibility_timeout": 5, "fanout_prefix": True}
+    )
+    assert "unknown pgq transport options" in message
+    for key in ("'sep'", "'priority_steps'", "'fanout_prefix'"):
+        assert key in message.split("known:", 1)[0]
+    assert "'visibility_timeout'" not in message.split("known:", 1)[0]
+
+
 def test_unknown_key_lists_the_known_ones() -> None:
     message = refused({"visiblity_timeout": 30})
     assert "'visiblity_timeout'" in message
