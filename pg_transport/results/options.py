@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pg_transport.config import (
-    MAX_MESSAGE_BYTES,
-    MIN_MESSAGE_BYTES,
     _flag,
     _interval,
-    _number,
+    _message_bytes,
     _schema,
 )
 from pg_transport.errors import ConfigurationError
@@ -35,19 +33,6 @@ from pg_transport.errors import ConfigurationError
 __all__ = ["ResultOptions"]
 
 DEFAULT_SCHEMA = "pgq"
-
-
-def _bytes(key: str, value: Any) -> int:
-    return int(
-        _number(
-            key,
-            value,
-            integer=True,
-            minimum=MIN_MESSAGE_BYTES,
-            allow_zero=False,
-            maximum=MAX_MESSAGE_BYTES,
-        )
-    )
 
 
 def _positive_interval(key: str, value: Any) -> float:
@@ -62,7 +47,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "use_notify": _flag,
     "polling_interval": _positive_interval,
     "auto_migrate": _flag,
-    "max_result_bytes": _bytes,
+    "max_result_bytes": _message_bytes,
     "native_chords": _flag,
 }
 
