@@ -49,6 +49,7 @@ __all__ = [
     "arm",
     "part_failed",
     "part_succeeded",
+    "publish_outgoing",
     "sweep_due",
 ]
 
@@ -85,7 +86,8 @@ def _run(
     return cur.execute(query, params, prepare=None if is_own(conn) else False)
 
 
-def _publish(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, *key: str) -> None:
+def publish_outgoing(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, *key: str) -> None:
+    """Insert ``out`` on ``conn``, in its transaction, under the publish key ``key``."""
     # As the transport's _put: an ETA message waits in Postgres unless that is off.
     delay = out.delay if db.native_delayed_delivery else 0.0
     db.store.publisher.publish_on(
@@ -126,7 +128,7 @@ def arm(
         # One round trip for all the parts, not one per part.
         with conn.pipeline():
             for index, part in enumerate(parts):
-                _publish(db, conn, part, "pgq-barrier", barrier_id, "part", str(index))
+                publish_outgoing(db, conn, part, "pgq-barrier", barrier_id, "part", str(index))
         if not parts:
             _fire(db, conn, barrier_id)
 
@@ -198,7 +200,7 @@ def _fire(db: Backend, conn: psycopg.Connection[Any], barrier_id: str) -> None:
         extra_kwargs={TRANSPORT_MARKER: True},
         headers={HEADER_BARRIER: barrier_id, HEADER_ROLE: ROLE_CALLBACK},
     )
-    _publish(db, conn, out, "pgq-barrier", barrier_id, "callback")
+    publish_outgoing(db, conn, out, "pgq-barrier", barrier_id, "callback")
 
 
 def _errback_info(
@@ -230,7 +232,7 @@ def _publish_errback(
         args_prefix=(info,),
         headers={HEADER_BARRIER: barrier_id, HEADER_ROLE: ROLE_ERRBACK},
     )
-    _publish(db, conn, out, "pgq-barrier", barrier_id, "errback")
+    publish_outgoing(db, conn, out, "pgq-barrier", barrier_id, "errback")
     return out.task_id
 
 

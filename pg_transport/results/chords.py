@@ -43,7 +43,8 @@ from barrier.backend import Backend as BarrierDb
 from barrier.backend import backend_for, broker_url, uses_pgq
 from barrier.codec import dumps as json_dumps
 from barrier.codec import loads as json_loads
-from barrier.messages import Outgoing, publish_key, task_message
+from barrier.messages import task_message
+from barrier.state import publish_outgoing
 from pg_transport.config import MAX_SECONDS
 from pg_transport.db.pool import url_to_conninfo
 
@@ -189,7 +190,7 @@ class Chords:
             raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {fired[1]} results")
         body = Signature.from_dict(json_loads(fired[0]), app=self.app)
         out = task_message(self.app, body, args_prefix=(values,))
-        self._publish(db, conn, out, group_id, "callback")
+        publish_outgoing(db, conn, out, "pgq-chord", group_id, "callback")
         return PartOutcome(recorded=True, fired=True)
 
     def _header_values(self, conn: psycopg.Connection[Any], group_id: str) -> list[Any]:
@@ -278,21 +279,7 @@ class Chords:
                 sig.clone(),
                 args_prefix=(body.id,),
             )
-            self._publish(db, conn, out, group_id, f"errback-{n}")
-
-    @staticmethod
-    def _publish(
-        db: BarrierDb, conn: psycopg.Connection[Any], out: Outgoing, group_id: str, what: str
-    ) -> None:
-        delay = out.delay if db.native_delayed_delivery else 0.0
-        db.store.publisher.publish_on(
-            conn,
-            out.queue,
-            out.payload,
-            priority=out.priority,
-            delay=delay,
-            publish_key=publish_key("pgq-chord", group_id, what),
-        )
+            publish_outgoing(db, conn, out, "pgq-chord", group_id, f"errback-{n}")
 
 
 class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped
