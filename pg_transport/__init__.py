@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
-from pg_transport._hook import _pgq_kombu_alias as _alias
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -26,6 +25,13 @@ from pg_transport.errors import (
 )
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
+
+try:
+    # Installed (wheel or editable): the hook's module sits at the top of site-packages,
+    # where the .pth file imported it; the one copy, whose finder is already in place.
+    import _pgq_kombu_alias as _alias
+except ImportError:  # a source tree on sys.path, never installed
+    from pg_transport._hook import _pgq_kombu_alias as _alias
 
 __all__ = [
     "TRANSPORT",
