@@ -32,7 +32,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from pg_transport.config import Options
 from pg_transport.db.migrate import ensure_schema
-from pg_transport.db.pool import Connector, url_to_conninfo
+from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.db.url import mask_url
 from pg_transport.errors import BrokerUnreachable, NotPermitted
@@ -45,27 +45,19 @@ from pg_transport.sql import load_named
 
 __all__ = ["PgqBackend", "ResultConsumer"]
 
-_connectors: dict[str, Connector] = {}
-_connectors_lock = threading.Lock()
-
 
 def _connector(conninfo: str, display_url: str, *, own_sessions: bool) -> Connector:
     # One pool per process and database, whatever the number of backend objects
     # (Celery builds one per thread). Without sessions of its own (use_notify off: a
     # transaction pooler in between) nothing is pinned or prepared: the results' SQL
     # names every table and function by schema.
-    key = f"{own_sessions}:{conninfo}"
-    with _connectors_lock:
-        found = _connectors.get(key)
-        if found is None or found.closed:
-            found = _connectors[key] = Connector(
-                conninfo,
-                display_url=display_url,
-                application_name="pgq",
-                prepare_threshold=5 if own_sessions else None,
-                pin_search_path=own_sessions,
-            )
-        return found
+    return shared(
+        conninfo,
+        display_url=display_url,
+        application_name="pgq",
+        prepare_threshold=5 if own_sessions else None,
+        pin_search_path=own_sessions,
+    )
 
 
 def _default_schema(app: Any) -> str:
