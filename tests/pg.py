@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
 _embedded: Any = None
@@ -48,6 +49,14 @@ def find_postgres() -> str:
 
 def to_broker_url(pg_url: str) -> str:
     return "pgq://" + pg_url.split("://", 1)[1]
+
+
+def pgq_url(pg_url: str, **overrides: Any) -> str:
+    """A pgq:// URL for the test server, with libpq parameters replaced or removed (None)."""
+    merged: dict[str, Any] = {**conninfo_to_dict(pg_url), **overrides}
+    params = {k: str(v) for k, v in merged.items() if v is not None}
+    dbname = params.pop("dbname", "")
+    return f"pgq:///{quote(dbname, safe='')}?{urlencode(params)}"
 
 
 def new_schema_name() -> str:

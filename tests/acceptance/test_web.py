@@ -17,7 +17,7 @@ from psycopg import sql
 
 from tests.acceptance import console as web
 from tests.acceptance.harness import Env, start_worker, wait_for
-from tests.pg import to_broker_url
+from tests.pg import pgq_url
 
 pytestmark = [
     pytest.mark.acceptance,
@@ -224,7 +224,7 @@ def test_without_the_token_no_action_is_possible(env: Env, browser: Any) -> None
     ids = add_dead(env, 1)
     # A password in the URL (the server trusts local connections and ignores it) is
     # shown on no page.
-    url = to_broker_url(env.pg_url).replace("postgres@", "postgres:hunter2-secret@", 1)
+    url = pgq_url(env.pg_url, password="hunter2-secret")
     assert "hunter2-secret" in url
     with web.console(env, url=url) as console:
         for path in ("/queues", "/processes", "/dead/999999"):
@@ -283,7 +283,7 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
         for i in range(5):
             env.client().send_task(MARK, kwargs={"label": f"secret-{i}"}, queue="web.mon")
         add_dead(env, 2, queue="web.mon")
-        url = to_broker_url(env.pg_url).replace("postgres@", f"{role}@", 1)
+        url = pgq_url(env.pg_url, user=role)
         assert role in url
         with web.console(env, url=url) as console:
             showing(

@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -32,6 +32,7 @@ from pg_transport.errors import (
     SchemaError,
 )
 from tests.acceptance.cluster import ClusterUnavailable, throwaway_cluster
+from tests.pg import pgq_url
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +41,6 @@ def _no_pgq_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("PGQ_") and name != "PGQ_TEST_URL":
             monkeypatch.delenv(name)
-
-
-def pgq_url(pg_url: str, **overrides: Any) -> str:
-    """A pgq:// URL for the test server, with libpq parameters replaced or removed (None)."""
-    merged: dict[str, Any] = {**conninfo_to_dict(pg_url), **overrides}
-    params = {k: str(v) for k, v in merged.items() if v is not None}
-    dbname = params.pop("dbname", "")
-    return f"pgq:///{quote(dbname, safe='')}?{urlencode(params)}"
 
 
 def connect(url: str, schema: str, **options: Any) -> None:

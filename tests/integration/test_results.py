@@ -24,7 +24,7 @@ from pg_transport.results.backend import PgqBackend
 from pg_transport.results.errors import ResultTooLarge
 from pg_transport.results.expiry import reap_expired
 from pg_transport.results.listener import result_channel
-from tests.pg import to_broker_url
+from tests.pg import pgq_url, to_broker_url
 
 
 def make_app(pg_url: str, schema: str, **conf: Any) -> Celery:
@@ -344,7 +344,7 @@ def test_a_role_without_grants_gets_one_clear_error(pg_url: str, schema: str) ->
             )
         )
     try:
-        url = to_broker_url(pg_url).replace("postgres@", f"{role}@", 1)
+        url = pgq_url(pg_url, user=role)
         app = Celery("nogrants", broker=url, backend=url, set_as_current=False)
         app.conf.broker_transport_options = {"schema": schema}
         with pytest.raises(NotPermitted, match=f"cannot read a result in schema '{schema}'"):
