@@ -37,7 +37,8 @@ GRANT USAGE ON SCHEMA pgq TO pgq_publisher;
 -- The schema's version, checked at connect.
 GRANT SELECT (version) ON pgq.schema_version TO pgq_publisher;
 -- A message; its publish key is read by ON CONFLICT, so a resent publish inserts nothing.
-GRANT INSERT (queue, priority, visible_at, publish_key, payload, expires_at),
+GRANT INSERT (queue, priority, visible_at, publish_key, payload, expires_at,
+              okey, task_id, follows, follow_until, followable),
       SELECT (publish_key)
     ON pgq.message TO pgq_publisher;
 -- Routing, read only: a routed publish finds its queues in one statement.

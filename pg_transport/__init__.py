@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from pg_transport import ordering as _ordering
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -25,6 +26,10 @@ from pg_transport.errors import (
 )
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
+
+# A task's ordering defaults (its ordering_key and followable attributes) become headers
+# as it is sent.
+_ordering.connect()
 
 try:
     # Installed (wheel or editable): the hook's module sits at the top of site-packages,

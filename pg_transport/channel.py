@@ -20,7 +20,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from pg_transport import identity, topic
+from pg_transport import identity, ordering, topic
 from pg_transport.consume import envelope, poison
 from pg_transport.eta import eta_delay
 from pg_transport.producer_batch import PublishBatch
@@ -258,6 +258,7 @@ class Channel(virtual.Channel):
 
     def basic_publish(self, message: Any, exchange: str, routing_key: str, **kwargs: Any) -> Any:
         self._inplace_augment_message(message, exchange, routing_key)
+        ordering.move_options(message)
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
@@ -320,6 +321,7 @@ class Channel(virtual.Channel):
             check_queue_name(queue),
             expires_ms=_int_or_none(arguments.get("x-expires")),
             message_ttl_ms=_int_or_none(arguments.get("x-message-ttl")),
+            ordering=self.connection.options.ordering_for(queue),
         )
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:

@@ -183,6 +183,17 @@ def _schema(key: str, value: Any) -> str:
     return value
 
 
+ORDERING_MODES = ("strict", "relaxed")
+
+
+def _ordering(key: str, value: Any) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in ORDERING_MODES:
+        raise ConfigurationError(
+            f"pgq option {key}={value!r} must be one of {', '.join(ORDERING_MODES)}"
+        )
+    return value.strip().lower()
+
+
 def _per_queue(key: str, value: Any, parse: Callable[[str, Any], T]) -> dict[str, T]:
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"pgq option {key}={value!r} must be a mapping of queue to value")
@@ -217,10 +228,13 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "max_message_bytes": _message_bytes,
     "pool_size": _pool_size,
     "pool_idle_timeout": _seconds,
+    "follows_timeout": _interval,
+    "follows_retention": _seconds,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
     "queue_max_attempts": _attempts,
+    "queue_ordering": _ordering,
 }
 
 
@@ -251,9 +265,17 @@ class Options:
     pool_size: int = 16
     #: Seconds a pooled session may stay idle before it is closed.
     pool_idle_timeout: float = 30.0
+    #: Seconds a follower waits for the task it follows, unless it says (docs/ordering.md).
+    follows_timeout: float = 300.0
+    #: Seconds the end of a followed task is remembered for followers published later.
+    follows_retention: float = 86400.0
+    #: Per queue, what a failure does to the rest of an ordering key: strict or relaxed.
+    #: A queue not named keeps what the database says (strict unless set).
+    queue_ordering: Mapping[str, str] = field(default_factory=dict)
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
+    env_queue_ordering: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_sources(
@@ -281,11 +303,14 @@ class Options:
                 values[key] = parse(env_name, environ[env_name])
         env_vt: dict[str, float] = {}
         env_attempts: dict[str, int] = {}
+        env_ordering: dict[str, str] = {}
         for name, raw in environ.items():
             if name.startswith("PGQ_VISIBILITY_TIMEOUT_"):
                 env_vt[_env_queue(name, "PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
             elif name.startswith("PGQ_MAX_ATTEMPTS_"):
                 env_attempts[_env_queue(name, "PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
+            elif name.startswith("PGQ_ORDERING_"):
+                env_ordering[_env_queue(name, "PGQ_ORDERING_")] = _ordering(name, raw)
         if values.get("listen_url") and values.get("use_notify", True):
             raise ConfigurationError(
                 "pgq option listen_url is for use_notify=false (behind a transaction "
@@ -295,7 +320,13 @@ class Options:
             **values,
             env_queue_visibility_timeouts=env_vt,
             env_queue_max_attempts=env_attempts,
+            env_queue_ordering=env_ordering,
         )
+
+    def ordering_for(self, queue: str) -> str | None:
+        """The ordering failure mode configured for ``queue`` (None: not configured)."""
+        env = self.env_queue_ordering.get(env_queue_key(queue))
+        return env if env is not None else self.queue_ordering.get(queue)
 
     def visibility_timeout_for(self, queue: str) -> float:
         env = self.env_queue_visibility_timeouts.get(env_queue_key(queue))

@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Claimed", "Lease", "decode_claimed", "row_to_claimed", "storable", "text"]
+__all__ = [
+    "FOLLOWS_MISSING",
+    "HELD",
+    "Claimed",
+    "Lease",
+    "decode_claimed",
+    "row_to_claimed",
+    "storable",
+    "text",
+]
+
+#: The claim's notes (its ninth column).
+HELD = "held"
+FOLLOWS_MISSING = "follows-missing"
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,15 @@ class Claimed:
     fault: str | None = None
     #: The payload's JSON text, kept only when it did not decode.
     raw: str | None = None
+    #: What the claim says beside the row: ``held`` (an ordered message it held back,
+    #: not delivered: see the claim query) or ``follows-missing`` (a follower delivered
+    #: past its wait, its predecessor not seen to finish).
+    note: str | None = None
+
+    @property
+    def held(self) -> bool:
+        """Held back by the claim (ordering): not a delivery, nothing to ack."""
+        return self.note == HELD
 
     @property
     def token(self) -> Lease:
@@ -57,9 +79,20 @@ def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
     Never raises for what a row holds: a payload that does not decode into a JSON
     object comes back with ``fault`` saying why, for the consumer to dead-letter."""
     ident, queue, priority, read_ct, lease, payload, dead, fault = row[:8]
+    note = row[8] if len(row) > 8 else None
     assert ident is not None and queue is not None
     assert priority is not None and read_ct is not None and lease is not None
-    return row_to_claimed(
+    if note == b"held":
+        return Claimed(
+            int(ident),
+            queue.decode("utf-8", "replace"),
+            int(priority),
+            int(read_ct),
+            int(lease),
+            None,
+            note=HELD,
+        )
+    claimed = row_to_claimed(
         int(ident),
         queue.decode("utf-8", "replace"),
         int(priority),
@@ -69,6 +102,9 @@ def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
         None if dead is None else int(dead),
         None if fault is None else fault.decode("utf-8", "replace"),
     )
+    if note is not None:
+        claimed = replace(claimed, note=note.decode("utf-8", "replace"))
+    return claimed
 
 
 def row_to_claimed(

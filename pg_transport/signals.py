@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["message_dead_lettered", "message_poisoned"]
+__all__ = ["follows_missing", "message_dead_lettered", "message_poisoned"]
 
 #: Sent when a message is dead-lettered for exceeding max_attempts (or by
 #: ``pgq dead rehook``). ``sender`` is the task name, or the queue when unknown.
@@ -32,4 +32,13 @@ message_poisoned = Signal(
 message_dead_lettered = Signal(
     name="message_dead_lettered",
     providing_args={"queue", "task_id", "reason", "dead_letter_id", "payload", "settled"},
+)
+
+#: Sent by a consumer as it delivers a follower whose wait ran out before the task it
+#: follows was seen to finish (docs/ordering.md); the delivered message carries the
+#: header ``pgq-follows-missing`` too. ``sender`` is the task name, or the queue when
+#: unknown; ``follows`` the task id it named; ``payload`` the message as delivered.
+follows_missing = Signal(
+    name="follows_missing",
+    providing_args={"queue", "task_id", "follows", "payload"},
 )

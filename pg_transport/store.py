@@ -45,6 +45,9 @@ __all__ = [
 
 # Unlimited attempts, where a caller gives no max_attempts (read_ct is an integer).
 _NO_LIMIT = 2**31 - 1
+# Claims one call of Store.claim may send while its answers hold ordered messages back
+# (each parked one is never read again; one whose predecessor is being removed is).
+HELD_RECLAIMS = 8
 
 
 class Store:
@@ -69,6 +72,8 @@ class Store:
         self.connector = connector
         self.relaxed = relaxed or connector
         self.max_message_bytes = max_message_bytes
+        #: Seconds the end of a followed task is remembered (follows_retention).
+        self.follows_retention = 86400.0
         self.schema = schema
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
@@ -110,15 +115,29 @@ class Store:
         if limit <= 0 or not queues:
             self.ack(acks)
             return []
-        params = claim_params(
-            queues, vts, limit, max_attempts, acks, max_bytes=self.max_message_bytes
-        )
+        found: list[Claimed] = []
+        for _ in range(HELD_RECLAIMS):
+            params = claim_params(
+                queues,
+                vts,
+                limit - len(found),
+                max_attempts,
+                acks,
+                max_bytes=self.max_message_bytes,
+            )
 
-        def work(conn: psycopg.Connection[Any]) -> list[Row]:
-            prepare = conn.prepare_threshold is not None
-            return self.claim_statement.execute(conn, params, prepare=prepare)
+            def work(conn: psycopg.Connection[Any], params: dict[str, Any] = params) -> list[Row]:
+                prepare = conn.prepare_threshold is not None
+                return self.claim_statement.execute(conn, params, prepare=prepare)
 
-        return [decode_claimed(row) for row in self.relaxed.run(work, idempotent=False)]
+            batch = [decode_claimed(row) for row in self.relaxed.run(work, idempotent=False)]
+            acks = ()
+            delivered = [c for c in batch if not c.held]
+            found += delivered
+            # Rows held back (ordering) took room: what is behind them is claimed too.
+            if len(delivered) == len(batch) or len(found) >= limit:
+                break
+        return found
 
     def pop(self, queues: Sequence[str], limit: int) -> list[Claimed]:
         """Take and delete up to ``limit`` visible messages: delivery without ack.
@@ -290,12 +309,24 @@ class Store:
         return self.connector.run(work, idempotent=True)
 
     def declare_queue(
-        self, queue: str, *, expires_ms: int | None = None, message_ttl_ms: int | None = None
+        self,
+        queue: str,
+        *,
+        expires_ms: int | None = None,
+        message_ttl_ms: int | None = None,
+        ordering: str | None = None,
     ) -> None:
+        """Record a declared queue. ``ordering`` (strict or relaxed) is what a failure
+        does to the rest of an ordering key there; None keeps what is recorded."""
         self._declaring(
             f"queue {queue!r}",
             "declare_queue",
-            {"queue": queue, "expires_ms": expires_ms, "message_ttl_ms": message_ttl_ms},
+            {
+                "queue": queue,
+                "expires_ms": expires_ms,
+                "message_ttl_ms": message_ttl_ms,
+                "ordering": ordering,
+            },
         )
 
     def has_queue(self, queue: str) -> bool:
@@ -346,7 +377,10 @@ class Store:
 
         def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
             with conn.transaction():
-                row = conn.execute(self.q["maintain"], {"queues": list(queues)}).fetchone()
+                row = conn.execute(
+                    self.q["maintain"],
+                    {"queues": list(queues), "follows_retention": self.follows_retention},
+                ).fetchone()
                 gone, expired = (list(row[0]), int(row[1])) if row else ([], 0)
                 if gone:
                     conn.execute(self.q["drop_messages"], {"queues": gone})

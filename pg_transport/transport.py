@@ -173,6 +173,8 @@ class Transport(virtual.Transport):
             publisher_flushes=durable,
             max_message_bytes=self.options.max_message_bytes,
         )
+        self.store.publisher.follows_timeout = self.options.follows_timeout
+        self.store.follows_retention = self.options.follows_retention
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
         self._results_reaped_at = float("-inf")

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from pg_transport import ordering
 from pg_transport.consume import envelope
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.listener import Listener
@@ -51,7 +52,7 @@ from pg_transport.consume.source import Handle, Source, Statements, Timers, Want
 from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import Claimed, Lease, decode_claimed
+from pg_transport.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
 from pg_transport.store import Store, claim_params
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
@@ -152,7 +153,8 @@ class Engine:
             if reply is not None and reply.rows is not None:
                 flight.acks = []  # landed with the statement
                 if flight.kind == "claim":
-                    self.release([decode_claimed(row) for row in reply.rows])
+                    claimed = [decode_claimed(row) for row in reply.rows]
+                    self.release([c for c in claimed if not c.held])
         self._abandon_in_flight()
         self.session.close()
 
@@ -406,9 +408,13 @@ class Engine:
             self._arm_due(None if due is None else float(due))
             return
         batch = [decode_claimed(row) for row in rows]
+        # Rows an ordered queue held back count: a claim they filled is not short.
         if len(batch) < flight.limit:
             self.exhausted.update(flight.queues)
             self._due_stale = True
+        if any(c.held for c in batch):
+            self.statements.held += sum(c.held for c in batch)
+            batch = [c for c in batch if not c.held]
         leased = flight.kind == "claim"
         if leased:
             self.track(batch)
@@ -442,6 +448,8 @@ class Engine:
                 claimed, claimed.fault or why or "undecodable payload", held=leased
             )
             return
+        if claimed.note == FOLLOWS_MISSING:
+            ordering.follows_missing(claimed)
         try:
             self.source.deliver(claimed)
         except Exception as exc:  # any fault of one message: dead-letter it, go on

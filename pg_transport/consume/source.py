@@ -65,3 +65,5 @@ class Statements:
     acks_riding: int = 0
     acks_alone: int = 0
     next_due: int = 0
+    #: Rows claims held back (ordered messages parked or waiting: not delivered).
+    held: int = 0

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import tuple_row
 
+from pg_transport import ordering
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import MessageTooLarge
@@ -67,6 +68,8 @@ class Publisher:
         self.schema = schema
         self.flushes = flushes
         self.max_message_bytes = max_message_bytes
+        #: Seconds a follower waits for its predecessor unless it says (follows_timeout).
+        self.follows_timeout = ordering.DEFAULT_FOLLOWS_TIMEOUT
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
@@ -165,6 +168,7 @@ class Publisher:
             "payload": self.encode(payload),
             "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel": self.channel(queue),
+            **ordering.placement(payload, self.follows_timeout).params(),
         }
 
     def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
@@ -253,6 +257,7 @@ class Publisher:
             "payload": self.encode(payload),
             "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel_prefix": self.channel_prefix,
+            **ordering.placement(payload, self.follows_timeout).params(),
         }
 
         def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:

@@ -29,9 +29,17 @@ WITH moved AS (
     USING moved
     WHERE r.task_id = moved.task_id AND r.status <> 'SUCCESS'
 ), requeued AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, read_ct, enqueued_at, payload)
-    SELECT moved.queue, moved.priority, pg_catalog.now(), 0, moved.enqueued_at, moved.payload
+    -- A message of an ordering key goes back to the end of its key (0011_ordering.sql).
+    INSERT INTO {schema}.message
+        (queue, priority, visible_at, read_ct, enqueued_at, payload, okey, task_id)
+    SELECT moved.queue, moved.priority, pg_catalog.now(), 0, moved.enqueued_at, moved.payload,
+           k.okey, CASE WHEN k.okey IS NOT NULL THEN moved.task_id END
     FROM moved
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN pg_catalog.json_typeof(moved.payload) = 'object'
+                     AND pg_catalog.json_typeof(moved.payload -> 'headers') = 'object'
+                    THEN moved.payload -> 'headers' ->> 'pgq-ordering-key' END AS okey
+    ) AS k
     ORDER BY moved.id
 )
 SELECT q.queue, q.ids,

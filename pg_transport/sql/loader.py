@@ -77,8 +77,13 @@ def compose(text: str, schema: str) -> sql.Composed:
     """Compose ``{schema}`` into ``text`` as an identifier.
 
     ``{channel}`` (a queue's channel, in LISTEN) is left in place, for
-    :func:`compose_channel` once the queue is known."""
-    return sql.SQL(text).format(schema=sql.Identifier(schema), channel=sql.SQL("{channel}"))
+    :func:`compose_channel` once the queue is known. ``{channel_prefix}`` is the schema's
+    :func:`channel_prefix` as a literal (SQL that notifies a queue computes the rest)."""
+    return sql.SQL(text).format(
+        schema=sql.Identifier(schema),
+        channel=sql.SQL("{channel}"),
+        channel_prefix=sql.Literal(channel_prefix(schema)),
+    )
 
 
 def compose_channel(rendered: str, channel: str) -> sql.Composed:

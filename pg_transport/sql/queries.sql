@@ -18,14 +18,19 @@
 -- expiration) and its queue's x-message-ttl, counted from now, as publish_routed does;
 -- neither set: it never expires.
 WITH inserted AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable)
     VALUES (%(queue)s, %(priority)s,
             pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
             %(publish_key)s, %(payload)s,
             pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
                 (SELECT q.message_ttl_ms::float8 / 1000.0::float8
                  FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
-                %(ttl)s::float8)))
+                %(ttl)s::float8)),
+            %(okey)s::text, %(task_id)s::text, %(follows)s::text,
+            pg_catalog.now() + pg_catalog.make_interval(
+                secs => %(delay)s::float8 + %(follow_wait)s::float8),
+            %(followable)s::boolean)
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING 1
 )
@@ -45,14 +50,19 @@ FROM pg_catalog.pg_control_system() AS c
 -- name: enqueue
 -- publish_plain without its wake-up, which the wake query sends right after it in a
 -- transaction of its own (see Publisher._enqueue_then_wake). It expires as there.
-INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
+INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable)
 VALUES (%(queue)s, %(priority)s,
         pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
         %(publish_key)s, %(payload)s,
         pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
             (SELECT q.message_ttl_ms::float8 / 1000.0::float8
              FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
-            %(ttl)s::float8)))
+            %(ttl)s::float8)),
+        %(okey)s::text, %(task_id)s::text, %(follows)s::text,
+        pg_catalog.now() + pg_catalog.make_interval(
+            secs => %(delay)s::float8 + %(follow_wait)s::float8),
+        %(followable)s::boolean)
 ON CONFLICT (publish_key) DO NOTHING
 
 -- name: wake
@@ -77,6 +87,17 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 -- Shaped for one cached generic plan (no planning per claim): the picked rows are
 -- reached by primary key (id = ANY), never by a join the planner could turn into a
 -- scan of the whole table when it cannot see the limit.
+-- Ordering (migration 0011): a candidate with an earlier message of its key still in
+-- the table is parked (visible_at 'infinity', after every ready row: no claim reads it
+-- again until the trigger message_leave promotes it), under a key-share lock on that
+-- earlier message, which its removal must wait for: the removal's trigger then sees the
+-- park. An earlier message locked by its removal right now is left alone ("busy": the
+-- candidate stays ready). A follower waits the same way for the task it follows, parked
+-- until follow_until; past it, it is delivered with the note follows-missing. Rows held
+-- back come last, with the note held and no payload: they count against limit (the
+-- caller must not take a short answer for an empty queue) but are not delivered.
+-- (The checks without a lock are scalar subqueries with LIMIT 1, not EXISTS: the
+-- planner may turn an EXISTS into a hash of every row it could match.)
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
@@ -105,13 +126,17 @@ WITH wanted AS (
     SELECT name, priority FROM level WHERE priority IS NOT NULL
 ), candidates AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind,
-           wanted.vt, wanted.max_attempts
+           wanted.vt, wanted.max_attempts, levels.name AS queue,
+           c.okey, c.oseq, c.follows, c.follow_until
     FROM levels JOIN wanted ON wanted.name = levels.name
     CROSS JOIN LATERAL (
         -- octet_length of the text reads the stored size, without detoasting.
+        -- (NO KEY UPDATE: a claim's update changes no key, and the key-share locks of
+        -- other claims' ordering checks must not wait for it.)
         SELECT m.id, m.priority, m.visible_at, m.read_ct,
                pg_catalog.octet_length(m.payload::text) AS bytes,
-               pg_catalog.json_typeof(m.payload) AS kind
+               pg_catalog.json_typeof(m.payload) AS kind,
+               m.okey, m.oseq, m.follows, m.follow_until
         FROM {schema}.message AS m
         WHERE m.queue = levels.name AND m.priority = levels.priority
           AND m.visible_at <= pg_catalog.now()
@@ -119,10 +144,48 @@ WITH wanted AS (
           AND m.id <> ALL(%(ack_ids)s::bigint[])
         ORDER BY m.visible_at, m.id
         LIMIT %(limit)s::integer
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     ) AS c
     ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s::integer
+), gated AS MATERIALIZED (
+    SELECT c.*,
+           CASE WHEN c.okey IS NULL THEN NULL
+                WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
+                             WHERE p.queue = c.queue AND p.okey = c.okey
+                               AND (p.oseq, p.id) < (c.oseq, c.id)
+                             FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
+                WHEN (SELECT 1 FROM {schema}.message AS p
+                             WHERE p.queue = c.queue AND p.okey = c.okey
+                               AND (p.oseq, p.id) < (c.oseq, c.id) LIMIT 1) IS NOT NULL
+               THEN 'busy'
+           END AS key_gate,
+           CASE WHEN c.follows IS NULL THEN NULL
+                WHEN (SELECT 1 FROM {schema}.follow_done AS d
+                             WHERE d.task_id = c.follows LIMIT 1) IS NOT NULL
+               THEN 'seen'
+                WHEN c.follow_until <= pg_catalog.now() THEN 'missing'
+                WHEN EXISTS (SELECT 1 FROM {schema}.message AS x
+                             WHERE x.task_id = c.follows
+                             FOR KEY SHARE OF x SKIP LOCKED) THEN 'park'
+                WHEN (SELECT 1 FROM {schema}.message AS x
+                             WHERE x.task_id = c.follows LIMIT 1) IS NOT NULL
+               THEN 'busy'
+                ELSE 'park'
+           END AS follow_gate
+    FROM candidates AS c
+), held AS MATERIALIZED (
+    SELECT g.id, g.queue, g.priority, g.read_ct, g.visible_at,
+           CASE WHEN g.key_gate = 'park' THEN 'infinity'::timestamptz
+                WHEN g.key_gate IS NULL AND g.follow_gate = 'park' THEN g.follow_until
+           END AS park_until
+    FROM gated AS g
+    WHERE g.key_gate IS NOT NULL OR g.follow_gate IN ('park', 'busy')
+), parked AS (
+    UPDATE {schema}.message AS t
+    SET due_at = t.visible_at,
+        visible_at = (SELECT held.park_until FROM held WHERE held.id = t.id)
+    WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
 ), picked AS MATERIALIZED (
     -- Within max_bytes (the first message always), each with why it must not be
     -- delivered, if it must not. An oversized payload is not sent to the consumer.
@@ -135,13 +198,17 @@ WITH wanted AS (
                 WHEN s.read_ct >= s.max_attempts
                 THEN pg_catalog.format('delivered %%s times; max_attempts is %%s',
                                        s.read_ct, s.max_attempts)
-           END AS doom
+           END AS doom,
+           CASE WHEN s.follow_gate = 'missing' THEN 'follows-missing' END AS note
     FROM (
         SELECT c.*, pg_catalog.sum(CASE WHEN c.oversize THEN 0 ELSE c.bytes END) OVER (
                    ORDER BY c.priority DESC, c.visible_at, c.id)
                - CASE WHEN c.oversize THEN 0 ELSE c.bytes END AS before
-        FROM (SELECT candidates.*, candidates.bytes > %(max_message_bytes)s::bigint AS oversize
-              FROM candidates) AS c
+        FROM (SELECT gated.*, gated.bytes > %(max_message_bytes)s::bigint AS oversize
+              FROM gated
+              WHERE gated.key_gate IS NULL
+                AND (gated.follow_gate IS NULL OR gated.follow_gate IN ('seen', 'missing')))
+            AS c
     ) AS s
     WHERE s.before = 0 OR s.before < %(max_bytes)s::bigint
 ), poisoned AS (
@@ -169,11 +236,21 @@ WITH wanted AS (
     SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
     FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
 )
-SELECT delivered.id, delivered.queue, delivered.priority, delivered.read_ct,
-       delivered.lease, CASE WHEN picked.oversize THEN NULL ELSE delivered.payload END,
-       delivered.dead_letter_id, picked.doom
-FROM delivered JOIN picked ON picked.id = delivered.id
-ORDER BY picked.priority DESC, picked.visible_at, picked.id
+SELECT r.id, r.queue, r.priority, r.read_ct, r.lease, r.payload, r.dead_letter_id, r.doom,
+       r.note
+FROM (
+    SELECT delivered.id, delivered.queue, delivered.priority, delivered.read_ct,
+           delivered.lease,
+           CASE WHEN picked.oversize THEN NULL ELSE delivered.payload END AS payload,
+           delivered.dead_letter_id, picked.doom, picked.note,
+           0 AS part, picked.visible_at
+    FROM delivered JOIN picked ON picked.id = delivered.id
+    UNION ALL
+    SELECT held.id, held.queue, held.priority, held.read_ct, 0, NULL::json, NULL::bigint,
+           NULL::text, 'held', 1, held.visible_at
+    FROM held
+) AS r
+ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 
 -- name: next_due
 -- Seconds from now until the first message of the given queues that is not visible yet
@@ -196,6 +273,7 @@ FROM level AS l
 CROSS JOIN LATERAL (
     SELECT m.visible_at AS at FROM {schema}.message AS m
     WHERE m.queue = l.name AND m.priority = l.priority AND m.visible_at > pg_catalog.now()
+      AND m.visible_at < 'infinity'::timestamptz
     ORDER BY m.visible_at LIMIT 1
 ) AS d
 WHERE l.priority IS NOT NULL
@@ -271,10 +349,17 @@ WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
 -- wake their queues' listeners. The release is a grant too (lease + 1): the holder that
 -- released a message, or any earlier one, can no more ack, renew or release it. A
 -- released message goes back to the place it had when it was published (visible since
--- enqueued_at), ahead of what arrived after it, as on AMQP brokers.
+-- enqueued_at), ahead of what arrived after it, as on AMQP brokers. A message of an
+-- ordering key in a relaxed queue goes to the back of its key instead (its trigger
+-- promotes the next one).
 WITH released AS (
     UPDATE {schema}.message AS m
-    SET visible_at = LEAST(m.enqueued_at, pg_catalog.now()), lease = m.lease + 1
+    SET visible_at = LEAST(m.enqueued_at, pg_catalog.now()), lease = m.lease + 1,
+        oseq = CASE WHEN m.okey IS NOT NULL
+                     AND (SELECT q.ordering FROM {schema}.queue AS q WHERE q.name = m.queue)
+                         = 'relaxed'
+                    THEN pg_catalog.nextval('{schema}.message_oseq'::regclass)
+                    ELSE m.oseq END
     FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
                     pg_catalog.unnest(%(leases)s::integer[]),
                     pg_catalog.unnest(%(queues)s::text[])) AS a(id, lease, queue)
@@ -337,26 +422,33 @@ SELECT id, message_id, queue, priority, read_ct, enqueued_at, dead_at, reason, t
 FROM {schema}.dead_letter WHERE id = %(id)s
 
 -- name: size
--- Count the messages of a queue that are ready for delivery now (expired ones are not).
+-- Count the messages of a queue that are ready for delivery now (expired ones are not),
+-- and those waiting for their turn in an ordering key (parked).
 SELECT pg_catalog.count(*) FROM {schema}.message
-WHERE queue = %(queue)s::text AND visible_at <= pg_catalog.now()
+WHERE queue = %(queue)s::text
+  AND (visible_at <= pg_catalog.now() OR visible_at = 'infinity'::timestamptz)
   AND (expires_at IS NULL OR expires_at > pg_catalog.now())
 
 -- name: purge
 -- Delete a queue's waiting messages (ready or delayed, not in flight); return how many.
 WITH purged AS (
     DELETE FROM {schema}.message
-    WHERE queue = %(queue)s AND (visible_at <= pg_catalog.now() OR read_ct = 0)
+    WHERE queue = %(queue)s
+      AND (visible_at <= pg_catalog.now() OR read_ct = 0
+           OR visible_at = 'infinity'::timestamptz)
     RETURNING 1
 )
 SELECT pg_catalog.count(*) FROM purged
 
 -- name: declare_queue
 -- Record a declared queue; declaring again updates its expiry and TTL and counts as use.
-INSERT INTO {schema}.queue (name, expires_ms, message_ttl_ms)
-VALUES (%(queue)s, %(expires_ms)s, %(message_ttl_ms)s)
+-- Its ordering failure mode is set only by a declarer configured with one (NULL: keep).
+INSERT INTO {schema}.queue AS q (name, expires_ms, message_ttl_ms, ordering)
+VALUES (%(queue)s, %(expires_ms)s, %(message_ttl_ms)s, %(ordering)s)
 ON CONFLICT (name) DO UPDATE
-SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms, last_used = pg_catalog.now()
+SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms,
+    ordering = COALESCE(EXCLUDED.ordering, q.ordering),
+    last_used = pg_catalog.now()
 
 -- name: has_queue
 -- Whether a queue has been declared.
@@ -425,12 +517,17 @@ WITH ex AS (
               ELSE b.routing_key = %(routing_key)s::text
           END
 ), inserted AS (
-    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at)
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable)
     SELECT t.queue, %(priority)s,
            pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
            pg_catalog.md5(%(publish_tag)s::text || t.queue), %(payload)s,
            pg_catalog.now() + pg_catalog.make_interval(
-               secs => LEAST(q.message_ttl_ms::float8 / 1000.0::float8, %(ttl)s::float8))
+               secs => LEAST(q.message_ttl_ms::float8 / 1000.0::float8, %(ttl)s::float8)),
+           %(okey)s::text, %(task_id)s::text, %(follows)s::text,
+           pg_catalog.now() + pg_catalog.make_interval(
+               secs => %(delay)s::float8 + %(follow_wait)s::float8),
+           %(followable)s::boolean
     FROM targets AS t
     LEFT JOIN {schema}.queue AS q ON q.name = t.queue
     ON CONFLICT (publish_key) DO NOTHING
@@ -453,7 +550,8 @@ RETURNING id
 
 -- name: maintain
 -- Mark the queues this consumer uses as in use; delete queues unused past their
--- expiry (with their bindings) and queued messages past their TTL. Returns the names
+-- expiry (with their bindings), queued messages past their TTL and the recorded ends of
+-- followed tasks past follows_retention. Returns the names
 -- of the deleted queues (drop_messages then deletes their messages) and how many
 -- messages expired. Safe to run from every consumer at once.
 WITH touched AS (
@@ -473,6 +571,11 @@ WITH touched AS (
     DELETE FROM {schema}.message AS m
     WHERE m.expires_at < pg_catalog.now() AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now())
     RETURNING 1
+), forgotten AS (
+    -- Ends of followed tasks past follows_retention (0011_ordering.sql).
+    DELETE FROM {schema}.follow_done AS d
+    WHERE d.finished_at
+          < pg_catalog.now() - pg_catalog.make_interval(secs => %(follows_retention)s::float8)
 )
 SELECT ARRAY(SELECT name FROM gone), (SELECT pg_catalog.count(*) FROM expired)
 

@@ -16,7 +16,11 @@ CREATE TABLE {schema}.queue (
     created_at     timestamptz NOT NULL DEFAULT now(),
     expires_ms     bigint,
     message_ttl_ms bigint,
-    last_used      timestamptz NOT NULL DEFAULT now()
+    last_used      timestamptz NOT NULL DEFAULT now(),
+    -- What a failure does to the rest of an ordering key (docs/ordering.md): strict
+    -- (NULL: never configured) or relaxed.
+    ordering       text,
+    CONSTRAINT queue_ordering_check CHECK (ordering IN ('strict', 'relaxed'))
 );
 
 CREATE INDEX queue_expiring_idx ON {schema}.queue (last_used) WHERE expires_ms IS NOT NULL;
@@ -58,6 +62,16 @@ CREATE TABLE {schema}.message (
     payload     json        NOT NULL,
     expires_at  timestamptz,
     lease       integer     NOT NULL DEFAULT 0,
+    -- Ordering (0011_ordering.sql tells how): the key and the place in it; when a
+    -- parked message would have been visible; the task id of a message a follower may
+    -- name; the task a follower follows and how long it waits for it.
+    okey         text,
+    oseq         bigint,
+    due_at       timestamptz,
+    task_id      text,
+    follows      text,
+    follow_until timestamptz,
+    followable   boolean     NOT NULL DEFAULT false,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (
@@ -77,6 +91,109 @@ CREATE TABLE {schema}.message (
 CREATE INDEX message_claim_idx ON {schema}.message (queue, priority DESC, visible_at, id);
 
 CREATE INDEX message_expiring_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
+
+-- Places in keys; shared by every queue.
+CREATE SEQUENCE {schema}.message_oseq AS bigint;
+
+-- A key's messages in order: its head is the first entry.
+CREATE INDEX message_key_idx ON {schema}.message (queue, okey, oseq, id) WHERE okey IS NOT NULL;
+-- Messages a follower may name (they carry their task id), and the followers.
+CREATE INDEX message_task_idx ON {schema}.message (task_id) WHERE task_id IS NOT NULL;
+CREATE INDEX message_follows_idx ON {schema}.message (follows) WHERE follows IS NOT NULL;
+
+-- Tasks that left the message table while a follower named them (or that were published
+-- followable): a follower claimed later knows its predecessor ran. Reaped by
+-- housekeeping after follows_retention.
+CREATE TABLE {schema}.follow_done (
+    task_id     text        PRIMARY KEY,
+    queue       text        NOT NULL,
+    finished_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE INDEX follow_done_finished_idx ON {schema}.follow_done (finished_at);
+
+-- Before a keyed message is inserted: its place in the key. Runs as the schema's owner
+-- (a publisher may insert messages but not read them), with a pinned search_path.
+CREATE FUNCTION {schema}.message_place() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF NEW.task_id IS NOT NULL
+       AND COALESCE((SELECT q.ordering FROM {schema}.queue AS q WHERE q.name = NEW.queue),
+                    'strict') = 'strict' THEN
+        -- A retry of a message of its key still there (same task): that message's place.
+        SELECT m.oseq INTO NEW.oseq FROM {schema}.message AS m
+        WHERE m.task_id = NEW.task_id AND m.queue = NEW.queue AND m.okey = NEW.okey
+        ORDER BY m.oseq LIMIT 1;
+    END IF;
+    IF NEW.oseq IS NULL THEN
+        NEW.oseq := pg_catalog.nextval('{schema}.message_oseq'::regclass);
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER message_place BEFORE INSERT ON {schema}.message
+FOR EACH ROW WHEN (NEW.okey IS NOT NULL) EXECUTE FUNCTION {schema}.message_place();
+
+-- After a keyed or followable message left the table (or moved to the back of its key):
+-- promote its key's head if parked, record the task's end for followers, wake them. Each
+-- statement here sees what committed before it began: a claim that parked a message
+-- behind this one held a lock this row's removal waited for, so the park is seen.
+CREATE FUNCTION {schema}.message_leave() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    woken integer := 0;
+BEGIN
+    IF OLD.okey IS NOT NULL THEN
+        UPDATE {schema}.message AS m
+        SET visible_at = COALESCE(m.due_at, pg_catalog.now()), due_at = NULL
+        WHERE m.id = (SELECT h.id FROM {schema}.message AS h
+                      WHERE h.queue = OLD.queue AND h.okey = OLD.okey
+                      ORDER BY h.oseq, h.id LIMIT 1)
+          AND m.visible_at = 'infinity'::timestamptz;
+        GET DIAGNOSTICS woken = ROW_COUNT;
+        IF woken > 0 THEN
+            PERFORM pg_catalog.pg_notify(
+                {channel_prefix}::text || pg_catalog.md5(pg_catalog.convert_to(OLD.queue, 'UTF8')),
+                '');
+        END IF;
+    END IF;
+    IF TG_OP = 'DELETE' AND OLD.task_id IS NOT NULL THEN
+        IF OLD.followable OR EXISTS (SELECT 1 FROM {schema}.message AS f
+                                     WHERE f.follows = OLD.task_id) THEN
+            INSERT INTO {schema}.follow_done (task_id, queue) VALUES (OLD.task_id, OLD.queue)
+            ON CONFLICT (task_id) DO UPDATE
+            SET queue = EXCLUDED.queue, finished_at = EXCLUDED.finished_at;
+            WITH woke AS (
+                UPDATE {schema}.message AS f
+                SET visible_at = COALESCE(f.due_at, pg_catalog.now()), due_at = NULL
+                WHERE f.follows = OLD.task_id AND f.due_at IS NOT NULL
+                  AND f.visible_at > pg_catalog.now()
+                  AND f.visible_at < 'infinity'::timestamptz
+                RETURNING f.queue
+            )
+            SELECT pg_catalog.count(*) INTO woken FROM (
+                SELECT pg_catalog.pg_notify(
+                    {channel_prefix}::text
+                    || pg_catalog.md5(pg_catalog.convert_to(w.queue, 'UTF8')), '')
+                FROM (SELECT DISTINCT woke.queue FROM woke) AS w
+            ) AS n;
+        END IF;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER message_leave_key AFTER DELETE ON {schema}.message
+FOR EACH ROW WHEN (OLD.okey IS NOT NULL OR OLD.task_id IS NOT NULL)
+EXECUTE FUNCTION {schema}.message_leave();
+
+CREATE TRIGGER message_move_key AFTER UPDATE OF oseq ON {schema}.message
+FOR EACH ROW WHEN (OLD.okey IS NOT NULL AND OLD.oseq IS DISTINCT FROM NEW.oseq)
+EXECUTE FUNCTION {schema}.message_leave();
+
+REVOKE ALL ON FUNCTION {schema}.message_place() FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.message_leave() FROM PUBLIC;
 
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (

@@ -106,7 +106,7 @@ OTHERS = {
     "purge": ({"queue": "q7"}, ("message_claim_idx",)),
     "delete_queue": ({"queue": "q7"}, ("message_claim_idx",)),
     "dead_letter": ({"id": 7, "lease": 1, "queue": "q1", "reason": "r"}, ("message_pkey",)),
-    "maintain": ({"queues": ["q1"]}, ("message_expiring_idx",)),
+    "maintain": ({"queues": ["q1"], "follows_retention": 60.0}, ("message_expiring_idx",)),
     "drop_messages": ({"queues": ["gone.pidbox"]}, ("message_claim_idx",)),
 }
 

@@ -68,7 +68,19 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
             "dead_letter": {"id"},
         },
         "INSERT": {
-            "message": {"queue", "priority", "visible_at", "publish_key", "payload", "expires_at"},
+            "message": {
+                "queue",
+                "priority",
+                "visible_at",
+                "publish_key",
+                "payload",
+                "expires_at",
+                "okey",
+                "task_id",
+                "follows",
+                "follow_until",
+                "followable",
+            },
             "dead_letter": {
                 "message_id",
                 "queue",

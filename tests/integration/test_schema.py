@@ -11,16 +11,21 @@ import pytest
 
 from pg_transport.db.migrate import current_version, ensure_schema, latest_version, migrate
 from pg_transport.db.pool import Connector
-from pg_transport.sql import load_schema
+from pg_transport.sql import channel_prefix, load_schema
 from tests.pg import drop_schema, new_schema_name
 
 
 def catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Columns, constraints and indexes of a schema, with its name blanked out."""
+    """Columns, constraints, indexes, functions and triggers of a schema, with its name
+    (and its channel prefix, a digest of the name) blanked out."""
+    prefix = channel_prefix(schema)
 
     def rows(query: str) -> list[tuple[Any, ...]]:
         found = conn.execute(query, {"s": schema}).fetchall()
-        return sorted(tuple(str(v).replace(schema, "<s>") for v in row) for row in found)
+        return sorted(
+            tuple(str(v).replace(prefix, "<prefix>").replace(schema, "<s>") for v in row)
+            for row in found
+        )
 
     return {
         "columns": rows(
@@ -37,6 +42,16 @@ def catalog(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[tuple[
         "options": rows(
             "SELECT c.relname, c.relkind, coalesce(c.reloptions::text, '') FROM pg_class c"
             " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %(s)s"
+        ),
+        "functions": rows(
+            "SELECT p.proname, p.prosrc, p.prosecdef, coalesce(p.proconfig::text, ''),"
+            " coalesce(p.proacl::text, '') FROM pg_proc p"
+            " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %(s)s"
+        ),
+        "triggers": rows(
+            "SELECT t.tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t"
+            " JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = %(s)s AND NOT t.tgisinternal"
         ),
     }
 

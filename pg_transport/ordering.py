@@ -1,0 +1,274 @@
+"""Ordered delivery per key, and "follows": what a message asks for, and where it says so.
+
+A message asks in its headers (docs/ordering.md), which a Celery task's retry keeps:
+
+* ``pgq-ordering-key``: delivered only once no earlier message of the same key and queue
+  is left (waiting, running or failing); one at a time, in publish order.
+* ``pgq-follows``: the task id of a message this one must not run before (until it is
+  acked or dead-lettered), waiting at most ``pgq-follows-timeout`` seconds (default: the
+  transport option ``follows_timeout``); past it, it runs with ``pgq-follows-missing``
+  set to that task id and :data:`pg_transport.signals.follows_missing` is sent.
+* ``pgq-followable``: record this message's end for followers published after it ended
+  (a keyed message or a follower is findable while it is queued; its end is recorded when
+  a follower named it, or when it is followable).
+
+Celery's ``apply_async`` passes options it does not know on to the publish as message
+properties: ``ordering_key=``, ``follows=``, ``follows_timeout=`` and ``followable=`` are
+moved into those headers (:func:`move_options`). A task's own defaults (task attributes
+``ordering_key``, a keyword argument's name or a callable of the call's arguments, and
+``followable``) are applied when it is sent (:func:`apply_task_defaults`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pg_transport.rows import Claimed
+
+__all__ = [
+    "DEFAULT_FOLLOWS_TIMEOUT",
+    "FOLLOWABLE",
+    "FOLLOWS",
+    "FOLLOWS_MISSING",
+    "FOLLOWS_TIMEOUT",
+    "ORDERING_KEY",
+    "OrderingError",
+    "Placement",
+    "apply_task_defaults",
+    "move_options",
+    "placement",
+]
+
+ORDERING_KEY = "pgq-ordering-key"
+FOLLOWS = "pgq-follows"
+FOLLOWS_TIMEOUT = "pgq-follows-timeout"
+FOLLOWABLE = "pgq-followable"
+#: Set on a follower delivered past its wait: the task id it followed.
+FOLLOWS_MISSING = "pgq-follows-missing"
+
+logger = logging.getLogger("pg_transport.ordering")
+
+# apply_async's options -> the headers they become.
+OPTIONS = {
+    "ordering_key": ORDERING_KEY,
+    "follows": FOLLOWS,
+    "follows_timeout": FOLLOWS_TIMEOUT,
+    "followable": FOLLOWABLE,
+}
+
+#: Seconds a follower waits for its predecessor when neither it nor the transport says.
+DEFAULT_FOLLOWS_TIMEOUT = 300.0
+# Keys and task ids are index keys: well under Postgres' limit for one.
+MAX_KEY_BYTES = 1024
+# Longest wait a follower may ask for (a year: longer overflows nothing, but means nothing).
+MAX_FOLLOWS_TIMEOUT = 365 * 24 * 3600.0
+
+
+class OrderingError(ValueError):
+    """A message asks for ordering in a way pgq cannot honour; it was not published."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a message's ordering headers ask for, as the publish statement's values."""
+
+    okey: str | None = None
+    task_id: str | None = None
+    follows: str | None = None
+    follow_wait: float | None = None
+    followable: bool = False
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "okey": self.okey,
+            "task_id": self.task_id,
+            "follows": self.follows,
+            "follow_wait": self.follow_wait,
+            "followable": self.followable,
+        }
+
+
+UNORDERED = Placement()
+
+
+def _text(header: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise OrderingError(
+            f"header {header}={value!r}: must be a string (or an integer), "
+            f"not {type(value).__name__}"
+        )
+    text = str(value)
+    if not text or "\x00" in text or len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise OrderingError(
+            f"header {header}={text[:40]!r}: must be 1 to {MAX_KEY_BYTES} bytes of text without NUL"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OrderingError(f"header {header}={text[:40]!r}: not valid Unicode") from None
+    return text
+
+
+def _seconds(header: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise OrderingError(f"header {header}={value!r}: must be a number of seconds")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise OrderingError(f"header {header}={value!r}: must be a number of seconds") from None
+    if not math.isfinite(seconds) or seconds < 0 or seconds > MAX_FOLLOWS_TIMEOUT:
+        raise OrderingError(
+            f"header {header}={value!r}: must be between 0 and {MAX_FOLLOWS_TIMEOUT:.0f} seconds"
+        )
+    return seconds
+
+
+def _flag(header: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no", ""):
+        return False
+    raise OrderingError(f"header {header}={value!r}: must be true or false")
+
+
+def placement(payload: Mapping[str, Any], default_wait: float) -> Placement:
+    """What ``payload`` (a kombu message) asks for; :class:`OrderingError` when a header
+    is not usable (the message is then not published)."""
+    headers = payload.get("headers")
+    if not isinstance(headers, Mapping):
+        return UNORDERED
+    key, follows = headers.get(ORDERING_KEY), headers.get(FOLLOWS)
+    followable = headers.get(FOLLOWABLE)
+    if key is None and follows is None and followable is None:
+        return UNORDERED
+    okey = None if key is None else _text(ORDERING_KEY, key)
+    after = None if follows is None else _text(FOLLOWS, follows)
+    wait = headers.get(FOLLOWS_TIMEOUT)
+    # A follower is followable: chains (c follows b follows a) are what follows is for.
+    marked = after is not None or (followable is not None and _flag(FOLLOWABLE, followable))
+    task_id = headers.get("id")
+    if task_id is None:
+        properties = payload.get("properties")
+        if isinstance(properties, Mapping):
+            task_id = properties.get("correlation_id")
+    return Placement(
+        okey=okey,
+        task_id=None if task_id is None else _text("id", task_id),
+        follows=after,
+        follow_wait=None
+        if after is None
+        else (default_wait if wait is None else _seconds(FOLLOWS_TIMEOUT, wait)),
+        followable=marked,
+    )
+
+
+def move_options(message: dict[str, Any]) -> None:
+    """Move apply_async's ordering options (message properties) into the headers, where
+    a retry of the task keeps them. A header already there wins."""
+    properties = message.get("properties")
+    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
+        return
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        headers = message["headers"] = {}
+    for option, header in OPTIONS.items():
+        if option in properties:
+            value = properties.pop(option)
+            if value is not None:
+                headers.setdefault(header, value)
+
+
+def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
+    """The ordering key a task's ``ordering_key`` attribute gives for one call."""
+    args = list(args) if isinstance(args, (list, tuple)) else []
+    kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
+    if callable(spec):
+        return spec(*args, **kwargs)
+    if not isinstance(spec, str):
+        raise OrderingError(
+            f"task {task.name}: ordering_key={spec!r} must name an argument or be callable"
+        )
+    if spec in kwargs:
+        return kwargs[spec]
+    try:
+        bound = inspect.signature(task.run).bind_partial(*args)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is not None and spec in bound.arguments:
+        return bound.arguments[spec]
+    raise OrderingError(
+        f"task {task.name}: ordering_key names argument {spec!r}, which this call does not pass"
+    )
+
+
+def apply_task_defaults(
+    sender: str | None = None,
+    body: Any = None,
+    headers: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """Celery's ``before_task_publish``: a task's ``ordering_key`` and ``followable``
+    attributes as headers, unless the call gave them."""
+    if headers is None or sender is None:
+        return
+    from celery import current_app
+
+    task = current_app.tasks.get(sender)
+    if task is None:
+        return
+    spec: Callable[..., Any] | str | None = getattr(task, "ordering_key", None)
+    if spec is not None and ORDERING_KEY not in headers:
+        args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
+        key = _key_of(task, spec, args, kwargs)
+        if key is not None:
+            headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
+    if getattr(task, "followable", False) and FOLLOWABLE not in headers:
+        headers[FOLLOWABLE] = True
+
+
+def follows_missing(claimed: Claimed) -> None:
+    """A follower is delivered past its wait: say so in its headers (``pgq-follows-missing``:
+    the task id it followed) and send :data:`~pg_transport.signals.follows_missing`. A
+    receiver that raises is logged; the message is delivered all the same."""
+    payload = claimed.payload
+    if payload is None:
+        return
+    headers = payload.get("headers")
+    if not isinstance(headers, dict):
+        headers = payload["headers"] = {}
+    follows = headers.get(FOLLOWS)
+    headers[FOLLOWS_MISSING] = follows
+    task = headers.get("task")
+    logger.warning(
+        "pgq: message %d of queue %r (task %r) follows task %r, which was not seen to "
+        "finish within its wait: delivered now",
+        claimed.id,
+        claimed.queue,
+        task,
+        follows,
+    )
+    from pg_transport.signals import follows_missing as signal
+
+    for receiver, outcome in signal.send_robust(
+        sender=task if isinstance(task, str) else claimed.queue,
+        queue=claimed.queue,
+        task_id=headers.get("id"),
+        follows=follows,
+        payload=payload,
+    ):
+        if isinstance(outcome, Exception):
+            logger.error("pgq: follows_missing receiver %r raised %r", receiver, outcome)
+
+
+def connect() -> None:
+    """Connect :func:`apply_task_defaults` to Celery's ``before_task_publish`` (once)."""
+    from celery.signals import before_task_publish
+
+    before_task_publish.connect(apply_task_defaults, weak=False, dispatch_uid="pgq-ordering")
