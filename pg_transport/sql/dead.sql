@@ -33,12 +33,13 @@ WITH moved AS (
     INSERT INTO {schema}.message
         (queue, priority, visible_at, read_ct, enqueued_at, payload, okey, task_id)
     SELECT moved.queue, moved.priority, pg_catalog.now(), 0, moved.enqueued_at, moved.payload,
-           k.okey, CASE WHEN k.okey IS NOT NULL THEN moved.task_id END
+           k.okey, CASE WHEN k.okey IS NOT NULL THEN COALESCE(moved.task_id, k.task_id) END
     FROM moved
     CROSS JOIN LATERAL (
-        SELECT CASE WHEN pg_catalog.json_typeof(moved.payload) = 'object'
-                     AND pg_catalog.json_typeof(moved.payload -> 'headers') = 'object'
-                    THEN moved.payload -> 'headers' ->> 'pgq-ordering-key' END AS okey
+        SELECT h.headers ->> 'pgq-ordering-key' AS okey, h.headers ->> 'id' AS task_id
+        FROM (SELECT CASE WHEN pg_catalog.json_typeof(moved.payload) = 'object'
+                           AND pg_catalog.json_typeof(moved.payload -> 'headers') = 'object'
+                          THEN moved.payload -> 'headers' END AS headers) AS h
     ) AS k
     ORDER BY moved.id
 )

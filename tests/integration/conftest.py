@@ -57,7 +57,7 @@ class Peek:
         """What the passing of a visibility timeout does, without waiting for it."""
         self(
             "UPDATE {schema}.message SET visible_at = now() - interval '1 second'"
-            " WHERE visible_at > now()"
+            " WHERE visible_at > now() AND visible_at < 'infinity'"  # (parked: not leased)
         )
 
 
