@@ -110,6 +110,30 @@ WITH wanted AS (
                      pg_catalog.unnest(%(ack_leases)s::integer[]),
                      pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
     WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+    RETURNING m.queue, m.okey
+), handed AS MATERIALIZED (
+    -- The next message of each ordering key an ack here ends, when it is parked: this
+    -- statement claims it (the key's next message costs no second round trip; the ack's
+    -- trigger then finds it taken). Looked up in this statement's snapshot, where the
+    -- acked rows still are: a park committed after it began is the trigger's to promote.
+    -- Only one that is plainly deliverable: due, no follows link, within max_attempts
+    -- and max_message_bytes, a JSON object; anything else waits for the trigger.
+    SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
+           wanted.vt, wanted.max_attempts
+    FROM (SELECT DISTINCT a.queue, a.okey FROM acked AS a WHERE a.okey IS NOT NULL) AS k
+    JOIN wanted ON wanted.name = k.queue
+    CROSS JOIN LATERAL (
+        SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows,
+               pg_catalog.octet_length(h.payload::text) AS bytes,
+               pg_catalog.json_typeof(h.payload) AS kind
+        FROM {schema}.message AS h
+        WHERE h.queue = k.queue AND h.okey = k.okey AND h.id <> ALL(%(ack_ids)s::bigint[])
+        ORDER BY h.oseq, h.id
+        LIMIT 1
+    ) AS n
+    WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
+      AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
+      AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
 ), levels AS (
     -- The priorities present in each wanted queue, highest first: one index descent
     -- per priority (a skip scan), whatever lies between them.
@@ -203,14 +227,22 @@ WITH wanted AS (
     FROM (
         SELECT c.*, pg_catalog.sum(CASE WHEN c.oversize THEN 0 ELSE c.bytes END) OVER (
                    ORDER BY c.priority DESC, c.visible_at, c.id)
-               - CASE WHEN c.oversize THEN 0 ELSE c.bytes END AS before
-        FROM (SELECT gated.*, gated.bytes > %(max_message_bytes)s::bigint AS oversize
-              FROM gated
-              WHERE gated.key_gate IS NULL
-                AND (gated.follow_gate IS NULL OR gated.follow_gate IN ('seen', 'missing')))
+               - CASE WHEN c.oversize THEN 0 ELSE c.bytes END AS before,
+               pg_catalog.row_number() OVER (ORDER BY c.priority DESC, c.visible_at, c.id)
+                   AS rank
+        FROM (SELECT u.*, u.bytes > %(max_message_bytes)s::bigint AS oversize
+              FROM (SELECT g.id, g.priority, g.visible_at, g.read_ct, g.bytes, g.kind, g.vt,
+                           g.max_attempts, g.follow_gate
+                    FROM gated AS g
+                    WHERE g.key_gate IS NULL
+                      AND (g.follow_gate IS NULL OR g.follow_gate IN ('seen', 'missing'))
+                    UNION ALL
+                    SELECT h.id, h.priority, h.visible_at, h.read_ct, h.bytes, h.kind, h.vt,
+                           h.max_attempts, NULL
+                    FROM handed AS h) AS u)
             AS c
     ) AS s
-    WHERE s.before = 0 OR s.before < %(max_bytes)s::bigint
+    WHERE (s.before = 0 OR s.before < %(max_bytes)s::bigint) AND s.rank <= %(limit)s::integer
 ), poisoned AS (
     DELETE FROM {schema}.message AS t
     WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
@@ -226,8 +258,12 @@ WITH wanted AS (
     SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
             SELECT picked.vt FROM picked WHERE picked.id = t.id)),
         read_ct = t.read_ct + 1,
-        lease = t.lease + 1
+        lease = t.lease + 1,
+        due_at = NULL
     WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
+      -- A handed row is not locked before: taken only if still parked once it is.
+      AND (t.visible_at = 'infinity'::timestamptz
+           OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
     RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
 ), delivered AS (
     SELECT id, queue, priority, read_ct, lease, payload, NULL::bigint AS dead_letter_id

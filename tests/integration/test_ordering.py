@@ -424,3 +424,46 @@ def test_bad_ordering_headers_are_refused_naming_the_header(store: Store, peek: 
         with pytest.raises(OrderingError, match=named):
             store.publisher.publish(Q, {"body": "x", "headers": {"id": "i", **headers}})
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+# -- the ack's claim takes the key's next message --------------------------------------------
+
+
+def test_a_claim_carrying_the_ack_takes_the_keys_next_message(store: Store, peek: Peek) -> None:
+    for n in range(3):
+        store.publisher.publish(Q, message(n, key="k"))
+    [m0] = claim(store)
+    assert claim(store) == []  # m1 and m2 parked now
+    [m1] = store.claim([Q], [30.0], 10, acks=[m0.token])  # one statement: ack + next
+    assert bodies([m1]) == [1] and m1.read_ct == 1
+    assert peek("SELECT count(*) FROM {schema}.message WHERE due_at IS NOT NULL") == [(1,)]
+    [m2] = store.claim([Q], [30.0], 1, acks=[m1.token])
+    assert bodies([m2]) == [2]
+
+
+def test_the_next_message_is_not_handed_over_before_it_is_due(store: Store, peek: Peek) -> None:
+    store.publisher.publish(Q, message(0, key="k"))
+    store.publisher.publish(Q, message(1, key="k"), delay=60)  # a countdown
+    store.publisher.publish(Q, message(9))
+    [m0, other] = claim(store)
+    assert bodies([m0, other]) == [0, 9]
+    # m1 falls due, and a claim parks it behind m0 (keeping when it was due) ...
+    peek("UPDATE {schema}.message SET visible_at = now() WHERE okey = 'k' AND read_ct = 0")
+    assert claim(store) == []
+    # ... as if it were due in a minute (a retry's countdown, parked behind its key).
+    peek("UPDATE {schema}.message SET due_at = now() + interval '60 s' WHERE due_at IS NOT NULL")
+    assert store.claim([Q], [30.0], 10, acks=[m0.token]) == []  # not before it is due
+    assert peek(
+        "SELECT visible_at > now() + interval '50 s' FROM {schema}.message WHERE okey = 'k'"
+    ) == [(True,)]  # promoted by the trigger to its due time, not to now
+
+
+def test_the_handed_message_counts_against_the_limit(store: Store) -> None:
+    store.publisher.publish(Q, message(0, key="k"))
+    store.publisher.publish(Q, message(1, key="k"))
+    [m0] = claim(store, limit=1)
+    assert claim(store, limit=1) == []  # parks m1
+    store.publisher.publish(Q, message(9))
+    got = store.claim([Q], [30.0], 1, acks=[m0.token])
+    assert bodies(got) == [1]  # published before 9: first, and alone
+    assert bodies(claim(store)) == [9]
