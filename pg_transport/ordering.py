@@ -223,7 +223,11 @@ def apply_task_defaults(
     task = current_app.tasks.get(sender)
     if task is None:
         return
-    spec: Callable[..., Any] | str | None = getattr(task, "ordering_key", None)
+    # Read unbound: Celery keeps a task's options as class attributes, and a function
+    # there would come back as a method of the task.
+    spec: Callable[..., Any] | str | None = inspect.getattr_static(task, "ordering_key", None)
+    if isinstance(spec, (staticmethod, classmethod)):
+        spec = spec.__func__
     if spec is not None and ORDERING_KEY not in headers:
         args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
         key = _key_of(task, spec, args, kwargs)
