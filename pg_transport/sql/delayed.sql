@@ -15,6 +15,8 @@ SELECT m.queue, m.visible_at, m.priority,
        m.payload OPERATOR(pg_catalog.->) 'headers' OPERATOR(pg_catalog.->>) 'kwargsrepr'
 FROM {schema}.message AS m
 WHERE m.visible_at > pg_catalog.now() AND m.read_ct = 0
+  -- (not a message parked behind its ordering key: it waits for its turn, not a time)
+  AND m.visible_at < 'infinity'::timestamptz
   AND (pg_catalog.cardinality(%(queues)s::text[]) = 0 OR m.queue = ANY(%(queues)s::text[]))
 ORDER BY m.visible_at, m.id
 LIMIT %(limit)s::integer

@@ -88,6 +88,7 @@ LIMIT %(limit)s
 SELECT id, priority, visible_at, read_ct, enqueued_at
 FROM {schema}.message
 WHERE queue = %(queue)s AND visible_at > pg_catalog.now() AND read_ct = 0
+  AND visible_at < 'infinity'::timestamptz  -- (parked behind an ordering key: not delayed)
 ORDER BY priority DESC, visible_at, id
 LIMIT %(limit)s
 
