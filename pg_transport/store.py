@@ -176,9 +176,11 @@ class Store:
         """Delete delivered messages still held under ``tokens``; how many were."""
         return self._fenced("ack", tokens)
 
-    def release(self, tokens: Sequence[Lease]) -> int:
-        """Make held messages visible now (requeue); how many were still held."""
-        return self._fenced("release", tokens, channel_prefix=self.channel_prefix)
+    def release(self, tokens: Sequence[Lease], *, failed: bool = False) -> int:
+        """Make held messages visible now (requeue); how many were still held. ``failed``
+        (a reject with requeue): in a relaxed queue, a message of an ordering key goes to
+        the back of its key."""
+        return self._fenced("release", tokens, channel_prefix=self.channel_prefix, failed=failed)
 
     def renew(self, held: Sequence[tuple[Lease, float]]) -> int:
         """Push the visibility timeout of held messages to now + their vt."""

@@ -137,7 +137,10 @@ def test_relaxed_sends_a_released_message_and_a_retry_to_the_back(store: Store) 
     for n in range(3):
         store.publisher.publish(Q, message(n, key="k"))
     [m0] = claim(store)
-    store.release([m0.token])  # the trigger promotes the new head
+    store.release([m0.token])  # handed back unstarted (a worker stopping): keeps its place
+    [m0] = claim(store)
+    assert bodies([m0]) == [0]
+    store.release([m0.token], failed=True)  # rejected: the trigger promotes the new head
     order = []
     while batch := claim(store):
         order += bodies(batch)
