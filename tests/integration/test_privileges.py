@@ -96,7 +96,18 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
         "SELECT": {
             "schema_version": ALL,
             "queue": ALL,
-            "message": {"id", "queue", "priority", "visible_at", "read_ct", "enqueued_at"},
+            "message": {
+                "id",
+                "queue",
+                "priority",
+                "visible_at",
+                "read_ct",
+                "enqueued_at",
+                # Ordering: keys blocked are counted by key, followers parked told apart.
+                "okey",
+                "due_at",
+                "follow_until",
+            },
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},
             "barrier": {
                 "id",
