@@ -14,6 +14,7 @@ from typing import Any
 
 from pg_transport.ops import status as status_report
 from pg_transport.store import Lease, Store
+from pg_transport.web.reads import Reads
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import invoke
 from tests.integration.test_metrics import by_queue, parse_exposition
@@ -175,3 +176,17 @@ def test_metrics_expose_the_same_figures(
     report = status_report.collect(store)
     jobs = next(q for q in report.queues if q.queue == "jobs")
     assert (jobs.blocked_keys, jobs.blocked, jobs.following) == (2, 3, 1)
+
+
+def test_parked_messages_are_not_listed_as_delayed(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    # `pgq delayed` and the console's delayed messages list what waits for an ETA: not
+    # a message parked behind its key (never due: visible_at 'infinity'), nor a follower.
+    hold_back(store, peek)
+    listed = invoke("delayed", "--json", "--url", broker_url, "--schema", schema)
+    assert listed.exit_code == 0, listed.output
+    assert [d["task_id"] for d in json.loads(listed.stdout)] == ["later"]
+    [(later,)] = peek("SELECT id FROM {schema}.message WHERE payload->>'body' = 'later'")
+    rows = Reads(store.connector, schema).messages("jobs", delayed=True, payloads=False)
+    assert [r.id for r in rows] == [later]
