@@ -129,6 +129,7 @@ def collect(store: Store) -> Status:
         # parked rows between them would otherwise be counted twice or not at all.
         with conn.transaction():
             conn.execute(q["status_snapshot"])
+            conn.execute(q["status_no_jit"])
             queues = conn.execute(q["status_queues"]).fetchall()
             blocked = conn.execute(q["status_blocked"]).fetchall()
         clients = conn.execute(q["status_clients"]).fetchone()
