@@ -18,7 +18,10 @@ REVOKE ALL ON ALL TABLES IN SCHEMA pgq FROM pgq_monitor;
 ALTER DEFAULT PRIVILEGES FOR ROLE pgq_owner IN SCHEMA pgq REVOKE ALL ON TABLES FROM pgq_monitor;
 GRANT USAGE ON SCHEMA pgq TO pgq_monitor;
 GRANT SELECT ON pgq.schema_version, pgq.queue TO pgq_monitor;
-GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at)
+-- Where each message is and since when; of an ordered message, its key (an id of your
+-- application's, not content), counted as keys blocked, and what tells a follower parked.
+GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at,
+              okey, due_at, follow_until)
     ON pgq.message TO pgq_monitor;
 GRANT SELECT (id, queue, priority, read_ct, enqueued_at, dead_at)
     ON pgq.dead_letter TO pgq_monitor;

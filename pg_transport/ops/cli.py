@@ -111,9 +111,12 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     """Show every queue's ready, in-flight, delayed and dead messages, and the clients.
 
     In flight means claimed by a consumer whose lease runs; delayed means waiting for
-    its ETA, and NEXT DUE IN says when the first of them falls due. Clients are pgq
-    processes connected to this database (workers and publishers of every pgq schema
-    in it: Postgres does not know which schema a session uses).
+    its ETA, and NEXT DUE IN says when the first of them falls due. Queues with ordered
+    messages held back are listed again below: their ordering keys blocked (messages
+    parked until an earlier one of the key is done), those messages, how long ago the
+    oldest of them was published, and the followers waiting for the task they follow.
+    Clients are pgq processes connected to this database (workers and publishers of
+    every pgq schema in it: Postgres does not know which schema a session uses).
     """
     with open_store(url, schema) as store:
         report = status_report.collect(store)
@@ -143,6 +146,31 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
         )
     else:
         click.echo("no queues")
+    held = [q for q in report.queues if q.blocked or q.following]
+    if held:
+        click.echo("ordering:")
+        click.echo(
+            table(
+                [
+                    "QUEUE",
+                    "BLOCKED KEYS",
+                    "MESSAGES BLOCKED",
+                    "OLDEST BLOCKED",
+                    "FOLLOWERS WAITING",
+                ],
+                [
+                    [
+                        q.queue,
+                        str(q.blocked_keys),
+                        str(q.blocked),
+                        age(q.oldest_blocked_age_s),
+                        str(q.following),
+                    ]
+                    for q in held
+                ],
+                right={1, 2, 3, 4},
+            )
+        )
     clients = report.clients
     click.echo(
         f"clients: {plural(clients.processes, 'process', 'processes')}, "

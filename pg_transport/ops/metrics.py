@@ -133,6 +133,27 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             "Seconds the longest-waiting ready message has been deliverable; 0 when none is.",
             lambda q: q.oldest_ready_age_s or 0.0,
         ),
+        per_queue(
+            "pgq_queue_blocked_keys",
+            "Ordering keys with messages parked behind an earlier message of the key.",
+            lambda q: q.blocked_keys,
+        ),
+        per_queue(
+            "pgq_queue_blocked_messages",
+            "Messages parked behind an earlier message of their ordering key.",
+            lambda q: q.blocked,
+        ),
+        per_queue(
+            "pgq_queue_oldest_blocked_age_seconds",
+            "Seconds since the oldest message parked behind its ordering key was published;"
+            " 0 when none is parked.",
+            lambda q: q.oldest_blocked_age_s or 0.0,
+        ),
+        per_queue(
+            "pgq_queue_following_messages",
+            "Followers parked until the task they follow finishes or their wait runs out.",
+            lambda q: q.following,
+        ),
         Family(
             "pgq_client_processes",
             "pgq client processes (workers and publishers) connected to the database.",

@@ -2,11 +2,14 @@
 
 Every statement is in ``sql/status.sql``. The per-queue numbers come from one
 GROUP BY over ``message``: cheap enough for an operator's command, not meant to be
-polled every second on a very deep queue.
+polled every second on a very deep queue. The ordering keys blocked (messages parked
+behind an earlier one of their key) are read through the claim index, from the parked
+rows only, in the same snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +44,15 @@ class QueueStatus:
     oldest_ready_age_s: float | None
     #: Seconds until the first delayed message falls due; None when none is delayed.
     next_due_in_s: float | None = None
+    #: Ordering keys with messages parked behind an earlier message of the key.
+    blocked_keys: int = 0
+    #: Messages parked in those keys: a claim met each before an earlier one of its key
+    #: had left the table. Not ready, in flight nor delayed.
+    blocked: int = 0
+    #: Seconds since the oldest parked message was published; None when none is parked.
+    oldest_blocked_age_s: float | None = None
+    #: Followers parked until the task they follow finishes or their wait runs out.
+    following: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,34 +103,48 @@ def barrier_counts(store: Store) -> list[BarrierCount]:
     return [BarrierCount(status, n) for status, n in sorted(counts.items()) if n]
 
 
+def queue_status(row: Sequence[Any], blocked: Sequence[Any] | None) -> QueueStatus:
+    """A queue's figures from its ``status_queues`` row and its ``status_blocked`` row
+    (None: nothing parked in its keys)."""
+    return QueueStatus(
+        row[0],
+        int(row[1]),
+        int(row[2]),
+        int(row[3]),
+        int(row[4]),
+        None if row[5] is None else float(row[5]),
+        None if row[6] is None else float(row[6]),
+        blocked_keys=0 if blocked is None else int(blocked[1]),
+        blocked=0 if blocked is None else int(blocked[2]),
+        oldest_blocked_age_s=None if blocked is None else float(blocked[3]),
+        following=int(row[7]),
+    )
+
+
 def collect(store: Store) -> Status:
     q = load_named("status.sql", store.schema)
 
-    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], Any, list[Any]]:
-        queues = conn.execute(q["status_queues"]).fetchall()
+    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], list[Any], Any, list[Any]]:
+        # One snapshot for both counts of messages: a message promoted from its key's
+        # parked rows between them would otherwise be counted twice or not at all.
+        with conn.transaction():
+            conn.execute(q["status_snapshot"])
+            conn.execute(q["status_no_jit"])
+            queues = conn.execute(q["status_queues"]).fetchall()
+            blocked = conn.execute(q["status_blocked"]).fetchall()
         clients = conn.execute(q["status_clients"]).fetchone()
         processes = conn.execute(q["status_client_processes"]).fetchall()
-        return queues, clients, processes
+        return queues, blocked, clients, processes
 
-    queues, clients, processes = store.connector.run(work, idempotent=True)
+    queues, blocked, clients, processes = store.connector.run(work, idempotent=True)
+    keys = {str(row[0]): row for row in blocked}
     by_process = [
         ClientProcess(str(name), str(address), int(sessions), int(active))
         for name, address, sessions, active in processes
     ]
     return Status(
         schema=store.schema,
-        queues=[
-            QueueStatus(
-                row[0],
-                int(row[1]),
-                int(row[2]),
-                int(row[3]),
-                int(row[4]),
-                None if row[5] is None else float(row[5]),
-                None if row[6] is None else float(row[6]),
-            )
-            for row in queues
-        ],
+        queues=[queue_status(row, keys.get(str(row[0]))) for row in queues],
         clients=(
             Clients(int(clients[0]), int(clients[1]), by_process) if clients else Clients(0, 0)
         ),

@@ -6,7 +6,9 @@
 -- not visible yet) in the given queues (every queue when none is given), soonest first,
 -- at most limit of them, with what Celery's headers say of each: task id, task name,
 -- ETA, the repr of its arguments (as text; NULL where there is no such header). Reads
--- payloads: the monitor role, which may not, is refused.
+-- payloads: the monitor role, which may not, is refused. A message a claim parked
+-- (due_at set: behind an earlier one of its ordering key, or a follower waiting for its
+-- predecessor) waits for no ETA, and is not listed.
 SELECT m.queue, m.visible_at, m.priority,
        m.payload OPERATOR(pg_catalog.->) 'headers' OPERATOR(pg_catalog.->>) 'id',
        m.payload OPERATOR(pg_catalog.->) 'headers' OPERATOR(pg_catalog.->>) 'task',
@@ -14,9 +16,7 @@ SELECT m.queue, m.visible_at, m.priority,
        m.payload OPERATOR(pg_catalog.->) 'headers' OPERATOR(pg_catalog.->>) 'argsrepr',
        m.payload OPERATOR(pg_catalog.->) 'headers' OPERATOR(pg_catalog.->>) 'kwargsrepr'
 FROM {schema}.message AS m
-WHERE m.visible_at > pg_catalog.now() AND m.read_ct = 0
-  -- (not a message parked behind its ordering key: it waits for its turn, not a time)
-  AND m.visible_at < 'infinity'::timestamptz
+WHERE m.visible_at > pg_catalog.now() AND m.read_ct = 0 AND m.due_at IS NULL
   AND (pg_catalog.cardinality(%(queues)s::text[]) = 0 OR m.queue = ANY(%(queues)s::text[]))
 ORDER BY m.visible_at, m.id
 LIMIT %(limit)s::integer

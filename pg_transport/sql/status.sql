@@ -1,10 +1,25 @@
 -- Named queries of `pgq status`. Each block starts with "-- name: <name>" and a
 -- one-line description; {schema} is composed as an identifier, values are bound.
 
+-- name: status_snapshot
+-- First in the transaction of status_queues and status_blocked: both see one snapshot.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY
+
+-- name: status_no_jit
+-- Then, for that transaction: no JIT compilation. The planner cannot tell how few queues
+-- and priorities status_blocked walks, and its estimate would have a query of a few
+-- milliseconds compiled for hundreds; status_queues gains nothing measurable from it.
+SET LOCAL jit TO off
+
 -- name: status_queues
 -- Per queue: ready, in flight (claimed, lease running), delayed (ETA not reached,
--- never delivered), dead, how long the oldest ready message has been deliverable, and
--- in how many seconds the first delayed message falls due.
+-- never delivered), dead, how long the oldest ready message has been deliverable, in
+-- how many seconds the first delayed message falls due, and the followers parked until
+-- the task they follow leaves the table (or their wait runs out: then visible_at is
+-- their follow_until, and due_at when they would have been visible).
+-- Messages parked behind an earlier one of their ordering key (visible_at 'infinity')
+-- are none of these: status_blocked counts them. A follower parked is neither in
+-- flight nor delayed.
 -- One GROUP BY over message; declared queues without messages are listed too. A queue
 -- unused past its expiry (x-expires: the pidbox and event queues of Celery processes
 -- that stopped) is left out with its messages: any consumer's maintenance deletes it.
@@ -13,19 +28,27 @@ WITH expired AS (
     WHERE q.expires_ms IS NOT NULL
       AND q.last_used + pg_catalog.make_interval(secs => q.expires_ms::float8 / 1000.0::float8)
           < pg_catalog.now()
+), states AS (
+    -- 1 ready, 2 parked behind its key, 3 a follower parked, 4 in flight, 5 delayed.
+    SELECT queue, visible_at,
+           CASE WHEN visible_at <= pg_catalog.now() THEN 1
+                WHEN visible_at = 'infinity'::timestamptz THEN 2
+                WHEN due_at IS NOT NULL AND visible_at = follow_until THEN 3
+                WHEN read_ct > 0 THEN 4
+                ELSE 5
+           END AS state
+    FROM {schema}.message
 ), m AS (
     SELECT queue,
-           pg_catalog.count(*) FILTER (WHERE visible_at <= pg_catalog.now()) AS ready,
-           pg_catalog.count(*) FILTER (WHERE visible_at > pg_catalog.now() AND read_ct > 0)
-               AS in_flight,
-           pg_catalog.count(*) FILTER (WHERE visible_at > pg_catalog.now() AND read_ct = 0)
-               AS delayed,
+           pg_catalog.count(*) FILTER (WHERE state = 1) AS ready,
+           pg_catalog.count(*) FILTER (WHERE state = 4) AS in_flight,
+           pg_catalog.count(*) FILTER (WHERE state = 5) AS delayed,
+           pg_catalog.count(*) FILTER (WHERE state = 3) AS following,
            pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(visible_at)
-               FILTER (WHERE visible_at <= pg_catalog.now())) AS oldest_ready_age,
+               FILTER (WHERE state = 1)) AS oldest_ready_age,
            pg_catalog.date_part('epoch', pg_catalog.min(visible_at)
-               FILTER (WHERE visible_at > pg_catalog.now() AND read_ct = 0)
-               - pg_catalog.now()) AS next_due_in
-    FROM {schema}.message
+               FILTER (WHERE state = 5) - pg_catalog.now()) AS next_due_in
+    FROM states
     GROUP BY queue
 ), d AS (
     SELECT queue, pg_catalog.count(*) AS dead FROM {schema}.dead_letter GROUP BY queue
@@ -36,12 +59,51 @@ WITH expired AS (
 )
 SELECT names.queue,
        COALESCE(m.ready, 0), COALESCE(m.in_flight, 0), COALESCE(m.delayed, 0),
-       COALESCE(d.dead, 0), m.oldest_ready_age::float8, m.next_due_in::float8
+       COALESCE(d.dead, 0), m.oldest_ready_age::float8, m.next_due_in::float8,
+       COALESCE(m.following, 0)
 FROM names
 LEFT JOIN m ON m.queue = names.queue
 LEFT JOIN d ON d.queue = names.queue
 WHERE names.queue NOT IN (SELECT name FROM expired)
 ORDER BY names.queue
+
+-- name: status_blocked
+-- Per queue with any: the ordering keys whose later messages a claim has parked behind
+-- an earlier message of the key (visible_at 'infinity'), those parked messages, and
+-- how long ago the oldest of them was published.
+-- Parked rows sort last in message_claim_idx (queue, priority DESC, visible_at, id):
+-- one index descent per queue and per priority present in it (skip scans), then only
+-- the parked rows, never the rest of a backlog.
+WITH RECURSIVE queues AS (
+    SELECT (SELECT m.queue FROM {schema}.message AS m ORDER BY m.queue LIMIT 1) AS queue
+    UNION ALL
+    SELECT (SELECT m.queue FROM {schema}.message AS m
+            WHERE m.queue > q.queue ORDER BY m.queue LIMIT 1)
+    FROM queues AS q WHERE q.queue IS NOT NULL
+), levels AS (
+    SELECT q.queue, (SELECT m.priority FROM {schema}.message AS m
+                     WHERE m.queue = q.queue ORDER BY m.priority DESC LIMIT 1) AS priority
+    FROM queues AS q WHERE q.queue IS NOT NULL
+    UNION ALL
+    SELECT l.queue, (SELECT m.priority FROM {schema}.message AS m
+                     WHERE m.queue = l.queue AND m.priority < l.priority
+                     ORDER BY m.priority DESC LIMIT 1)
+    FROM levels AS l WHERE l.priority IS NOT NULL
+)
+SELECT l.queue, pg_catalog.count(DISTINCT p.okey), pg_catalog.count(*),
+       pg_catalog.date_part('epoch', pg_catalog.now() - pg_catalog.min(p.enqueued_at))::float8
+FROM levels AS l
+CROSS JOIN LATERAL (
+    -- OFFSET 0 keeps this one index scan per level: joined, the planner (which cannot
+    -- tell how few levels there are) would rather scan the whole table for parked rows.
+    SELECT m.okey, m.enqueued_at FROM {schema}.message AS m
+    WHERE m.queue = l.queue AND m.priority = l.priority
+      AND m.visible_at = 'infinity'::timestamptz
+    OFFSET 0
+) AS p
+WHERE l.priority IS NOT NULL
+GROUP BY l.queue
+ORDER BY l.queue
 
 -- name: status_clients
 -- pgq client processes (application_name 'pgq:<pid>', set by the transport) connected

@@ -84,11 +84,13 @@ ORDER BY priority DESC, visible_at, id
 LIMIT %(limit)s
 
 -- name: web_next_delayed
--- Delayed messages (ETA not reached, never delivered), by priority then due time.
+-- Delayed messages (ETA not reached, never delivered), by priority then due time; not
+-- those a claim parked (due_at set: behind an earlier one of their ordering key, or a
+-- follower waiting for its predecessor), which wait for no ETA.
 SELECT id, priority, visible_at, read_ct, enqueued_at
 FROM {schema}.message
 WHERE queue = %(queue)s AND visible_at > pg_catalog.now() AND read_ct = 0
-  AND visible_at < 'infinity'::timestamptz  -- (parked behind an ordering key: not delayed)
+  AND due_at IS NULL
 ORDER BY priority DESC, visible_at, id
 LIMIT %(limit)s
 

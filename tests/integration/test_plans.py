@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pg_transport.sql import to_positional
+from pg_transport.sql import load_named, to_positional
 from pg_transport.store import Lease, Store, claim_params
 from tests.integration.conftest import Peek
 
@@ -171,3 +171,60 @@ def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, h
     # The invisible head spans ~100 index leaf pages and hundreds of heap pages.
     assert touched <= baseline + 10, (touched, baseline)
     assert [c.read_ct for c in store.claim(["q"], [30.0], 4)] == [1, 1, 1, 1]
+
+
+def test_status_reads_the_parked_rows_of_a_backlog_and_nothing_else(
+    backlog: Store, peek: Peek
+) -> None:
+    # Ordered messages parked behind their keys' heads (visible_at 'infinity') in the deep
+    # queue, at each of its priorities, and in a small queue: status_blocked reaches them
+    # from the end of the claim index, never by reading the backlog of 100,000.
+    peek(
+        "INSERT INTO {schema}.message (queue, priority, payload, okey, visible_at, due_at)"
+        " SELECT %s, n %% 3, '{{}}', 'k' || n %% 4, 'infinity', now()"
+        " FROM generate_series(1, %s) AS n",
+        "q1",
+        30,
+    )
+    peek(
+        "INSERT INTO {schema}.message (queue, payload, okey, visible_at, due_at)"
+        " SELECT 'q2', '{{}}', 'k', 'infinity', now() FROM generate_series(1, 5)"
+    )
+    peek("VACUUM ANALYZE {schema}.message")
+    status = load_named("status.sql", backlog.schema)
+    query = status["status_blocked"]
+
+    def explained(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query).fetchone()
+        assert row is not None
+        return dict((row[0] if isinstance(row[0], list) else json.loads(row[0]))[0])
+
+    with psycopg.connect(backlog.connector.conninfo, autocommit=True) as conn:
+        assert conn.execute(query).fetchall() == [
+            ("q1", 4, 30, pytest.approx(0.0, abs=60)),
+            ("q2", 1, 5, pytest.approx(0.0, abs=60)),
+        ]
+        [(jit,)] = conn.execute("SELECT pg_jit_available() AND current_setting('jit')::bool")
+        # Its estimate (the planner cannot tell how few levels it walks) is past
+        # jit_above_cost: compiled, it would take hundreds of milliseconds. pgq status
+        # runs it as here, in a transaction without JIT.
+        assert not jit or "JIT" in explained(conn)
+        with conn.transaction(force_rollback=True):
+            conn.execute(status["status_snapshot"])
+            conn.execute(status["status_no_jit"])
+            top = explained(conn)
+        [(pages,)] = peek("SELECT relpages FROM pg_class WHERE oid = '{schema}.message'::regclass")
+    assert "JIT" not in top
+    plan = top["Plan"]
+    nodes = scans(plan)
+    assert uses(nodes, "message_claim_idx"), nodes
+    assert no_seq_scan(nodes) and ("Parallel Seq Scan", "message") not in nodes, nodes
+    removed = sum(
+        node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+        for node in walk(plan)
+        if node.get("Relation Name") == "message"
+    )
+    assert removed == 0, f"status_blocked read {removed} rows that are not parked"
+    # A few index descents per queue and priority, and the parked rows' pages.
+    touched = plan["Shared Hit Blocks"] + plan["Shared Read Blocks"]
+    assert touched < 100 < pages, (touched, pages)

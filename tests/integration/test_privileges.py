@@ -96,7 +96,18 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
         "SELECT": {
             "schema_version": ALL,
             "queue": ALL,
-            "message": {"id", "queue", "priority", "visible_at", "read_ct", "enqueued_at"},
+            "message": {
+                "id",
+                "queue",
+                "priority",
+                "visible_at",
+                "read_ct",
+                "enqueued_at",
+                # Ordering: keys blocked are counted by key, followers parked told apart.
+                "okey",
+                "due_at",
+                "follow_until",
+            },
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},
             "barrier": {
                 "id",
@@ -786,15 +797,22 @@ def test_a_publisher_that_declares_is_told_so_and_stores_nothing(granted: Roles)
 
 
 def a_busy_schema(roles: Roles, secret: str) -> None:
-    """Messages ready, delayed, in flight and dead; barriers armed and fired; each
-    carrying ``secret``."""
+    """Messages ready, delayed, in flight and dead; in queue ordered, an ordering key
+    blocked (one message in flight, two parked behind it) and a follower parked; barriers
+    armed and fired; each carrying ``secret``."""
     with Connection(roles.url(roles.worker), transport_options=options(roles)) as conn:
         store = conn.transport.store
         for n in range(3):
             store.publisher.publish("jobs", {"secret": secret, "n": n})
         store.publisher.publish("jobs", {"secret": secret}, delay=3600)
         store.publisher.publish("reports", {"secret": secret}, priority=5)
+        for n in range(3):
+            headers = {"id": f"k{n}", "pgq-ordering-key": "cust-42"}
+            store.publisher.publish("ordered", {"secret": secret, "headers": headers})
+        headers = {"id": "f", "pgq-follows": "k0"}
+        store.publisher.publish("ordered", {"secret": secret, "headers": headers})
         store.claim(["jobs"], [300.0], 1)
+        assert len(store.claim(["ordered"], [300.0], 4)) == 1
         [doomed] = store.claim(["reports"], [300.0], 1)
         store.dead_letter(doomed.token, f"failed: {secret}")
     with psycopg.connect(roles.pg_url, autocommit=True) as admin:
@@ -827,6 +845,7 @@ def without_ages(figures: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
     # Ages and the time to the next due message move between two calls.
     ages = [q.pop("oldest_ready_age_s") or 0.0 for q in queues]
     ages += [q.pop("next_due_in_s") or 0.0 for q in queues]
+    ages += [q.pop("oldest_blocked_age_s") or 0.0 for q in queues]
     return {**figures, "queues": queues}, ages
 
 
@@ -850,6 +869,9 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
     assert ages == pytest.approx(reference_ages, abs=1.0)
     jobs = next(q for q in as_monitor["queues"] if q["queue"] == "jobs")
     assert (jobs["ready"], jobs["in_flight"], jobs["delayed"]) == (2, 1, 1)
+    ordered = next(q for q in as_monitor["queues"] if q["queue"] == "ordered")
+    assert (ordered["blocked_keys"], ordered["blocked"], ordered["following"]) == (1, 2, 1)
+    assert (ordered["in_flight"], ordered["delayed"]) == (1, 0)
     assert sum(q["dead"] for q in as_monitor["queues"]) == 1
     assert len(as_monitor["barriers"]) == 2
 
