@@ -470,3 +470,19 @@ def test_the_handed_message_counts_against_the_limit(store: Store) -> None:
     got = store.claim([Q], [30.0], 1, acks=[m0.token])
     assert bodies(got) == [1]  # published before 9: first, and alone
     assert bodies(claim(store)) == [9]
+
+
+def test_a_follower_delivered_past_its_wait_is_not_woken_again_by_its_predecessor(
+    store: Store, peek: Peek
+) -> None:
+    store.publisher.publish(Q, message(0, key="p"))
+    [p] = claim(store)  # the predecessor runs long
+    store.publisher.publish(Q, message(1, follows="task-0", wait=300))
+    assert claim(store) == []  # parked until its wait ends
+    peek(
+        "UPDATE {schema}.message SET visible_at = now(), follow_until = now() WHERE id <> %s", p.id
+    )
+    [f] = claim(store)
+    assert f.note == FOLLOWS_MISSING
+    store.ack([p.token])  # the predecessor ends while the follower is in flight
+    assert claim(store) == []  # the follower's end is its own: it is not made visible again
