@@ -28,6 +28,8 @@ class WorkerSpec:
     concurrency: int
     prefetch_multiplier: int
     sink_url: str
+    #: The module of the worker's Celery app (``celery -A``).
+    app: str = APP_MODULE
 
 
 @dataclass
@@ -82,7 +84,7 @@ def worker_command(target: Target, spec: WorkerSpec, name: str) -> list[str]:
     # Gossip, mingle and heartbeat are cluster chatter, not the workload: off for all.
     # Log level warning: INFO would write two lines per task and measure the logger.
     return [
-        sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
+        sys.executable, "-m", "celery", "-A", spec.app, "worker",
         "-P", spec.pool, "-c", str(spec.concurrency), "-Q", target.queue,
         "-n", f"{name}@%h", "-l", "warning",
         "--without-gossip", "--without-mingle", "--without-heartbeat",

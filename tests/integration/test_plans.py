@@ -11,11 +11,12 @@ query's shape allows one.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.abc import Query
 
 from pg_transport.sql import load_named, to_positional
 from pg_transport.store import Lease, Store, claim_params
@@ -49,15 +50,24 @@ def backlog(store: Store, peek: Peek) -> Store:
 
 
 def generic_plan(
-    store: Store, name: str, params: dict[str, Any], *, analyze: bool = False
+    store: Store,
+    name: str,
+    params: dict[str, Any],
+    *,
+    analyze: bool = False,
+    setup: Sequence[Query] = (),
 ) -> dict[str, Any]:
-    """The plan a pgq session runs for a named query (rolled back when analyzed)."""
+    """The plan a pgq session runs for a named query (rolled back when analyzed), after
+    the statements ``setup`` in the same transaction."""
     text, names = to_positional(store.q[name])
     with (
         psycopg.connect(store.connector.conninfo, autocommit=True) as conn,
         conn.transaction(force_rollback=True),
     ):
         conn.execute("SET LOCAL plan_cache_mode TO force_generic_plan")
+        conn.execute("SET LOCAL jit TO off")  # (as in pgq's sessions: no_jit)
+        for statement in setup:
+            conn.execute(statement)
         conn.execute(f"PREPARE pinned AS {text}")
         options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
         cur = psycopg.ClientCursor(conn)
