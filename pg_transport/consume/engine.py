@@ -63,6 +63,8 @@ logger = logging.getLogger("pg_transport.consume")
 UNLIMITED_BATCH = 100
 # Longest a refill claim waits for more prefetch slots to free up (seconds).
 REFILL_DELAY = 0.002
+# Delivered messages of ordering keys remembered at most (their acks fetch the next).
+MAX_KEYED = 100_000
 # Longest a stopping consumer waits for the answer of a statement it has out (seconds).
 RETIRE_TIMEOUT = 5.0
 
@@ -116,6 +118,8 @@ class Engine:
         self._undelivered_lock = threading.Lock()
         # Wake-up channel -> queue, for every queue consumed so far.
         self._channels: dict[str, str] = {}
+        # Delivered messages of an ordering key (ids): their acks ride on a claim.
+        self._keyed: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -325,8 +329,21 @@ class Engine:
         if want is not None and not self._worth_claiming(want):
             return  # the acks wait too: they ride on that claim, a moment later
         acks = self.acks.take()
+        queues: list[str] = []
         if want is not None:
             queues = [q for q in want.acked if q not in self.exhausted]
+        elif acks and self._keyed:
+            # An ack ending a message of an ordering key: the claim carrying it takes the
+            # key's next message (the claim query's hand-off), even from a queue a claim
+            # found empty a moment ago, where the next one waited parked. An ack alone
+            # would leave it to the trigger's wake-up and one more round trip.
+            ended = {t.queue for t in acks if t.id in self._keyed}
+            want = next((w for w in wants if w.room != 0 and ended.intersection(w.acked)), None)
+            if want is not None:
+                queues = [q for q in want.acked if q in ended]
+        for token in acks:
+            self._keyed.discard(token.id)
+        if want is not None:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
             self._in_flight = _InFlight("claim", acks, queues, limit)
             session.send(
@@ -450,6 +467,11 @@ class Engine:
             return
         if claimed.note == FOLLOWS_MISSING:
             ordering.follows_missing(claimed)
+        headers = claimed.payload.get("headers") if claimed.payload else None
+        if leased and isinstance(headers, dict) and ordering.ORDERING_KEY in headers:
+            if len(self._keyed) >= MAX_KEYED:  # (ids of rejected deliveries linger)
+                self._keyed.clear()
+            self._keyed.add(claimed.id)
         try:
             self.source.deliver(claimed)
         except Exception as exc:  # any fault of one message: dead-letter it, go on

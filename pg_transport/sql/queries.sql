@@ -93,7 +93,8 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 -- earlier message, which its removal must wait for: the removal's trigger then sees the
 -- park. An earlier message locked by its removal right now is left alone ("busy": the
 -- candidate stays ready). A follower waits the same way for the task it follows, parked
--- until follow_until; past it, it is delivered with the note follows-missing. Rows held
+-- until follow_until; past it, it is delivered with the note follows-missing. A message
+-- whose only earlier ones are acked by this very statement goes. Rows held
 -- back come last, with the note held and no payload: they count against limit (the
 -- caller must not take a short answer for an empty queue) but are not delivered.
 -- (The checks without a lock are scalar subqueries with LIMIT 1, not EXISTS: the
@@ -110,7 +111,7 @@ WITH wanted AS (
                      pg_catalog.unnest(%(ack_leases)s::integer[]),
                      pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
     WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
-    RETURNING m.queue, m.okey
+    RETURNING m.id, m.queue, m.okey
 ), handed AS MATERIALIZED (
     -- The next message of each ordering key an ack here ends, when it is parked: this
     -- statement claims it (the key's next message costs no second round trip; the ack's
@@ -178,10 +179,12 @@ WITH wanted AS (
                 WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
                              WHERE p.queue = c.queue AND p.okey = c.okey
                                AND (p.oseq, p.id) < (c.oseq, c.id)
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
                              FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
                 WHEN (SELECT 1 FROM {schema}.message AS p
                              WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND (p.oseq, p.id) < (c.oseq, c.id) LIMIT 1) IS NOT NULL
+                               AND (p.oseq, p.id) < (c.oseq, c.id)
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1) IS NOT NULL
                THEN 'busy'
            END AS key_gate,
            CASE WHEN c.follows IS NULL THEN NULL

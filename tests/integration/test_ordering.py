@@ -8,6 +8,7 @@ waiting in pg_stat_activity before the first one commits.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -486,3 +487,46 @@ def test_a_follower_delivered_past_its_wait_is_not_woken_again_by_its_predecesso
     assert f.note == FOLLOWS_MISSING
     store.ack([p.token])  # the predecessor ends while the follower is in flight
     assert claim(store) == []  # the follower's end is its own: it is not made visible again
+
+
+def test_a_consumer_acking_a_key_gets_its_next_message_on_the_ack_claim(
+    broker_url: str, schema: str
+) -> None:
+    from kombu import Connection, Consumer, Producer, Queue
+
+    total = 20
+    with Connection(broker_url, transport_options={"schema": schema}) as conn:
+        queue = Queue(Q)
+        producer = Producer(conn.channel())
+        for n in range(total):
+            producer.publish({"n": n}, routing_key=Q, declare=[queue], ordering_key="k")
+        got: list[int] = []
+
+        def on_message(body: Any, msg: Any) -> None:
+            got.append(body["n"])
+            msg.ack()  # inside drain_events: it rides on the engine's next statement
+
+        with Consumer(conn, [queue], callbacks=[on_message], prefetch_count=1):
+            conn.drain_events(timeout=10)
+            before = dataclasses.replace(conn.transport.engine.statements)
+            while len(got) < total:
+                conn.drain_events(timeout=10)
+        after = conn.transport.engine.statements
+    assert got == list(range(total))
+    # Each message after the first came with the claim that carried its predecessor's
+    # ack: no ack sent alone, no wake-up round trip in between.
+    assert after.acks_alone == before.acks_alone
+    assert after.claim - before.claim <= total
+
+
+def test_a_stale_ack_riding_on_a_claim_does_not_release_the_key(store: Store, peek: Peek) -> None:
+    for n in range(2):
+        store.publisher.publish(Q, message(n, key="k"))
+    [stale] = claim(store, limit=1)
+    peek.expire_leases()
+    [again] = claim(store, limit=1)  # redelivered: the first holder's lease is void
+    assert again.id == stale.id
+    peek("UPDATE {schema}.message SET visible_at = now() WHERE visible_at = 'infinity'")
+    # m1 is ready, m0 is held anew: the stale ack deletes nothing, so m1 must wait.
+    assert store.claim([Q], [30.0], 10, acks=[stale.token]) == []
+    assert bodies(store.claim([Q], [30.0], 10, acks=[again.token])) == [1]
