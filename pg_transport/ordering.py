@@ -208,6 +208,24 @@ def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
     )
 
 
+def _task_named(name: str) -> Any:
+    """The task ``name`` as its app knows it. Celery's ``before_task_publish`` does not
+    say which app sends: the current one (per thread, so a thread that made no app has
+    Celery's fallback, which holds only shared tasks), then every app's registry as it
+    is (a task made before its app is finalized is there; the look finalizes nothing)."""
+    from celery import current_app
+    from celery._state import _get_active_apps
+
+    task = current_app.tasks.get(name)
+    if task is not None:
+        return task
+    for app in list(_get_active_apps()):
+        task = app._tasks.get(name)
+        if task is not None:
+            return task
+    return None
+
+
 def apply_task_defaults(
     sender: str | None = None,
     body: Any = None,
@@ -218,9 +236,7 @@ def apply_task_defaults(
     attributes as headers, unless the call gave them."""
     if headers is None or sender is None:
         return
-    from celery import current_app
-
-    task = current_app.tasks.get(sender)
+    task = _task_named(sender)
     if task is None:
         return
     spec: Callable[..., Any] | str | None = getattr(task, "ordering_key", None)

@@ -138,7 +138,9 @@ def requeue_first(self: Any, key: str, n: int) -> None:
         raise Reject(f"{key}:{n} again", requeue=True)
 
 
-@app.task(bind=True, ordering_key="customer")
+# shared=False: only this app knows it, so the default key is found through this app,
+# not through Celery's fallback app, in a thread that made no app of its own.
+@app.task(bind=True, ordering_key="customer", shared=False)
 def customer_step(self: Any, customer: str, n: int) -> None:
     seq = _start(self, customer, n)
     time.sleep(0.01)

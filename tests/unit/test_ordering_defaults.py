@@ -1,0 +1,59 @@
+"""A task's ordering defaults apply whichever thread sends it, whichever app is current."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from pg_transport.ordering import FOLLOWABLE, ORDERING_KEY, apply_task_defaults
+
+
+def _app(finalize: bool) -> tuple[Celery, str]:
+    """An app that is not the current one, with a task of its own only (shared=False):
+    found through the app that holds it, not through whichever app the calling thread
+    has. Not finalized, the task is made when first used (a .delay() does that)."""
+    app = Celery("pgq-ordering-defaults", broker="memory://", set_as_current=False)
+
+    @app.task(ordering_key="customer", followable=True, shared=False)
+    def charge(customer: str, amount: int = 0) -> None:
+        return None
+
+    if finalize:
+        app.finalize()
+    return app, str(charge.name)
+
+
+def _headers_sent(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    headers: dict[str, Any] = {}
+    apply_task_defaults(sender=name, body=((), kwargs, {}), headers=headers)
+    return headers
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+def test_a_task_of_an_app_that_is_not_current_gets_its_defaults(finalize: bool) -> None:
+    app, name = _app(finalize)
+    assert _headers_sent(name, {"customer": "c1", "amount": 3}) == {
+        ORDERING_KEY: "c1",
+        FOLLOWABLE: True,
+    }
+    assert app.finalized is finalize  # the look finalized nothing
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+def test_a_task_sent_from_another_thread_gets_its_defaults(finalize: bool) -> None:
+    _app_kept, name = _app(finalize)
+    seen: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: seen.append(_headers_sent(name, {"customer": "c2"})))
+    thread.start()
+    thread.join()
+    assert seen == [{ORDERING_KEY: "c2", FOLLOWABLE: True}]
+
+
+def test_a_header_the_call_gave_wins() -> None:
+    _app_kept, name = _app(True)
+    headers: dict[str, Any] = {ORDERING_KEY: "given", FOLLOWABLE: False}
+    apply_task_defaults(sender=name, body=((), {"customer": "c3"}, {}), headers=headers)
+    assert headers == {ORDERING_KEY: "given", FOLLOWABLE: False}
