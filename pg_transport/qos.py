@@ -129,7 +129,9 @@ class QoS(virtual.QoS):
             if held is not None:
                 token = held[0]
                 if requeue:
-                    self._land("requeue", held, lambda: self.channel.store.release([token]))
+                    self._land(
+                        "requeue", held, lambda: self.channel.store.release([token], failed=True)
+                    )
                 else:
                     message = self._delivered.get(delivery_tag)
                     self._land(

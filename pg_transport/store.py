@@ -176,9 +176,12 @@ class Store:
         """Delete delivered messages still held under ``tokens``; how many were."""
         return self._fenced("ack", tokens)
 
-    def release(self, tokens: Sequence[Lease]) -> int:
-        """Make held messages visible now (requeue); how many were still held."""
-        return self._fenced("release", tokens, channel_prefix=self.channel_prefix)
+    def release(self, tokens: Sequence[Lease], *, failed: bool = False) -> int:
+        """Make held messages visible now (requeue); how many were still held.
+        ``failed``: the consumer requeues them as failed (a reject), which sends a
+        message of an ordering key in a relaxed queue to the back of its key; others
+        (given back unstarted) keep their place."""
+        return self._fenced("release", tokens, channel_prefix=self.channel_prefix, to_back=failed)
 
     def renew(self, held: Sequence[tuple[Lease, float]]) -> int:
         """Push the visibility timeout of held messages to now + their vt."""

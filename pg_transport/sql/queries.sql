@@ -349,13 +349,14 @@ WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
 -- wake their queues' listeners. The release is a grant too (lease + 1): the holder that
 -- released a message, or any earlier one, can no more ack, renew or release it. A
 -- released message goes back to the place it had when it was published (visible since
--- enqueued_at), ahead of what arrived after it, as on AMQP brokers. A message of an
--- ordering key in a relaxed queue goes to the back of its key instead (its trigger
--- promotes the next one).
+-- enqueued_at), ahead of what arrived after it, as on AMQP brokers. A message the
+-- consumer gave back as failed (to_back: a reject with requeue) of an ordering key in a
+-- relaxed queue goes to the back of its key instead (its trigger promotes the next one);
+-- one given back unstarted (a worker stopping) keeps its place.
 WITH released AS (
     UPDATE {schema}.message AS m
     SET visible_at = LEAST(m.enqueued_at, pg_catalog.now()), lease = m.lease + 1,
-        oseq = CASE WHEN m.okey IS NOT NULL
+        oseq = CASE WHEN %(to_back)s::boolean AND m.okey IS NOT NULL
                      AND (SELECT q.ordering FROM {schema}.queue AS q WHERE q.name = m.queue)
                          = 'relaxed'
                     THEN pg_catalog.nextval('{schema}.message_oseq'::regclass)

@@ -295,6 +295,37 @@ def test_a_failure_rejected_without_requeue_is_dead_lettered_and_releases_its_ke
     assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == first.id
 
 
+def test_a_message_a_stopping_worker_gives_back_unstarted_keeps_its_place(oenv: Env) -> None:
+    """Not a failure: a worker's warm shutdown gives back what it received and never
+    started, in a relaxed queue as in a strict one, and its key keeps its order."""
+    client = oenv.client()
+    client.send_task(f"{APP}.stall", args=["x", 0, 2.0], ordering_key="x")
+    for queue, key in (("celery", "s"), ("relaxed", "r")):
+        for n in (1, 2, 3):
+            client.send_task(STEP, args=[key, n], ordering_key=key, queue=queue)
+    # One slot, busy with x: s:1 and r:1 are received and wait behind it.
+    with together(oenv, "stopping", concurrency=1, queues="celery,relaxed") as (worker,):
+        wait_for(
+            lambda: (
+                oenv.scalar(
+                    "SELECT count(*) FROM {schema}.message WHERE okey IN ('s', 'r') AND read_ct > 0"
+                )
+                == 2
+            ),
+            30,
+            "s:1 and r:1 to be received",
+        )
+        worker.stop()  # SIGTERM: x finishes, s:1 and r:1 are given back unstarted
+    assert "Restoring 2 unacknowledged message(s)" in worker.output()
+    assert [r.okey for r in runs(oenv)] == ["x"]
+    with together(oenv, "next", concurrency=1, queues="celery,relaxed"):
+        wait_for(lambda: ended(oenv) >= 7, 30, "every run")
+        wait_for(lambda: queue_empty(oenv), 30, "every message acked")
+    keys = by_key(runs(oenv))
+    assert [r.n for r in keys["s"]] == [1, 2, 3]
+    assert [r.n for r in keys["r"]] == [1, 2, 3], "r:1 went to the back of its key"
+
+
 # -- 4. follows -----------------------------------------------------------------------
 
 

@@ -93,7 +93,7 @@ CONSUMER = {
     ),
     "pop": ({"queues": ["q1"], "limit": 16, **BOUND}, ("message_claim_idx", "message_pkey")),
     "ack": (TOKENS, ("message_pkey",)),
-    "release": ({**TOKENS, "channel_prefix": "c"}, ("message_pkey",)),
+    "release": ({**TOKENS, "channel_prefix": "c", "to_back": True}, ("message_pkey",)),
     "renew": ({**TOKENS, "vts": [30.0, 30.0, 30.0]}, ("message_pkey",)),
     # An idle consumer's question: when does the first not-yet-visible message fall due?
     "next_due": ({"queues": ["q1", "q2"]}, ("message_claim_idx",)),
