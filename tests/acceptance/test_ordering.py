@@ -356,6 +356,34 @@ def test_a_follower_published_first_waits_for_its_predecessor(oenv: Env, findabl
     assert oenv.scalar("SELECT count(*) FROM {schema}.ordering_signals") == 0
 
 
+def test_a_chain_published_backwards_across_queues_runs_forwards(oenv: Env) -> None:
+    """c follows b follows a, published c, b, a, b in another queue; and a follower of a
+    task that fails and is dead-lettered runs after it, as after one that succeeded."""
+    client = oenv.client()
+    a, b, c = (str(uuid.uuid4()) for _ in range(3))
+    with together(oenv, "ch1", "ch2", concurrency=2, queues="celery,other"):
+        client.send_task(STEP, args=["c", 3], task_id=c, follows=b, follows_timeout=60)
+        wait_for(lambda: parked(oenv, c), 30, "a claim to hold c back")
+        client.send_task(
+            STEP, args=["b", 2, 0.2], task_id=b, follows=a, follows_timeout=60, queue="other"
+        )
+        wait_for(lambda: parked(oenv, b), 30, "a claim to hold b back")
+        client.send_task(STEP, args=["a", 1, 0.2], task_id=a, followable=True)
+        failing = client.send_task(f"{APP}.fail_first", args=["p", 1], followable=True)
+        client.send_task(STEP, args=["f", 2], follows=failing.id, follows_timeout=60)
+        wait_for(lambda: ended(oenv) >= 5, 30, "five runs")
+        wait_for(lambda: queue_empty(oenv), 30, "every message acked or dead-lettered")
+    rows = runs(oenv)
+    chain = [r for r in rows if r.okey in ("a", "b", "c")]
+    assert [(r.okey, r.queue) for r in chain] == [("a", "celery"), ("b", "other"), ("c", "celery")]
+    assert_one_at_a_time("chain", chain)
+    after_failure = [r for r in rows if r.okey in ("p", "f")]
+    assert [r.okey for r in after_failure] == ["p", "f"]
+    assert_one_at_a_time("p, f", after_failure)
+    assert all(r.missing is None for r in rows)
+    assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == failing.id
+
+
 def test_a_follower_of_a_finished_followable_task_runs_at_once(oenv: Env) -> None:
     client = oenv.client()
     with together(oenv, "ff", concurrency=2):
