@@ -227,9 +227,9 @@ def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: E
     ("queue", "expected"),
     [
         # strict: the retry takes m1's place; m2 waits for it
-        ("celery", [(1, 0), (1, 1), (2, 0), (3, 0)]),
+        pytest.param("celery", [(1, 0), (1, 1), (2, 0), (3, 0)], id="strict"),
         # relaxed: the retry goes to the back of the key
-        ("relaxed", [(1, 0), (2, 0), (3, 0), (1, 1)]),
+        pytest.param("relaxed", [(1, 0), (2, 0), (3, 0), (1, 1)], id="relaxed"),
     ],
 )
 def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_one(
@@ -254,9 +254,9 @@ def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_on
     ("queue", "expected"),
     [
         # strict: given back, m1 stays first, until max_attempts dead-letters it
-        ("celery", [1, 1, 2, 3]),
+        pytest.param("celery", [1, 1, 2, 3], id="strict"),
         # relaxed: given back, m1 goes to the back of the key
-        ("relaxed", [1, 2, 3, 1]),
+        pytest.param("relaxed", [1, 2, 3, 1], id="relaxed"),
     ],
 )
 def test_a_message_given_back_until_dead_lettered_releases_its_key(
