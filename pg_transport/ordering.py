@@ -61,6 +61,11 @@ OPTIONS = {
     "followable": FOLLOWABLE,
 }
 
+# Set by apply_task_defaults when a task's default key cannot be had for a call: why.
+# Celery logs what a before_task_publish receiver raises and publishes anyway (unordered,
+# with no error for the caller); the publish refuses the message instead (placement).
+DEFAULT_REFUSED = "pgq-ordering-refused"
+
 #: Seconds a follower waits for its predecessor when neither it nor the transport says.
 DEFAULT_FOLLOWS_TIMEOUT = 300.0
 # Keys and task ids are index keys: well under Postgres' limit for one.
@@ -144,6 +149,9 @@ def placement(payload: Mapping[str, Any], default_wait: float) -> Placement:
     headers = payload.get("headers")
     if not isinstance(headers, Mapping):
         return UNORDERED
+    refused = headers.get(DEFAULT_REFUSED)
+    if refused is not None:
+        raise OrderingError(str(refused))
     key, follows = headers.get(ORDERING_KEY), headers.get(FOLLOWS)
     followable = headers.get(FOLLOWABLE)
     if key is None and follows is None and followable is None:
@@ -233,7 +241,10 @@ def apply_task_defaults(
     **_: Any,
 ) -> None:
     """Celery's ``before_task_publish``: a task's ``ordering_key`` and ``followable``
-    attributes as headers, unless the call gave them."""
+    attributes as headers, unless the call gave them. A key this call cannot give (the
+    argument not passed, a value that is no key, a callable that raises) makes the
+    publish refuse the message with :class:`OrderingError`: raised here, Celery would
+    only log it and publish the message unordered."""
     if headers is None or sender is None:
         return
     task = _task_named(sender)
@@ -242,9 +253,16 @@ def apply_task_defaults(
     spec: Callable[..., Any] | str | None = getattr(task, "ordering_key", None)
     if spec is not None and ORDERING_KEY not in headers:
         args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
-        key = _key_of(task, spec, args, kwargs)
-        if key is not None:
-            headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
+        try:
+            key = _key_of(task, spec, args, kwargs)
+            if key is not None:
+                headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
+        except Exception as exc:  # Celery would log it and publish the message unordered
+            headers[DEFAULT_REFUSED] = (
+                str(exc)
+                if isinstance(exc, OrderingError)
+                else f"task {task.name}: ordering_key raised {exc!r}"
+            )
     if getattr(task, "followable", False) and FOLLOWABLE not in headers:
         headers[FOLLOWABLE] = True
 

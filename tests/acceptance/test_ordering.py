@@ -423,13 +423,20 @@ def test_a_follower_whose_predecessor_never_comes_runs_after_its_wait(oenv: Env)
 # -- 5. a task's default key -----------------------------------------------------------
 
 PUBLISH = """
-import sys, threading
+import sys, threading, uuid
+from pg_transport.ordering import OrderingError
 from tests.acceptance.ordering_app import customer_step
 
 def publish():
     for n in range(20):
         for customer in ("c1", "c2", "c3"):
             customer_step.delay(customer=customer, n=n)
+    try:  # no usable key (a UUID object): refused, not published unordered
+        customer_step.delay(customer=uuid.uuid4(), n=99)
+    except OrderingError as exc:
+        print("refused:", exc)
+    else:
+        sys.exit("a call with no usable key was published")
 
 if sys.argv[1] == "thread":  # as a web server's request thread would
     t = threading.Thread(target=publish)
@@ -443,13 +450,16 @@ else:
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_a_task_s_ordering_key_argument_keys_its_calls(oenv: Env, where: str) -> None:
     # A separate service importing the app publishes with .delay(customer=...), no header.
-    subprocess.run(
+    published = subprocess.run(
         [sys.executable, "-c", PUBLISH, where],
         cwd=ROOT,
         env=oenv.environ(),
-        check=True,
+        capture_output=True,
+        text=True,
         timeout=60,
     )
+    assert published.returncode == 0, published.stdout + published.stderr
+    assert "refused: header pgq-ordering-key=UUID(" in published.stdout
     with together(oenv, "c1", "c2", concurrency=3):
         wait_for(lambda: ended(oenv) >= 60, 30, "sixty runs")
         wait_for(lambda: queue_empty(oenv), 30, "every message acked")

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import re
 import threading
+import uuid
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from pg_transport.ordering import FOLLOWABLE, ORDERING_KEY, apply_task_defaults
+from pg_transport.ordering import (
+    FOLLOWABLE,
+    ORDERING_KEY,
+    OrderingError,
+    apply_task_defaults,
+    placement,
+)
 
 
 def _app(finalize: bool) -> tuple[Celery, str]:
@@ -57,3 +65,23 @@ def test_a_header_the_call_gave_wins() -> None:
     headers: dict[str, Any] = {ORDERING_KEY: "given", FOLLOWABLE: False}
     apply_task_defaults(sender=name, body=((), {"customer": "c3"}, {}), headers=headers)
     assert headers == {ORDERING_KEY: "given", FOLLOWABLE: False}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"customer": uuid.UUID(int=7)}, "must be a string (or an integer), not UUID"),
+        ({"customer": "x" * 2000}, "must be 1 to 1024 bytes"),
+        ({"amount": 1}, "ordering_key names argument 'customer', which this call does not pass"),
+    ],
+)
+def test_a_call_that_gives_no_usable_key_is_refused_at_publish(
+    kwargs: dict[str, Any], why: str
+) -> None:
+    # Celery logs what a before_task_publish receiver raises and publishes anyway: the
+    # receiver says why in the headers, and the publish (placement) refuses the message.
+    _app_kept, name = _app(True)
+    headers = _headers_sent(name, kwargs)
+    assert ORDERING_KEY not in headers
+    with pytest.raises(OrderingError, match=re.escape(why)):
+        placement({"headers": headers}, 300.0)
