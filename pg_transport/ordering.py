@@ -251,6 +251,9 @@ def apply_task_defaults(
     if task is None:
         return
     spec: Callable[..., Any] | str | None = getattr(task, "ordering_key", None)
+    if inspect.ismethod(spec) and spec.__self__ is task:
+        # @app.task(ordering_key=f) makes f a class attribute: a method of the task.
+        spec = spec.__func__
     if spec is not None and ORDERING_KEY not in headers:
         args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
         try:

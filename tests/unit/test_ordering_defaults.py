@@ -85,3 +85,28 @@ def test_a_call_that_gives_no_usable_key_is_refused_at_publish(
     assert ORDERING_KEY not in headers
     with pytest.raises(OrderingError, match=re.escape(why)):
         placement({"headers": headers}, 300.0)
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+def test_a_key_callable_is_called_with_the_call_s_arguments(finalize: bool) -> None:
+    # Given to @app.task, the callable becomes a class attribute of the task: called as
+    # a function of the call's arguments, not as a method of the task.
+    app = Celery("pgq-ordering-callable", broker="memory://", set_as_current=False)
+
+    def key(customer: str, amount: int = 0, **kw: Any) -> str:
+        return kw["tenant"] + "/" + customer
+
+    @app.task(name="pgq-test.ordering.keyed-by-callable", ordering_key=key, shared=False)
+    def charge(customer: str, amount: int = 0, **kw: Any) -> None:
+        return None
+
+    if finalize:
+        app.finalize()
+    name = str(charge.name)
+    assert _headers_sent(name, {"customer": "c1", "tenant": "t"}) == {ORDERING_KEY: "t/c1"}
+    headers: dict[str, Any] = {}
+    apply_task_defaults(sender=name, body=(["c2", 5], {"tenant": "u"}, {}), headers=headers)
+    assert headers == {ORDERING_KEY: "u/c2"}
+    # One that raises (no tenant) refuses the publish.
+    with pytest.raises(OrderingError, match="ordering_key raised KeyError"):
+        placement({"headers": _headers_sent(name, {"customer": "c1"})}, 300.0)
