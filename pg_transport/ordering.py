@@ -61,6 +61,11 @@ OPTIONS = {
     "followable": FOLLOWABLE,
 }
 
+# Set by apply_task_defaults when a task's default key cannot be had for a call: why.
+# Celery logs what a before_task_publish receiver raises and publishes anyway (unordered,
+# with no error for the caller); the publish refuses the message instead (placement).
+DEFAULT_REFUSED = "pgq-ordering-refused"
+
 #: Seconds a follower waits for its predecessor when neither it nor the transport says.
 DEFAULT_FOLLOWS_TIMEOUT = 300.0
 # Keys and task ids are index keys: well under Postgres' limit for one.
@@ -144,6 +149,9 @@ def placement(payload: Mapping[str, Any], default_wait: float) -> Placement:
     headers = payload.get("headers")
     if not isinstance(headers, Mapping):
         return UNORDERED
+    refused = headers.get(DEFAULT_REFUSED)
+    if refused is not None:
+        raise OrderingError(str(refused))
     key, follows = headers.get(ORDERING_KEY), headers.get(FOLLOWS)
     followable = headers.get(FOLLOWABLE)
     if key is None and follows is None and followable is None:
@@ -208,6 +216,24 @@ def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
     )
 
 
+def _task_named(name: str) -> Any:
+    """The task ``name`` as its app knows it. Celery's ``before_task_publish`` does not
+    say which app sends: the current one (per thread, so a thread that made no app has
+    Celery's fallback, which holds only shared tasks), then every app's registry as it
+    is (a task made before its app is finalized is there; the look finalizes nothing)."""
+    from celery import current_app
+    from celery._state import _get_active_apps
+
+    task = current_app.tasks.get(name)
+    if task is not None:
+        return task
+    for app in list(_get_active_apps()):
+        task = app._tasks.get(name)
+        if task is not None:
+            return task
+    return None
+
+
 def apply_task_defaults(
     sender: str | None = None,
     body: Any = None,
@@ -215,12 +241,13 @@ def apply_task_defaults(
     **_: Any,
 ) -> None:
     """Celery's ``before_task_publish``: a task's ``ordering_key`` and ``followable``
-    attributes as headers, unless the call gave them."""
+    attributes as headers, unless the call gave them. A key this call cannot give (the
+    argument not passed, a value that is no key, a callable that raises) makes the
+    publish refuse the message with :class:`OrderingError`: raised here, Celery would
+    only log it and publish the message unordered."""
     if headers is None or sender is None:
         return
-    from celery import current_app
-
-    task = current_app.tasks.get(sender)
+    task = _task_named(sender)
     if task is None:
         return
     # Read unbound: Celery keeps a task's options as class attributes, and a function
@@ -230,9 +257,16 @@ def apply_task_defaults(
         spec = spec.__func__
     if spec is not None and ORDERING_KEY not in headers:
         args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
-        key = _key_of(task, spec, args, kwargs)
-        if key is not None:
-            headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
+        try:
+            key = _key_of(task, spec, args, kwargs)
+            if key is not None:
+                headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
+        except Exception as exc:  # Celery would log it and publish the message unordered
+            headers[DEFAULT_REFUSED] = (
+                str(exc)
+                if isinstance(exc, OrderingError)
+                else f"task {task.name}: ordering_key raised {exc!r}"
+            )
     if getattr(task, "followable", False) and FOLLOWABLE not in headers:
         headers[FOLLOWABLE] = True
 

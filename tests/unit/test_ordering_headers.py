@@ -83,5 +83,7 @@ def test_a_tasks_default_key_comes_from_its_argument_by_name_or_position() -> No
     headers = {}
     apply_task_defaults(sender=ledger.name, body=((7,), {}, {}), headers=headers)
     assert headers == {"pgq-ordering-key": "acct-7"}
-    with pytest.raises(OrderingError, match="missing"):
-        apply_task_defaults(sender=broken.name, body=((1,), {}, {}), headers={})
+    refused: dict[str, Any] = {"id": "t9"}
+    apply_task_defaults(sender=broken.name, body=((1,), {}, {}), headers=refused)
+    with pytest.raises(OrderingError, match="missing"):  # the publish refuses it
+        placement({"headers": refused}, 300.0)
