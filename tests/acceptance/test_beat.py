@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat
+from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat, start_beats, stop_beats
 from tests.acceptance.harness import ROOT, Env, wait_for
 
 pytestmark = pytest.mark.acceptance
@@ -31,8 +31,7 @@ pytestmark = pytest.mark.acceptance
 def beats(env: Env) -> Iterator[list[Beat]]:
     started: list[Beat] = []
     yield started
-    for beat in started:
-        beat.kill(signal.SIGTERM)
+    stop_beats(started)
 
 
 def rows(env: Env, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -79,13 +78,12 @@ def count_of(env: Env, entry: str) -> int:
 
 def test_three_replicas_send_each_slot_once(env: Env, beats: list[Beat]) -> None:
     entries = {"half": {"every": 0.5}, "one": {"every": 1}}
-    beats += [start_beat(env, entries) for _ in range(3)]
+    beats += start_beats(env, entries, {}, {}, {})
     wait_for(lambda: count_of(env, "one") >= 6, 30, "six slots of 'one'")
     # One beat did the work; the others only watched the lease (until it stops: a beat
     # stopped cleanly hands the lease over).
     assert len(rows(env, "SELECT DISTINCT sent_by FROM {schema}.beat_slot")) == 1
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+    stop_beats(beats)
     counted = sent(env)
     assert len(assert_once_and_contiguous(counted, "one", 1.0)) >= 6
     assert len(assert_once_and_contiguous(counted, "half", 0.5)) >= 12
@@ -97,7 +95,7 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
     env: Env, beats: list[Beat]
 ) -> None:
     entries = {"one": {"every": 1}}
-    beats += [start_beat(env, entries) for _ in range(3)]
+    beats += start_beats(env, entries, {}, {}, {})
     wait_for(lambda: count_of(env, "one") >= 3, 30, "three slots sent")
     for _ in range(2):
         holder, term, _ = leader(env)
@@ -116,8 +114,7 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
         assert taken_after <= 2 * TICK + 0.25, taken_after
         before = count_of(env, "one")
         wait_for(lambda before=before: count_of(env, "one") >= before + 3, 30, "sends to go on")
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+    stop_beats(beats)
     # The slots that fell due while no beat led were sent late, once each.
     assert len(assert_once_and_contiguous(sent(env), "one", 1.0)) >= 9
 
@@ -149,8 +146,7 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
     """Three beats whose clocks are 4 s ahead, right and 4 s behind; the leader is
     killed twice so that each clock gets to lead."""
     entries = {"one": {"every": 1}}
-    for skew in ("4", "0", "-4"):
-        beats.append(start_beat(env, entries, TEST_CLOCK_SKEW=skew))
+    beats += start_beats(env, entries, *({"TEST_CLOCK_SKEW": s} for s in ("4", "0", "-4")))
     wait_for(lambda: count_of(env, "one") >= 3, 30, "three slots sent")
     for _ in range(2):
         holder, term, _ = leader(env)
@@ -161,8 +157,7 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
         before = count_of(env, "one")
         wait_for(lambda before=before: count_of(env, "one") >= before + 2, 30, "more sends")
     assert "clock skewed by" in "".join(b.output() for b in beats)
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+    stop_beats(beats)
     assert_once_and_contiguous(sent(env), "one", 1.0)
     [(early,)] = rows(env, "SELECT count(*) FROM {schema}.beat_slot WHERE sent_at < due_at")
     assert early == 0
@@ -172,7 +167,7 @@ def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once
     env: Env, beats: list[Beat]
 ) -> None:
     entries = {"half": {"every": 0.5}}
-    beats += [start_beat(env, entries) for _ in range(2)]
+    beats += start_beats(env, entries, {}, {})
     wait_for(lambda: count_of(env, "half") >= 4, 30, "four slots sent")
     for _ in range(3):
         holder, _, _ = leader(env)
@@ -188,8 +183,7 @@ def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once
         before = count_of(env, "half")
         wait_for(lambda before=before: count_of(env, "half") >= before + 4, 30, "sends to go on")
     assert all(b.proc.poll() is None for b in beats), "a beat exited"
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+    stop_beats(beats)
     assert len(assert_once_and_contiguous(sent(env), "half", 0.5)) >= 16
 
 
