@@ -25,7 +25,8 @@ SLOW = "tests.acceptance.app.slow_mark"
 def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     total = 2000
     client = env.client()
-    with client.producer_or_acquire() as producer:
+    # One commit for the backlog (pg_transport.batch): the workers start after it.
+    with client.producer_or_acquire() as producer, pg_transport.batch():
         ids = [client.send_task(MARK, args=[f"t{n}"], producer=producer).id for n in range(total)]
     with workers(env, "w1", "w2", concurrency=4):
         wait_for(
