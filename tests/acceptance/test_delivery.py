@@ -176,7 +176,7 @@ def test_idle_workers_are_woken_by_a_publish_and_a_killed_one_holds_nothing(
             30,
             "every task to be acked",
         )
-        # Killed, not stopped: a warm shutdown with a minute's polling interval takes
-        # some 10 s, and what it would flush is already proven acked above.
+        # Killed, not stopped: with no poll due for a minute, a warm shutdown waits out
+        # the event loop's longest sleep (10 s); the acks are already checked above.
         alive.kill()
         alive.proc.wait(10)
