@@ -22,6 +22,7 @@ TICK = 1.0  # --max-interval
 class Beat:
     proc: subprocess.Popen[bytes]
     log: Path
+    scheduler: str | None = "pgq"
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -32,11 +33,19 @@ class Beat:
         self.proc.wait(30)
 
 
-def start_beat(
+def stop_beats(beats: list[Beat]) -> None:
+    """SIGTERM every beat at once, then wait for each to exit."""
+    for beat in beats:
+        if beat.proc.poll() is None:
+            os.killpg(beat.proc.pid, signal.SIGTERM)
+    for beat in beats:
+        beat.proc.wait(30)
+
+
+def spawn_beat(
     env: Env, entries: dict[str, Any], *, scheduler: str | None = "pgq", **environ: str
 ) -> Beat:
-    """A beat with ``entries`` as its beat_schedule (see beat_app), once it stored them
-    (``scheduler=None``: Celery's own file-based scheduler, once it started)."""
+    """A beat with ``entries`` as its beat_schedule (see beat_app), just started."""
     log = Path(tempfile.mkstemp(prefix="pgq-beat-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "celery", "-A", BEAT_APP, "beat", "-l", "info"]
     cmd += ["--max-interval", str(int(TICK))]
@@ -53,12 +62,41 @@ def start_beat(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    beat = Beat(proc, log)
+    return Beat(proc, log, scheduler)
+
+
+def wait_synced(beats: list[Beat]) -> None:
+    """Wait until every beat stored its schedule (Celery's own scheduler: started)."""
 
     def synced() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"beat exited early:\n{beat.output()}")
-        return ("from beat_schedule" if scheduler else "beat: Starting") in beat.output()
+        for beat in beats:
+            if beat.proc.poll() is not None:
+                raise AssertionError(f"beat exited early:\n{beat.output()}")
+        return all(
+            ("from beat_schedule" if b.scheduler else "beat: Starting") in b.output() for b in beats
+        )
 
     wait_for(synced, 60, "a beat to store its schedule")
+
+
+def start_beat(
+    env: Env, entries: dict[str, Any], *, scheduler: str | None = "pgq", **environ: str
+) -> Beat:
+    """A beat with ``entries`` as its beat_schedule (see beat_app), once it stored them
+    (``scheduler=None``: Celery's own file-based scheduler, once it started)."""
+    beat = spawn_beat(env, entries, scheduler=scheduler, **environ)
+    wait_synced([beat])
     return beat
+
+
+def start_beats(env: Env, entries: dict[str, Any], *environs: dict[str, str]) -> list[Beat]:
+    """One pgq beat per ``environs`` item, started side by side (as replicas are), once
+    each stored its schedule."""
+    beats = [spawn_beat(env, entries, **environ) for environ in environs]
+    try:
+        wait_synced(beats)
+    except BaseException:
+        for beat in beats:
+            beat.kill()
+        raise
+    return beats

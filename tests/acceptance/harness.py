@@ -174,30 +174,46 @@ def start_worker(
             start_new_session=True,
         )
     worker = Worker(proc, log, name)
-    if not wait:
-        return worker
+    if wait:
+        wait_ready([worker], ready_timeout, may_exit=may_exit)
+    return worker
+
+
+def wait_ready(started: list[Worker], timeout: float = 60, *, may_exit: bool = False) -> None:
+    """Wait until every one of ``started`` is ready (``may_exit``: or has exited)."""
 
     def ready() -> bool:
-        if proc.poll() is not None:
-            if may_exit:
-                return True
-            raise AssertionError(f"worker {name} exited early:\n{worker.output()}")
-        return " ready." in worker.output()
+        for worker in started:
+            if worker.proc.poll() is not None and not may_exit:
+                raise AssertionError(f"worker {worker.name} exited early:\n{worker.output()}")
+        return all(w.proc.poll() is not None or " ready." in w.output() for w in started)
 
-    wait_for(ready, ready_timeout, f"worker {name} to be ready")
-    return worker
+    names = ", ".join(w.name for w in started)
+    wait_for(ready, timeout, f"worker {names} to be ready")
+
+
+def stop_all(started: list[Worker], timeout: float = 30) -> None:
+    """Warm-shut every worker down at once (each shutdown takes a moment of its own)."""
+    for worker in started:
+        if worker.proc.poll() is None:
+            os.killpg(worker.proc.pid, signal.SIGTERM)
+    for worker in started:
+        worker.stop(timeout)
 
 
 @contextmanager
 def workers(env: Env, *names: str, **kwargs: Any) -> Iterator[list[Worker]]:
+    """Workers started side by side (their start-ups overlap), ready when yielded."""
+    may_exit = bool(kwargs.get("may_exit", False))
+    timeout = float(kwargs.pop("ready_timeout", 60))
     started: list[Worker] = []
     try:
         for name in names:
-            started.append(start_worker(env, name, **kwargs))
+            started.append(start_worker(env, name, **kwargs, wait=False))
+        wait_ready(started, timeout, may_exit=may_exit)
         yield started
     finally:
-        for worker in started:
-            worker.stop()
+        stop_all(started)
 
 
 def terminate_backends_of(env: Env, worker: Worker) -> int:

@@ -21,18 +21,23 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat
+from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat, start_beats, stop_beats
 from tests.acceptance.harness import ROOT, Env, wait_for
 
 pytestmark = pytest.mark.acceptance
+
+# The entries' periods: shorter than the tick (slots fall due several times a tick, the
+# beat sleeps until the next one), so that the slots the tests count come quickly; the
+# lease, and so the takeover, keeps the tick's timing.
+EVERY = TICK / 2
+HALF = EVERY / 2
 
 
 @pytest.fixture
 def beats(env: Env) -> Iterator[list[Beat]]:
     started: list[Beat] = []
     yield started
-    for beat in started:
-        beat.kill(signal.SIGTERM)
+    stop_beats(started)
 
 
 def rows(env: Env, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -78,17 +83,16 @@ def count_of(env: Env, entry: str) -> int:
 
 
 def test_three_replicas_send_each_slot_once(env: Env, beats: list[Beat]) -> None:
-    entries = {"half": {"every": 0.5}, "one": {"every": 1}}
-    beats += [start_beat(env, entries) for _ in range(3)]
-    wait_for(lambda: count_of(env, "one") >= 6, 30, "six slots of 'one'")
+    entries = {"half": {"every": HALF}, "slot": {"every": EVERY}}
+    beats += start_beats(env, entries, {}, {}, {})
+    wait_for(lambda: count_of(env, "slot") >= 6, 30, "six slots of 'slot'")
     # One beat did the work; the others only watched the lease (until it stops: a beat
     # stopped cleanly hands the lease over).
     assert len(rows(env, "SELECT DISTINCT sent_by FROM {schema}.beat_slot")) == 1
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+    stop_beats(beats)
     counted = sent(env)
-    assert len(assert_once_and_contiguous(counted, "one", 1.0)) >= 6
-    assert len(assert_once_and_contiguous(counted, "half", 0.5)) >= 12
+    assert len(assert_once_and_contiguous(counted, "slot", EVERY)) >= 6
+    assert len(assert_once_and_contiguous(counted, "half", HALF)) >= 12
     [(early,)] = rows(env, "SELECT count(*) FROM {schema}.beat_slot WHERE sent_at < due_at")
     assert early == 0
 
@@ -96,9 +100,9 @@ def test_three_replicas_send_each_slot_once(env: Env, beats: list[Beat]) -> None
 def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
     env: Env, beats: list[Beat]
 ) -> None:
-    entries = {"one": {"every": 1}}
-    beats += [start_beat(env, entries) for _ in range(3)]
-    wait_for(lambda: count_of(env, "one") >= 3, 30, "three slots sent")
+    entries = {"slot": {"every": EVERY}}
+    beats += start_beats(env, entries, {}, {}, {})
+    wait_for(lambda: count_of(env, "slot") >= 3, 30, "three slots sent")
     for _ in range(2):
         holder, term, _ = leader(env)
         pid = int(holder.split(":")[-2])
@@ -114,31 +118,30 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
         # Two ticks, and a little for the test's own reading of the time after the kill.
         taken_after = (acquired_at - killed_at).total_seconds()
         assert taken_after <= 2 * TICK + 0.25, taken_after
-        before = count_of(env, "one")
-        wait_for(lambda before=before: count_of(env, "one") >= before + 3, 30, "sends to go on")
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
+        before = count_of(env, "slot")
+        wait_for(lambda before=before: count_of(env, "slot") >= before + 3, 30, "sends to go on")
+    stop_beats(beats)
     # The slots that fell due while no beat led were sent late, once each.
-    assert len(assert_once_and_contiguous(sent(env), "one", 1.0)) >= 9
+    assert len(assert_once_and_contiguous(sent(env), "slot", EVERY)) >= 9
 
 
 def test_a_restarted_beat_sends_nothing_twice(env: Env, beats: list[Beat]) -> None:
-    entries = {"one": {"every": 1}, "cron": {"crontab": "* * * * *"}}
+    entries = {"slot": {"every": EVERY}, "cron": {"crontab": "* * * * *"}}
     first = start_beat(env, entries)
     beats.append(first)
-    wait_for(lambda: count_of(env, "one") >= 3, 30, "three slots sent")
+    wait_for(lambda: count_of(env, "slot") >= 3, 30, "three slots sent")
     first.kill()  # SIGKILL: no goodbye, its lease runs out by itself
     before = sent(env)
     again = start_beat(env, entries)
     beats.append(again)
-    wait_for(lambda: count_of(env, "one") >= len(slots_of(before, "one")) + 3, 30, "more slots")
+    wait_for(lambda: count_of(env, "slot") >= len(slots_of(before, "slot")) + 3, 30, "more slots")
     again.kill(signal.SIGTERM)
     third = start_beat(env, entries)  # after a clean stop, at once
     beats.append(third)
-    wait_for(lambda: count_of(env, "one") >= len(slots_of(before, "one")) + 6, 30, "more slots")
+    wait_for(lambda: count_of(env, "slot") >= len(slots_of(before, "slot")) + 6, 30, "more slots")
     third.kill(signal.SIGTERM)
-    slots = assert_once_and_contiguous(sent(env), "one", 1.0)
-    assert slots[: len(slots_of(before, "one"))] == slots_of(before, "one")
+    slots = assert_once_and_contiguous(sent(env), "slot", EVERY)
+    assert slots[: len(slots_of(before, "slot"))] == slots_of(before, "slot")
     [(entries_sent,)] = rows(env, "SELECT sum(sent_count) FROM {schema}.beat_entry")
     assert entries_sent == sum(sent(env).values())
 
@@ -148,22 +151,20 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
 ) -> None:
     """Three beats whose clocks are 4 s ahead, right and 4 s behind; the leader is
     killed twice so that each clock gets to lead."""
-    entries = {"one": {"every": 1}}
-    for skew in ("4", "0", "-4"):
-        beats.append(start_beat(env, entries, TEST_CLOCK_SKEW=skew))
-    wait_for(lambda: count_of(env, "one") >= 3, 30, "three slots sent")
+    entries = {"slot": {"every": EVERY}}
+    beats += start_beats(env, entries, *({"TEST_CLOCK_SKEW": s} for s in ("4", "0", "-4")))
+    wait_for(lambda: count_of(env, "slot") >= 3, 30, "three slots sent")
     for _ in range(2):
         holder, term, _ = leader(env)
         pid = int(holder.split(":")[-2])
         [victim] = [b for b in beats if b.proc.pid == pid]
         victim.kill()
         wait_for(lambda term=term: leader(env)[1] > term, 30, "a new leader")
-        before = count_of(env, "one")
-        wait_for(lambda before=before: count_of(env, "one") >= before + 2, 30, "more sends")
+        before = count_of(env, "slot")
+        wait_for(lambda before=before: count_of(env, "slot") >= before + 2, 30, "more sends")
     assert "clock skewed by" in "".join(b.output() for b in beats)
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
-    assert_once_and_contiguous(sent(env), "one", 1.0)
+    stop_beats(beats)
+    assert_once_and_contiguous(sent(env), "slot", EVERY)
     [(early,)] = rows(env, "SELECT count(*) FROM {schema}.beat_slot WHERE sent_at < due_at")
     assert early == 0
 
@@ -171,8 +172,8 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
 def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once(
     env: Env, beats: list[Beat]
 ) -> None:
-    entries = {"half": {"every": 0.5}}
-    beats += [start_beat(env, entries) for _ in range(2)]
+    entries = {"half": {"every": HALF}}
+    beats += start_beats(env, entries, {}, {})
     wait_for(lambda: count_of(env, "half") >= 4, 30, "four slots sent")
     for _ in range(3):
         holder, _, _ = leader(env)
@@ -188,9 +189,8 @@ def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once
         before = count_of(env, "half")
         wait_for(lambda before=before: count_of(env, "half") >= before + 4, 30, "sends to go on")
     assert all(b.proc.poll() is None for b in beats), "a beat exited"
-    for beat in beats:
-        beat.kill(signal.SIGTERM)
-    assert len(assert_once_and_contiguous(sent(env), "half", 0.5)) >= 16
+    stop_beats(beats)
+    assert len(assert_once_and_contiguous(sent(env), "half", HALF)) >= 16
 
 
 @pytest.mark.parametrize(

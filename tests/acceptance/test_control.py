@@ -17,7 +17,9 @@ MARK = "tests.acceptance.app.mark"
 def test_inspect_ping_reaches_every_worker(env: Env) -> None:
     with workers(env, "w1", "w2", "w3", concurrency=1):
         client = env.client()
-        replies = client.control.inspect(timeout=5).ping()
+        # The reply limit ends the wait once all three answered (without it, a broadcast
+        # waits out its whole timeout); a worker that does not answer is still missing.
+        replies = client.control.inspect(timeout=5, limit=3).ping()
         assert replies is not None
         assert sorted(name.split("@")[0] for name in replies) == ["w1", "w2", "w3"]
         assert all(reply == {"ok": "pong"} for reply in replies.values())
@@ -28,9 +30,10 @@ def test_inspect_ping_reaches_every_worker(env: Env) -> None:
 def test_control_rate_limit_revoke_and_shutdown(env: Env) -> None:
     with workers(env, "ctl", concurrency=1) as (worker,):
         client = env.client()
-        answer = client.control.rate_limit(MARK, "10/m", reply=True, timeout=5)
+        # limit=1: back as soon as the one worker answered, not after the whole timeout.
+        answer = client.control.rate_limit(MARK, "10/m", reply=True, timeout=5, limit=1)
         assert answer and "rate limit set successfully" in str(answer)
-        revoked = client.control.revoke("some-task-id", reply=True, timeout=5)
+        revoked = client.control.revoke("some-task-id", reply=True, timeout=5, limit=1)
         assert revoked and "revoked" in str(revoked).lower()
         client.control.shutdown(reply=False)
         assert worker.proc.wait(30) == 0

@@ -25,7 +25,8 @@ SLOW = "tests.acceptance.app.slow_mark"
 def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     total = 2000
     client = env.client()
-    with client.producer_or_acquire() as producer:
+    # One commit for the backlog (pg_transport.batch): the workers start after it.
+    with client.producer_or_acquire() as producer, pg_transport.batch():
         ids = [client.send_task(MARK, args=[f"t{n}"], producer=producer).id for n in range(total)]
     with workers(env, "w1", "w2", concurrency=4):
         wait_for(
@@ -74,7 +75,8 @@ def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
     vt = 3.0
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt)}
     client = env.client()
-    result = client.send_task(SLOW, args=["crash", 4.0])
+    # Long enough to be killed mid-run (the kill follows its start within ~50 ms).
+    result = client.send_task(SLOW, args=["crash", 2.0])
     first = start_worker(env, "doomed", concurrency=2, environ=environ)
     try:
         wait_for(lambda: env.runs(), 30, "the task to start on the first worker")
@@ -100,14 +102,14 @@ def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
 def test_long_task_is_not_redelivered_while_renewed(env: Env) -> None:
     environ = {"PGQ_VISIBILITY_TIMEOUT": "1"}
     client = env.client()
-    client.send_task(SLOW, args=["long", 5.0])
+    client.send_task(SLOW, args=["long", 3.0])
     with workers(env, "a", "b", concurrency=2, environ=environ):
         wait_for(
             lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
             60,
             "the long task to finish and be acked",
         )
-    assert len(env.runs()) == 1  # 5x its vt, yet no second run
+    assert len(env.runs()) == 1  # 3x its vt, yet no second run
 
 
 def test_priority_order(env: Env) -> None:
@@ -169,4 +171,12 @@ def test_idle_workers_are_woken_by_a_publish_and_a_killed_one_holds_nothing(
         wait_for(lambda: len(env.runs()) == 4, 30, "every task, on the live worker")
         assert time.monotonic() - started < 30
         assert {r[2] for r in env.runs()} == {alive.proc.pid}
-    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+            30,
+            "every task to be acked",
+        )
+        # Killed, not stopped: with no poll due for a minute, a warm shutdown waits out
+        # the event loop's longest sleep (10 s); the acks are already checked above.
+        alive.kill()
+        alive.proc.wait(10)

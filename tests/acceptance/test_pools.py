@@ -65,10 +65,11 @@ def test_a_pool_runs_each_task_once_in_priority_order_and_dead_letters_what_it_c
 def test_a_pool_s_killed_worker_s_task_runs_again_once_and_a_long_one_keeps_its_lease(
     env: Env, pool: str
 ) -> None:
-    vt = 2.0
+    vt = 1.5
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt)}
     client = env.client()
-    crashed = client.send_task(SLOW, args=["crash", 3.0])
+    # Long enough to be killed mid-run (the kill follows its start within ~50 ms).
+    crashed = client.send_task(SLOW, args=["crash", 2.0])
     first = start_worker(env, f"{pool}-doomed", pool=pool, concurrency=1, environ=environ)
     try:
         wait_for(lambda: env.runs(), 30, "the task to start on the first worker")

@@ -27,12 +27,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
+import pg_transport
 from tests.acceptance.cluster import (
     Cluster,
     ClusterUnavailable,
@@ -97,9 +99,14 @@ def messages_left(env: Env) -> Any:
     return scalar_or_none(env, "SELECT count(*) FROM {schema}.message")
 
 
-def publish(env: Env, total: int, label: str = "r") -> list[str]:
+def publish(env: Env, total: int, label: str = "r", *, one_commit: bool = False) -> list[str]:
+    """``one_commit``: in one pg_transport.batch (for a backlog published before any
+    worker starts, where a commit per task would only take time)."""
     client = env.client()
-    with client.producer_or_acquire() as producer:
+    with (
+        client.producer_or_acquire() as producer,
+        pg_transport.batch() if one_commit else nullcontext(),
+    ):
         return [
             client.send_task(MARK, args=[f"{label}{n}"], producer=producer).id for n in range(total)
         ]
@@ -117,7 +124,7 @@ def test_workers_reconnect_after_server_restart_and_every_task_runs(
     t0 = time.monotonic()
     env = prepare(cluster.url(), new_schema_name())
     prepare_runs(env.pg_url, env.schema)
-    ids = publish(env, TOTAL)
+    ids = publish(env, TOTAL, one_commit=True)
     t_published = time.monotonic()
     started_before = cluster.start_time()
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(VT), "TEST_PREFETCH": str(PREFETCH)}

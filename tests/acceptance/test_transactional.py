@@ -51,7 +51,10 @@ def worker(env: Env) -> Iterator[Worker]:
     # Polling a minute apart: within the tests' waits only a wake-up brings a message.
     w = start_worker(env, "txn", environ={"PGQ_POLLING_INTERVAL": "60"})
     yield w
-    w.stop()
+    # Killed: nothing is checked after the tests, and a warm shutdown waits out the
+    # event loop's longest sleep (10 s) when no poll is due sooner.
+    w.kill()
+    w.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
