@@ -149,7 +149,7 @@ def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_p
                     for k in range(keys):
                         client.send_task(
                             STEP,
-                            args=[f"k{k}", n, rng.uniform(0, 0.02)],
+                            args=[f"k{k}", n, rng.uniform(0, 0.006)],
                             headers={KEY: f"k{k}"},
                             producer=producer,
                         )
