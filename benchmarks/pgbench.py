@@ -101,8 +101,16 @@ def run_pgq_insert(
     pgbench = find_pgbench()
     if pgbench is None:
         return _no_pgbench()
-    script = pgbench_script(load_queries(schema)["enqueue"], nulls=("ttl",))  # no expiry
-    defines = {"queue": queue, "priority": "0", "delay": "0", "payload": payload}
+    # No expiry, no ordering key or follows link: an ordinary message.
+    unordered = ("ttl", "okey", "task_id", "follows", "follow_wait")
+    script = pgbench_script(load_queries(schema)["enqueue"], nulls=unordered)
+    defines = {
+        "queue": queue,
+        "priority": "0",
+        "delay": "0",
+        "payload": payload,
+        "followable": "false",
+    }
     env = None if durable else {"PGOPTIONS": "-c synchronous_commit=off"}
     found = _run(
         pgbench,
