@@ -176,16 +176,18 @@ WITH wanted AS (
 ), gated AS MATERIALIZED (
     SELECT c.*,
            CASE WHEN c.okey IS NULL THEN NULL
+                -- No earlier message of its key (the common case): one probe.
+                WHEN (SELECT 1 FROM {schema}.message AS p
+                             WHERE p.queue = c.queue AND p.okey = c.okey
+                               AND (p.oseq, p.id) < (c.oseq, c.id)
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1) IS NULL
+               THEN NULL
                 WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
                              WHERE p.queue = c.queue AND p.okey = c.okey
                                AND (p.oseq, p.id) < (c.oseq, c.id)
                                AND p.id <> ALL(ARRAY(SELECT id FROM acked))
                              FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
-                WHEN (SELECT 1 FROM {schema}.message AS p
-                             WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND (p.oseq, p.id) < (c.oseq, c.id)
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1) IS NOT NULL
-               THEN 'busy'
+                ELSE 'busy'
            END AS key_gate,
            CASE WHEN c.follows IS NULL THEN NULL
                 WHEN (SELECT 1 FROM {schema}.follow_done AS d
