@@ -346,3 +346,19 @@ def test_listen_url_goes_with_use_notify_off() -> None:
         options({"use_notify": False, "listen_url": "redis://x"})
     with pytest.raises(ConfigurationError, match="listen_url"):
         options({"use_notify": False, "listen_url": 5})
+
+
+def test_ordering_modes_per_queue_from_options_and_environment() -> None:
+    opts = Options.from_sources(
+        {"queue_ordering": {"hooks": "Relaxed", "ledger": "strict"}, "follows_timeout": 0},
+        {"PGQ_ORDERING_REPORTS_DAILY": "relaxed", "PGQ_FOLLOWS_RETENTION": "60"},
+    )
+    assert opts.ordering_for("hooks") == "relaxed"
+    assert opts.ordering_for("ledger") == "strict"
+    assert opts.ordering_for("reports.daily") == "relaxed"
+    assert opts.ordering_for("other") is None  # not configured: the queue keeps its mode
+    assert (opts.follows_timeout, opts.follows_retention) == (0.0, 60.0)
+    with pytest.raises(ConfigurationError, match=r"queue_ordering\['hooks'\].*strict, relaxed"):
+        Options.from_sources({"queue_ordering": {"hooks": "fifo"}}, {})
+    with pytest.raises(ConfigurationError, match="PGQ_ORDERING_HOOKS"):
+        Options.from_sources(None, {"PGQ_ORDERING_HOOKS": "loose"})
