@@ -40,9 +40,13 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture
 def schema(pg_url: str) -> Iterator[str]:
+    """A new schema name (nothing created). Dropped after the test, unless the session
+    made its own database: dropping that at the session's end takes every test's schema
+    along at once, cheaper than a connection and a DROP SCHEMA per test (~20 ms each)."""
     name = new_schema_name()
     yield name
-    drop_schema(pg_url, name)
+    if not created_session_database():
+        drop_schema(pg_url, name)
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,11 @@ from tests.pg import to_broker_url
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.app"
+#: An idle worker notices a warm shutdown (SIGTERM) only when its wait for messages
+#: ends, at its next poll: up to polling_interval (1 s by default) after the signal.
+#: Modules that time nothing against the poll give their workers this (Env.extra), so
+#: that stopping them is quick.
+QUICK_STOP = {"PGQ_POLLING_INTERVAL": "0.2"}
 
 
 @dataclass

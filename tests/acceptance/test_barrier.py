@@ -15,9 +15,17 @@ from psycopg import sql
 
 from barrier import Barrier
 from barrier.backend import forget
-from tests.acceptance.harness import Env, start_worker, wait_for
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 APP = "tests.acceptance.app."
 # A killed worker's messages come back after this many seconds.

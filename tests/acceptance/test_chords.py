@@ -11,12 +11,20 @@ import pytest
 from celery import Celery, chord, states
 from celery.exceptions import ChordError
 
-from tests.acceptance.harness import Env, start_worker, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for, workers
 
 pytestmark = [
     pytest.mark.acceptance,
     pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning"),
 ]
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 APP = "tests.acceptance.results_app"
 T = "tests.acceptance.results_app."

@@ -58,7 +58,8 @@ def test_ten_thousand_countdowns_stay_in_postgres(env: Env) -> None:
         for n in range(total):
             client.send_task(MARK, args=[f"h{n}"], countdown=3600, producer=producer)
     assert env.scalar("SELECT count(*) FROM {schema}.message WHERE visible_at > now()") == total
-    with workers(env, "flat", concurrency=2) as (worker,):
+    # Polls every 0.2 s (the default is 1 s): the span below holds five of them.
+    with workers(env, "flat", concurrency=2, environ={"PGQ_POLLING_INTERVAL": "0.2"}) as (worker,):
         before = rss_kib(worker.proc.pid)
         # A worker holding ETA tasks in memory would claim them all at once: give it
         # several polls to do so (waiting for the absence of an event needs a span).
@@ -70,8 +71,8 @@ def test_ten_thousand_countdowns_stay_in_postgres(env: Env) -> None:
             "the worker to be consuming",
         )
         # A worker holding ETA tasks in memory would claim them all in its first
-        # polls: give it three (waiting for the absence of an event takes a span).
-        time.sleep(3.0)
+        # polls: give it five (waiting for the absence of an event takes a span).
+        time.sleep(1.0)
         assert env.scalar("SELECT count(*) FROM {schema}.message WHERE read_ct > 0") == 0
         after = rss_kib(worker.proc.pid)
     assert env.runs() == []

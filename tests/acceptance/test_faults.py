@@ -6,9 +6,17 @@ from collections import Counter
 
 import pytest
 
-from tests.acceptance.harness import Env, terminate_backends_of, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, Env, terminate_backends_of, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 SLOW = "tests.acceptance.app.slow_mark"
 

@@ -11,9 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.harness import ROOT, Env, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, ROOT, Env, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 APP = "tests.acceptance.features_app"
 T = APP + "."

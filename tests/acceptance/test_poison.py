@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 from psycopg import sql
 
-from tests.acceptance.harness import Env, start_worker, wait_for
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 APP = "tests.acceptance.poison_app"
 TASK = "tests.acceptance.poison_app.run_pipeline"

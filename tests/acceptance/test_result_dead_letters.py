@@ -14,9 +14,17 @@ from celery import Celery, states
 from celery.exceptions import Reject
 
 from pg_transport.results.errors import DeadLettered
-from tests.acceptance.harness import Env, start_worker, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 APP = "tests.acceptance.results_app"
 T = "tests.acceptance.results_app."

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.acceptance.harness import Env, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, Env, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 MARK = "tests.acceptance.app.mark"
 

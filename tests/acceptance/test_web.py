@@ -16,13 +16,21 @@ import pytest
 from psycopg import sql
 
 from tests.acceptance import console as web
-from tests.acceptance.harness import Env, start_worker, wait_for
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 from tests.pg import pgq_url
 
 pytestmark = [
     pytest.mark.acceptance,
     pytest.mark.skipif(not web.available(), reason="needs chromium and chromium-driver"),
 ]
+
+
+@pytest.fixture
+def env(env: Env) -> Env:
+    """Workers that poll every 0.2 s (QUICK_STOP): nothing here is timed against the poll."""
+    env.extra.update(QUICK_STOP)
+    return env
+
 
 TOKEN = "test-token-0123456789"
 MARK = "tests.acceptance.app.mark"

@@ -11,15 +11,36 @@ import pytest
 from kombu import Connection, Consumer, Queue
 from psycopg import sql
 
-from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.migrate import current_version, ensure_schema, latest_version
 from pg_transport.db.pool import Connector
+from pg_transport.sql import load_schema
 from pg_transport.store import Store
+
+
+def build_schema(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Create ``schema`` at the latest version from schema.sql: what migrating builds
+    (tests/integration/test_schema.py proves the catalogs equal) in about half the time
+    of applying every migration in turn, for the many tests that only need a schema.
+    Nothing, when another fixture has created it already."""
+    if current_version(conn, schema) is not None:
+        return
+    with conn.transaction():
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+        conn.execute(load_schema(schema))
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.schema_version (version) SELECT pg_catalog.generate_series(1, %s)"
+            ).format(sql.Identifier(schema)),
+            [latest_version()],
+        )
 
 
 @pytest.fixture
 def store(pg_url: str, schema: str) -> Iterator[Store]:
     connector = Connector(pg_url)
-    ensure_schema(connector, schema, auto_migrate=True)
+    with connector.connection() as conn:
+        build_schema(conn, schema)
+    ensure_schema(connector, schema, auto_migrate=True)  # (finds it at the latest version)
     yield Store(connector, schema)
     connector.close()
 
