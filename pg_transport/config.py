@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pg_transport.errors import ConfigurationError
+from pg_transport.ordering import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 
 __all__ = ["Options", "env_queue_key"]
 
@@ -266,9 +267,9 @@ class Options:
     #: Seconds a pooled session may stay idle before it is closed.
     pool_idle_timeout: float = 30.0
     #: Seconds a follower waits for the task it follows, unless it says (docs/ordering.md).
-    follows_timeout: float = 300.0
+    follows_timeout: float = DEFAULT_FOLLOWS_TIMEOUT
     #: Seconds the end of a followed task is remembered for followers published later.
-    follows_retention: float = 86400.0
+    follows_retention: float = DEFAULT_FOLLOWS_RETENTION
     #: Per queue, what a failure does to the rest of an ordering key: strict or relaxed.
     #: A queue not named keeps what the database says (strict unless set).
     queue_ordering: Mapping[str, str] = field(default_factory=dict)

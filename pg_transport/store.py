@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
+from pg_transport import ordering
 from pg_transport.db.pool import Connector
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
@@ -62,18 +63,21 @@ class Store:
         publisher: Connector | None = None,
         publisher_flushes: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
+        follows_retention: float = ordering.DEFAULT_FOLLOWS_RETENTION,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
         message (see the ``relax_commit`` query). ``publisher`` (default: ``connector``)
         runs publishes; ``publisher_flushes`` says whether its commits wait for their WAL
         flush (``durable_publish``). ``max_message_bytes`` bounds a published message's
-        JSON text and the payload a claim brings at once."""
+        JSON text and the payload a claim brings at once. ``follows_timeout`` is how long
+        a follower published here waits unless it says; ``follows_retention`` how long
+        housekeeping keeps the end of a followed task (docs/ordering.md)."""
         self.connector = connector
         self.relaxed = relaxed or connector
         self.max_message_bytes = max_message_bytes
-        #: Seconds the end of a followed task is remembered (follows_retention).
-        self.follows_retention = 86400.0
+        self.follows_retention = follows_retention
         self.schema = schema
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
@@ -83,6 +87,7 @@ class Store:
             schema,
             flushes=publisher_flushes,
             max_message_bytes=max_message_bytes,
+            follows_timeout=follows_timeout,
         )
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])

@@ -172,9 +172,9 @@ class Transport(virtual.Transport):
             publisher=self.connector if durable else self.relaxed,
             publisher_flushes=durable,
             max_message_bytes=self.options.max_message_bytes,
+            follows_timeout=self.options.follows_timeout,
+            follows_retention=self.options.follows_retention,
         )
-        self.store.publisher.follows_timeout = self.options.follows_timeout
-        self.store.follows_retention = self.options.follows_retention
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
         self._results_reaped_at = float("-inf")

@@ -63,13 +63,14 @@ class Publisher:
         *,
         flushes: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
     ) -> None:
         self.connector = connector
         self.schema = schema
         self.flushes = flushes
         self.max_message_bytes = max_message_bytes
         #: Seconds a follower waits for its predecessor unless it says (follows_timeout).
-        self.follows_timeout = ordering.DEFAULT_FOLLOWS_TIMEOUT
+        self.follows_timeout = follows_timeout
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
