@@ -82,16 +82,6 @@ def decode_claimed(row: Sequence[bytes | None]) -> Claimed:
     note = row[8] if len(row) > 8 else None
     assert ident is not None and queue is not None
     assert priority is not None and read_ct is not None and lease is not None
-    if note == b"held":
-        return Claimed(
-            int(ident),
-            queue.decode("utf-8", "replace"),
-            int(priority),
-            int(read_ct),
-            int(lease),
-            None,
-            note=HELD,
-        )
     claimed = row_to_claimed(
         int(ident),
         queue.decode("utf-8", "replace"),
