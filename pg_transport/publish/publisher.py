@@ -161,6 +161,9 @@ class Publisher:
         ttl: float | None,
     ) -> dict[str, Any]:
         return {
+            # First: a header it cannot honour is refused naming it, before encoding
+            # fails on a value JSON cannot hold.
+            **ordering.placement(payload, self.follows_timeout).params(),
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
@@ -169,7 +172,6 @@ class Publisher:
             "payload": self.encode(payload),
             "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel": self.channel(queue),
-            **ordering.placement(payload, self.follows_timeout).params(),
         }
 
     def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
@@ -249,6 +251,7 @@ class Publisher:
         matched. With a ``publish_tag`` a repeated call inserts nothing new.
         """
         params = {
+            **ordering.placement(payload, self.follows_timeout).params(),  # (first: above)
             "exchange": exchange,
             "routing_key": routing_key,
             "priority": priority,
@@ -258,7 +261,6 @@ class Publisher:
             "payload": self.encode(payload),
             "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel_prefix": self.channel_prefix,
-            **ordering.placement(payload, self.follows_timeout).params(),
         }
 
         def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:

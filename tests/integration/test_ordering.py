@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -423,6 +424,7 @@ def test_bad_ordering_headers_are_refused_naming_the_header(store: Store, peek: 
         ({"pgq-follows": "a", "pgq-follows-timeout": -1}, "pgq-follows-timeout"),
         ({"pgq-follows": "a", "pgq-follows-timeout": "soon"}, "pgq-follows-timeout"),
         ({"pgq-followable": "perhaps"}, "pgq-followable"),
+        ({"pgq-ordering-key": uuid.uuid4()}, "pgq-ordering-key"),  # (not JSON either)
     ]
     for headers, named in bad:
         with pytest.raises(OrderingError, match=named):
