@@ -446,7 +446,7 @@ def web(
         from pg_transport.web.server import serve
     except ImportError as exc:
         raise click.ClickException(
-            f"the web console needs pgq's `web` extra: pip install 'pgq[web]' ({exc})"
+            f"the web console needs pgq's `web` extra: pip install 'celery-pgq[web]' ({exc})"
         ) from exc
     from pg_transport.ops.dead import import_app
 

@@ -1,7 +1,7 @@
 """A newcomer's first steps, word for word: the built wheel in a fresh virtualenv.
 
-README's install line is run as written (only the source of ``celery-pgq`` is pointed at
-the wheel built from this tree, since the test must not prove whatever the index holds),
+README's install line (the one for a checkout) is run as written, only the checkout it
+installs pointed at the wheel built from this tree (the venv is made in an empty directory),
 then docs/migrating.md's steps: an app whose broker is ``pgq://``, ``pgq migrate``,
 ``celery -A app worker``, a task sent and run, ``pgq status``. Nothing from this checkout
 is importable there: the venv has no access to the test's site-packages or this tree.
@@ -27,7 +27,7 @@ from tests.unit.test_packaging import project
 pytestmark = pytest.mark.acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
-INSTALL = "pip install 'celery-pgq[embedded]'"
+INSTALL = "pip install '.[embedded]'"
 
 APP = """\
 from celery import Celery
@@ -115,6 +115,10 @@ def test_readme_install_line_installs_the_wheel_and_the_demo_passes(
     )
     assert version.returncode == 0, version.stderr
     assert version.stdout.startswith("pgq, version "), version.stdout
+    alias = subprocess.run(
+        [str(venv / "bin" / "celery-pgq"), "--version"], capture_output=True, text=True, check=False
+    )
+    assert alias.returncode == 0 and alias.stdout == version.stdout, alias
     # What is installed is the wheel, not this checkout.
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import pg_transport; print(pg_transport.__file__)"],

@@ -8,6 +8,7 @@ inside the declared ranges, or the bounds claim something no run has checked.
 
 from __future__ import annotations
 
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -67,3 +68,32 @@ def test_installed_versions_satisfy_the_declared_ranges(requirement: Requirement
         f"installed {requirement.name} {installed} is outside {requirement.specifier}: "
         "test it, then move the bound"
     )
+
+
+# Every "pip install" a user is told to run, in code and docs: it names this distribution
+# (`celery-pgq[...]`) or a checkout (`.[...]`), never `pgq[...]`, which is another project.
+_INSTALL_HINT = re.compile(r"pip install\s+['\"]?([A-Za-z0-9_.-]*)\[")
+
+
+def _install_hints() -> list[tuple[str, str]]:
+    root = PYPROJECT.parent
+    files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    files += sorted((root / "pg_transport").rglob("*.py"))
+    files += sorted((root / "barrier").rglob("*.py"))
+    found = []
+    for path in files:
+        for match in _INSTALL_HINT.finditer(path.read_text(encoding="utf-8")):
+            found.append((str(path.relative_to(root)), match.group(1)))
+    return found
+
+
+def test_every_install_hint_names_this_distribution_or_a_checkout() -> None:
+    hints = _install_hints()
+    assert any(name == "celery-pgq" for _, name in hints), hints
+    wrong = [(where, name) for where, name in hints if name not in ("celery-pgq", ".")]
+    assert not wrong, wrong
+
+
+def test_the_command_has_a_name_no_other_distribution_installs() -> None:
+    scripts = project()["scripts"]
+    assert scripts["celery-pgq"] == scripts["pgq"] == "pg_transport.ops.cli:main"
