@@ -8,6 +8,8 @@ replaced by ``_``. Bad values are refused at start-up, naming key and value.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -17,7 +19,9 @@ from typing import Any, TypeVar
 from pg_transport.errors import ConfigurationError
 from pg_transport.ordering import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 
-__all__ = ["Options", "env_queue_key"]
+__all__ = ["Options", "env_queue_key", "unknown_environment", "warn_unknown_environment"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -340,3 +344,63 @@ class Options:
         if env is not None:
             return env
         return self.queue_max_attempts.get(queue, self.max_attempts)
+
+
+# PGQ_* names read outside these options: the result backend's, the barrier's, the
+# operator commands', beat's and the test suite's. Spelled out (not imported) so the
+# transport's configuration depends on neither the result backend nor the barrier.
+_OTHER_ENV = frozenset(
+    {
+        "PGQ_URL",
+        "PGQ_HEALTH_FILE",
+        "PGQ_HEALTH_STALE_SECONDS",
+        "PGQ_BEAT_CATCH_UP",
+        "PGQ_WEB_TOKEN",
+        "PGQ_BARRIER_TTL",
+        "PGQ_BARRIER_STUCK_TIMEOUT",
+        "PGQ_BARRIER_SWEEP_INTERVAL",
+        "PGQ_RESULT_SCHEMA",
+        "PGQ_RESULT_USE_NOTIFY",
+        "PGQ_RESULT_POLLING_INTERVAL",
+        "PGQ_RESULT_AUTO_MIGRATE",
+        "PGQ_RESULT_MAX_RESULT_BYTES",
+        "PGQ_RESULT_NATIVE_CHORDS",
+        "PGQ_UPSTREAM_CACHE",
+    }
+)
+# Families whose last part is the user's own (a queue name) or the test suite's.
+_ENV_FAMILIES = ("PGQ_VISIBILITY_TIMEOUT_", "PGQ_MAX_ATTEMPTS_", "PGQ_ORDERING_", "PGQ_TEST_")
+_warned: set[str] = set()
+
+
+def _known_environment() -> frozenset[str]:
+    return _OTHER_ENV | {f"PGQ_{key.upper()}" for key in _SCALARS}
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """Every ``PGQ_*`` variable pgq does not read, with the closest name it does read.
+
+    A misspelt setting (``PGQ_VISIBILTY_TIMEOUT``) would otherwise be ignored without a
+    word while the default applies.
+    """
+    known = _known_environment()
+    found: list[tuple[str, str | None]] = []
+    for name in sorted(environ):
+        if not name.startswith("PGQ_") or name in known or name.startswith(_ENV_FAMILIES):
+            continue
+        close = difflib.get_close_matches(name, [*known, *_ENV_FAMILIES], n=1, cutoff=0.75)
+        found.append((name, close[0] if close else None))
+    return found
+
+
+def warn_unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """Log one warning per unknown ``PGQ_*`` variable, once per process; return them."""
+    said = []
+    for name, close in unknown_environment(environ):
+        if name in _warned:
+            continue
+        _warned.add(name)
+        hint = f"; did you mean {close}?" if close else ""
+        logger.warning("environment variable %s is not a pgq setting and is ignored%s", name, hint)
+        said.append(name)
+    return said

@@ -41,7 +41,7 @@ from kombu.transport import virtual
 
 from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
-from pg_transport.config import Options
+from pg_transport.config import Options, warn_unknown_environment
 from pg_transport.consume.blocking import BlockingDriver
 from pg_transport.consume.engine import UNLIMITED_BATCH, Engine
 from pg_transport.consume.housekeeping import Housekeeper
@@ -106,6 +106,7 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         self.options = Options.from_sources(client.transport_options, os.environ)
+        warn_unknown_environment(os.environ)
         super().__init__(client, **kwargs)
         self.polling_interval = self.options.polling_interval
         self.url = _client_url(client)

@@ -14,9 +14,12 @@ operator's terminal; ``--json`` output is escaped by the JSON encoder.
 
 from __future__ import annotations
 
+import os
+
 import click
 import psycopg
 
+from pg_transport.config import warn_unknown_environment
 from pg_transport.db.migrate import current_version, latest_version
 from pg_transport.db.migrate import migrate as migrate_schema
 from pg_transport.db.pool import Connector, url_to_conninfo
@@ -49,6 +52,7 @@ __all__ = ["main"]
 @click.version_option(package_name="celery-pgq", prog_name="pgq")
 def main() -> None:
     """pgq: PostgreSQL as a Celery broker."""
+    warn_unknown_environment(os.environ)
 
 
 main.add_command(dead)

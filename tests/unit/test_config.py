@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pg_transport.config import MAX_ATTEMPTS, MAX_SECONDS, Options, env_queue_key
+from pg_transport.config import (
+    MAX_ATTEMPTS,
+    MAX_SECONDS,
+    Options,
+    env_queue_key,
+    unknown_environment,
+    warn_unknown_environment,
+)
 from pg_transport.errors import ConfigurationError
 
 finite_vt = st.floats(min_value=0, max_value=MAX_SECONDS, exclude_min=True, allow_nan=False)
@@ -362,3 +369,29 @@ def test_ordering_modes_per_queue_from_options_and_environment() -> None:
         Options.from_sources({"queue_ordering": {"hooks": "fifo"}}, {})
     with pytest.raises(ConfigurationError, match="PGQ_ORDERING_HOOKS"):
         Options.from_sources(None, {"PGQ_ORDERING_HOOKS": "loose"})
+
+
+def test_a_misspelt_environment_setting_is_named_with_the_closest_one() -> None:
+    environ = {
+        "PGQ_VISIBILTY_TIMEOUT": "5",
+        "PGQ_VISIBILITY_TIMEOUT": "7",
+        "PGQ_VISIBILITY_TIMEOUT_REPORTS": "9",
+        "PGQ_RESULT_USE_NOTIFY": "false",
+        "PGQ_URL": "pgq://x/y",
+        "PGQ_TEST_URL": "pgq://x/y",
+        "PGQ_NONSENSE_THING": "1",
+        "CELERY_X": "1",
+    }
+    assert unknown_environment(environ) == [
+        ("PGQ_NONSENSE_THING", None),
+        ("PGQ_VISIBILTY_TIMEOUT", "PGQ_VISIBILITY_TIMEOUT"),
+    ]
+
+
+def test_unknown_environment_is_warned_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    environ = {"PGQ_POLING_INTERVAL_ONCE": "2"}
+    with caplog.at_level("WARNING", logger="pg_transport.config"):
+        assert warn_unknown_environment(environ) == ["PGQ_POLING_INTERVAL_ONCE"]
+        assert warn_unknown_environment(environ) == []
+    (record,) = caplog.records
+    assert "PGQ_POLING_INTERVAL_ONCE is not a pgq setting" in record.getMessage()
