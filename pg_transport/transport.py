@@ -17,10 +17,8 @@ Multi-host URLs (``host1,host2``) with ``target_session_attrs`` work as in libpq
 
 Transport options
 =================
-See :mod:`pg_transport.config`: ``schema``, ``visibility_timeout``,
-``queue_visibility_timeouts``, ``max_attempts``, ``queue_max_attempts``,
-``use_notify``, ``polling_interval``, ``lease_renewal``,
-``native_delayed_delivery``, ``auto_migrate``; each overridable by ``PGQ_<KEY>``.
+Every key of :class:`pg_transport.config.Options` (the full list, with defaults, is
+docs/configuration.md), each overridable by ``PGQ_<KEY>``.
 
 This module is thin: the Transport connects, owns the store and the consumer engine,
 and hands the engine to whichever loop drives it (Celery's event loop, or kombu's
