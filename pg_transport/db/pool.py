@@ -77,7 +77,24 @@ def url_to_conninfo(url: str | None) -> str:
     The URL is parsed by libpq (see :func:`pg_transport.db.url.parse_url`), once:
     what connects is what was checked, and what is shown is built from the same parse.
     """
-    return pg_conninfo.make_conninfo("", **parse_url(url))
+    params = parse_url(url)
+    for key, value in KEEPALIVES.items():
+        params.setdefault(key, value)
+    return pg_conninfo.make_conninfo("", **params)
+
+
+#: What every pgq session asks of TCP unless its URL says otherwise: a peer that vanishes
+#: without closing (power loss, a partition, a failed-over host) is noticed within about
+#: 30 s — an idle session after 15 s of silence and three unanswered probes 5 s apart;
+#: a session with data unacknowledged for 30 s — instead of the operating system's
+#: default of two hours (idle) or ~15 minutes (retransmissions). Unix sockets ignore them.
+KEEPALIVES: dict[str, str] = {
+    "keepalives": "1",
+    "keepalives_idle": "15",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
 
 
 # --- fork safety -----------------------------------------------------------

@@ -21,7 +21,7 @@ from kombu import Connection
 from psycopg.conninfo import conninfo_to_dict
 
 from barrier.backend import backend_for
-from pg_transport.db.pool import url_to_conninfo
+from pg_transport.db.pool import KEEPALIVES, url_to_conninfo
 from pg_transport.db.url import MASK, Credentials, build_url, mask_url, parse_url, seal, unseal
 from pg_transport.errors import ConfigurationError
 
@@ -29,7 +29,18 @@ from pg_transport.errors import ConfigurationError
 
 
 def libpq(url: str) -> dict[str, object]:
-    return dict(conninfo_to_dict(url_to_conninfo(url)))
+    """What the URL gives libpq, less the keepalive defaults every pgq session adds."""
+    params = dict(conninfo_to_dict(url_to_conninfo(url)))
+    return {k: v for k, v in params.items() if KEEPALIVES.get(k) != v}
+
+
+def test_every_session_asks_for_keepalives_unless_the_url_says_otherwise() -> None:
+    params = dict(conninfo_to_dict(url_to_conninfo("pgq://u@h/db")))
+    assert {k: params[k] for k in KEEPALIVES} == KEEPALIVES
+    assert KEEPALIVES["keepalives"] == "1"
+    own = dict(conninfo_to_dict(url_to_conninfo("pgq://u@h/db?keepalives=0&tcp_user_timeout=0")))
+    assert own["keepalives"] == "0" and own["tcp_user_timeout"] == "0"
+    assert own["keepalives_idle"] == KEEPALIVES["keepalives_idle"]
 
 
 def test_full_url_passes_every_part_to_libpq() -> None:
@@ -66,7 +77,7 @@ def test_unix_socket_url() -> None:
 @pytest.mark.parametrize("url", ["pgq://", "", None])
 def test_empty_url_means_libpq_defaults(url: str | None) -> None:
     conninfo = url_to_conninfo(url)
-    assert conninfo_to_dict(conninfo) == {}
+    assert conninfo_to_dict(conninfo) == KEEPALIVES
 
 
 def test_multi_host_url() -> None:
