@@ -16,6 +16,7 @@ from pg_transport.db.pool import Connector
 from pg_transport.sql import channel_prefix, load_migrations, load_queries, load_schema
 from tests.integration.conftest import Peek
 from tests.integration.squatter import squatter
+from tests.integration.test_cli import invoke
 from tests.pg import drop_schema, new_schema_name
 
 
@@ -139,7 +140,7 @@ def at_version(conn: psycopg.Connection[Any], schema: str, version: int) -> None
 
 @pytest.mark.parametrize("start", ["nothing", "one migration behind"])
 def test_migrate_waits_on_no_lock_a_connect_only_role_can_hold(
-    pg_url: str, schema: str, start: str
+    pg_url: str, broker_url: str, schema: str, start: str
 ) -> None:
     with squatter(pg_url) as squat, psycopg.connect(pg_url, autocommit=True) as conn:
         version = 0 if start == "nothing" else latest_version() - 1
@@ -148,8 +149,13 @@ def test_migrate_waits_on_no_lock_a_connect_only_role_can_hold(
         # The key a migration waited on in earlier pgq versions, taken first by a role
         # that can only connect (it is computed from public strings).
         squat.hold(advisory_key("pgq:migrate", schema))
-        applied = squat.beside(f"migrating from {start}", lambda: migrate(conn, schema))
-        assert applied == [m.name for m in load_migrations()[version:]]
+        result = squat.beside(
+            f"`pgq migrate` from {start}",
+            lambda: invoke("migrate", "--url", broker_url, "--schema", schema),
+        )
+        assert result.exit_code == 0, result.output
+        names = [m.name for m in load_migrations()[version:]]
+        assert f"({', '.join(names)}); now at version {latest_version()}" in result.output
         assert current_version(conn, schema) == latest_version()
         # What an upgrade does lock, the squatter cannot take.
         for mode in ("SHARE ROW EXCLUSIVE", "ACCESS SHARE"):
