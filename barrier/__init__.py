@@ -20,7 +20,7 @@ from __future__ import annotations
 from barrier import hooks as _hooks
 from barrier.callback import barrier_callback, current_connection
 from barrier.dispatch import Barrier, Dispatched
-from barrier.errors import BarrierError, BarrierExists
+from barrier.errors import BarrierError, BarrierExists, LockHeld
 from barrier.guards import Claim, Guards, lock_id, transition, try_lock_id
 from barrier.protocol import TRANSPORT_MARKER
 from barrier.signals import barrier_stranded
@@ -34,6 +34,7 @@ __all__ = [
     "Claim",
     "Dispatched",
     "Guards",
+    "LockHeld",
     "barrier_callback",
     "barrier_stranded",
     "current_connection",

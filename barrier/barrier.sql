@@ -15,6 +15,13 @@ RETURNING id
 -- The status of one barrier.
 SELECT status FROM {schema}.barrier WHERE id = %(id)s
 
+-- name: barrier_status_locked
+-- The status of one barrier, its row locked until the transaction ends: two deliveries of
+-- its callback run one after the other. A row lock, which only a role that may update the
+-- barrier can take (an advisory key any session could hold first). NO KEY: a late part's
+-- barrier_part row (a foreign key to this one) is not kept waiting.
+SELECT status FROM {schema}.barrier WHERE id = %(id)s FOR NO KEY UPDATE
+
 -- name: barrier_part_record
 -- Record a finished part once; a redelivered part (same index) inserts nothing.
 INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome, result)

@@ -12,8 +12,9 @@ body sees the kwargs. Only when the marker was there does it look at the barrier
 it skips the body if the barrier is already COMPLETED (a redelivered callback),
 and otherwise runs the body inside one transaction that
 
-* holds the barrier's advisory lock (keyed with ``advisory_key``), so two
-  deliveries of the same callback cannot run the body side by side, and
+* holds the lock of the barrier's row, so two deliveries of the same callback
+  cannot run the body side by side (a lock only pgq's roles can take: no session
+  that can merely connect can keep a callback waiting), and
 * flips ``fired -> completed`` after the body returned, committing with it.
 
 Only COMPLETED suppresses the body: FAILED/EXPIRED (or any status set elsewhere)
@@ -35,7 +36,6 @@ import psycopg
 from celery._state import get_current_task
 
 from barrier.backend import Backend, backend_for, is_transient
-from barrier.guards import lock_id
 from barrier.protocol import COMPLETED, HEADER_BARRIER, TRANSPORT_MARKER, header
 
 __all__ = ["barrier_callback", "current_connection", "run_once"]
@@ -62,10 +62,10 @@ def skipped(barrier_id: str) -> dict[str, Any]:
 
 def run_once(db: Backend, barrier_id: str, body: Callable[[], Any]) -> Any:
     """Run ``body`` unless the barrier is COMPLETED, then mark it COMPLETED, in one
-    transaction serialised on the barrier id."""
+    transaction serialised on the barrier's row. (A barrier without a row has nothing
+    to mark and nothing to lock: its deliveries each run the body.)"""
     with db.connector.connection() as conn, conn.transaction():
-        lock_id(conn, "pgq:barrier-callback", db.schema, barrier_id)
-        row = conn.execute(db.q["barrier_status"], {"id": barrier_id}).fetchone()
+        row = conn.execute(db.q["barrier_status_locked"], {"id": barrier_id}).fetchone()
         if row is not None and row[0] == COMPLETED:
             logger.info("barrier %s already completed: callback body skipped", barrier_id)
             return skipped(barrier_id)

@@ -12,8 +12,10 @@
   while running (tail check, :meth:`Guards.hold_generation`, which also keeps a
   concurrent replace waiting until that transaction ends).
 * :func:`lock_id` / :func:`try_lock_id` — transaction-scoped advisory locks keyed
-  on ids through :func:`pg_transport.locks.advisory_key` (deterministic across
-  processes; Python's ``hash()`` is not).
+  on ids through :func:`pg_transport.db.locks.advisory_key` (deterministic across
+  processes; Python's ``hash()`` is not). Any session that can connect can compute
+  and hold such a key, so :func:`lock_id` waits a bounded time and then names who
+  holds it; serialise on a row of your own table where nobody else may lock it.
 
 Everything takes the caller's connection, so guards compose with the caller's own
 statements in one transaction; only :meth:`Guards.release` takes a connector,
@@ -31,13 +33,16 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
+from barrier.errors import LockHeld
 from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
 from pg_transport.sql import load_named
 from pg_transport.sql.loader import parse_named
 
 __all__ = [
+    "LOCK_ID_WAIT",
     "Claim",
     "ClaimState",
     "Guards",
@@ -45,6 +50,10 @@ __all__ = [
     "transition",
     "try_lock_id",
 ]
+
+
+# How long lock_id tries before it names the holder and gives up (seconds).
+LOCK_ID_WAIT = 30.0
 
 
 @cache
@@ -86,19 +95,39 @@ def _lock_key(parts: Sequence[str]) -> int:
     return advisory_key(*parts)
 
 
-def lock_id(conn: psycopg.Connection[Any], *parts: str) -> None:
-    """Wait for, and hold until the transaction ends, the lock of the id ``parts``.
+def lock_id(conn: psycopg.Connection[Any], *parts: str, wait: float = LOCK_ID_WAIT) -> None:
+    """Take, and hold until the transaction ends, the lock of the id ``parts``; if
+    another session holds it, try again for up to ``wait`` seconds, then raise
+    :class:`~barrier.errors.LockHeld` naming the holders.
 
+    Never an unbounded wait: the lock is an advisory key, which any session that can
+    connect can compute and hold (Postgres checks no privilege on advisory locks).
     Outside a transaction the lock would be released at once: use it in one.
     """
     _require_transaction(conn, "lock_id")
-    conn.execute(_templates()["lock_id"], {"key": _lock_key(parts)})
+    key = _lock_key(parts)
+    taken = Retrying(
+        retry=retry_if_result(lambda got: not got),
+        wait=wait_exponential(multiplier=0.01, max=0.25),
+        stop=stop_after_delay(wait),
+        retry_error_callback=lambda state: False,
+    )(_try_key, conn, key)
+    if not taken:
+        holders = [
+            f"pid {pid} (role {role!r}, application {app!r})"
+            for pid, role, app in conn.execute(_templates()["lock_holders"], {"key": key})
+        ]
+        raise LockHeld(tuple(parts), wait, holders)
 
 
 def try_lock_id(conn: psycopg.Connection[Any], *parts: str) -> bool:
     """Take the lock of the id ``parts`` until the transaction ends, if free."""
     _require_transaction(conn, "try_lock_id")
-    row = conn.execute(_templates()["try_lock_id"], {"key": _lock_key(parts)}).fetchone()
+    return _try_key(conn, _lock_key(parts))
+
+
+def _try_key(conn: psycopg.Connection[Any], key: int) -> bool:
+    row = conn.execute(_templates()["try_lock_id"], {"key": key}).fetchone()
     return bool(row and row[0])
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import psycopg
 
 from pg_transport.beat.entries import Entry, Schedule, decode, schedule_from_json
-from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
 from pg_transport.sql import load_named
 
@@ -70,9 +69,7 @@ class BeatStore:
         def work(conn: psycopg.Connection[Any]) -> SyncResult:
             written: list[str] = []
             with conn.transaction():
-                conn.execute(
-                    self.q["beat_sync_lock"], {"key": advisory_key("pgq:beat", self.schema)}
-                )
+                conn.execute(self.q["beat_sync_lock"])
                 for entry in entries:
                     if conn.execute(self.q["beat_upsert_config"], entry.params()).fetchone():
                         written.append(entry.name)

@@ -7,8 +7,8 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
+from pg_transport.db.retry import CREATED_MEANWHILE, attempt
 from pg_transport.errors import SchemaError
 from pg_transport.sql import load_migrations, load_queries
 
@@ -33,27 +33,17 @@ def current_version(conn: psycopg.Connection[Any], schema: str) -> int | None:
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str) -> list[str]:
-    """Apply pending migrations under an advisory lock; return the names applied.
+    """Apply pending migrations; return the names applied.
 
-    The lock serialises concurrent first connects: the loser waits, then sees the
-    schema already at the latest version and applies nothing.
+    Safe from many processes at once, and from any role that can merely connect: an
+    upgrade holds a lock on the schema's version table that only a role allowed to
+    write it can take (never an advisory key, which any session can squat), and the
+    processes creating a schema at once race on the catalog's unique names, the losers
+    looking again once the winner committed. Either way the loser applies nothing.
     """
     queries = load_queries(schema)
-    applied: list[str] = []
     try:
-        with conn.transaction():
-            conn.execute(queries["migrate_lock"], {"key": advisory_key("pgq:migrate", schema)})
-            version = current_version(conn, schema)
-            if version is None:
-                # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
-                # the schema exists: only ask for it when the schema is missing.
-                if _owner(conn, schema) is None:
-                    conn.execute(queries["create_schema"])
-                version = 0
-            for migration in load_migrations()[version:]:
-                conn.execute(migration.composed(schema))
-                conn.execute(queries["record_version"], {"version": migration.version})
-                applied.append(migration.name)
+        return attempt(CREATED_MEANWHILE, lambda: _apply_pending(conn, schema, queries))
     except psycopg.errors.InsufficientPrivilege as exc:
         user = conn.info.user
         owner = _owner(conn, schema)
@@ -67,6 +57,29 @@ def migrate(conn: psycopg.Connection[Any], schema: str) -> list[str]:
             f"role {user!r} cannot create or upgrade the pgq schema {schema!r}: "
             f"{exc.diag.message_primary or exc}. To fix: {remedy}"
         ) from exc
+
+
+def _apply_pending(
+    conn: psycopg.Connection[Any], schema: str, queries: dict[str, str]
+) -> list[str]:
+    applied: list[str] = []
+    with conn.transaction():
+        version = current_version(conn, schema)
+        if version is None:
+            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when
+            # the schema exists: only ask for it when the schema is missing.
+            if _owner(conn, schema) is None:
+                conn.execute(queries["create_schema"])
+            version = 0
+        elif version < latest_version():
+            # Only an upgrade locks (a role that may not write the version table can
+            # still see that there is nothing to do); read again once it holds the lock.
+            conn.execute(queries["migrate_lock"])
+            version = current_version(conn, schema) or 0
+        for migration in load_migrations()[version:]:
+            conn.execute(migration.composed(schema))
+            conn.execute(queries["record_version"], {"version": migration.version})
+            applied.append(migration.name)
     return applied
 
 

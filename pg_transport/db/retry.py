@@ -13,6 +13,8 @@ tenacity ``Retrying`` factory, and :func:`attempt` is the one way to run work un
   late (the lease fences them), and an ack given up on is a duplicate run later.
 - :data:`TRANSIENT`: work in a worker's hooks (a barrier's), which has no caller to
   report to: with backoff, for a while.
+- :data:`CREATED_MEANWHILE`: creating the schema, which another process created first
+  (its commit made ours a duplicate): look again, now that it exists.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tenacity import (
 from pg_transport.errors import BrokerUnavailable, BrokerUnreachable
 
 __all__ = [
+    "CREATED_MEANWHILE",
     "FENCED",
     "ONCE",
     "TRANSIENT",
@@ -126,6 +129,32 @@ TRANSIENT = Policy(
         retry=retry_if_exception(_transient),
         stop=stop_after_delay(TRANSIENT_RETRY_SECONDS),
         wait=wait_exponential(multiplier=0.1, max=2.0),
+        reraise=True,
+    ),
+)
+
+
+# Two first connects create the schema at once: the loser waits on the catalog's unique
+# index for the winner's commit, then fails as a duplicate. Once the winner committed,
+# the next look finds its work; a few more cover a third process or a partial schema.
+_DUPLICATES = (
+    psycopg.errors.UniqueViolation,
+    psycopg.errors.DuplicateSchema,
+    psycopg.errors.DuplicateTable,
+    psycopg.errors.DuplicateObject,
+)
+
+
+def _created_meanwhile(exc: BaseException) -> bool:
+    return isinstance(exc, _DUPLICATES)
+
+
+CREATED_MEANWHILE = Policy(
+    "created-meanwhile",
+    _created_meanwhile,
+    lambda: Retrying(
+        retry=retry_if_exception(_created_meanwhile),
+        stop=stop_after_attempt(3),
         reraise=True,
     ),
 )

@@ -3,8 +3,11 @@
 -- the database's: beats on hosts whose clocks disagree still agree on what is due.
 
 -- name: beat_sync_lock
--- Serialise the start-up sync of beats starting at once (held to the end of the transaction).
-SELECT pg_catalog.pg_advisory_xact_lock(%(key)s)
+-- Serialise the start-up sync of beats starting at once (held to the end of the
+-- transaction). A table lock in a mode that conflicts with itself and that only a role
+-- allowed to write beat_entry can take: a role that can merely connect cannot hold it, as
+-- it could an advisory key. It lets the rows' own writers (a leader moving last_due) by.
+LOCK TABLE {schema}.beat_entry IN SHARE UPDATE EXCLUSIVE MODE
 
 -- name: beat_upsert_config
 -- An entry of beat_schedule: created, or its task, arguments and options updated. A new

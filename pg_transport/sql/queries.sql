@@ -662,8 +662,12 @@ INSERT INTO {schema}.schema_version (version) VALUES (%(version)s)
 CREATE SCHEMA IF NOT EXISTS {schema}
 
 -- name: migrate_lock
--- Serialise migrations of one schema across processes until the transaction ends.
-SELECT pg_catalog.pg_advisory_xact_lock(%(key)s::bigint)
+-- Serialise upgrades of one schema until the transaction ends. A lock on a table of the
+-- schema, in a mode only a role that may write that table can take (and that conflicts
+-- with itself): a role that can merely connect cannot hold it, as it could any advisory
+-- key. (A schema not created yet has no table to lock: its creators race on the
+-- catalog's unique names instead, and the losers try again.)
+LOCK TABLE {schema}.schema_version IN SHARE ROW EXCLUSIVE MODE
 
 -- name: listen
 -- Subscribe this session to a queue's wake-up channel ({channel}: queue_channel).

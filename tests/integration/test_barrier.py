@@ -29,10 +29,13 @@ from barrier import (
 )
 from barrier import state as st
 from barrier.backend import Backend, backend_for, forget
+from barrier.callback import skipped
 from barrier.protocol import HEADER_BARRIER, HEADER_PART, HEADER_ROLE
+from pg_transport.db.locks import advisory_key
 from pg_transport.signals import message_poisoned
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek
+from tests.integration.squatter import squatter
 
 
 class Calls:
@@ -476,12 +479,12 @@ def test_concurrent_deliveries_of_one_callback_run_the_body_once(
     assert calls.entered.wait(10)  # the first delivery is inside the body
     second = threading.Thread(target=deliver)
     second.start()
-    # The second delivery waits on the barrier's lock, not in the body.
+    # The second delivery waits on the barrier's lock (its row's), not in the body.
     ours = f"pgq-barrier:{os.getpid()}"  # the application_name of our backend's sessions
     wait_for(
         lambda: peek(
-            "SELECT 1 FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
-            " WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = %s",
+            "SELECT 1 FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND application_name = %s",
             ours,
         ),
         10,
@@ -494,6 +497,19 @@ def test_concurrent_deliveries_of_one_callback_run_the_body_once(
         1,
         {"status": "skipped_duplicate_callback", "barrier_id": "b1"},
     ]
+    assert len(calls.callback) == 1 and effects(peek) == 1
+
+
+def test_a_connect_only_role_holding_the_callbacks_key_delays_no_callback(
+    pg_url: str, app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek, calls: Calls
+) -> None:
+    with squatter(pg_url) as squat:
+        # The key earlier pgq versions serialised a barrier's callback on.
+        squat.hold(advisory_key("pgq:barrier-callback", db.schema, "b1"))
+        squat.beside("a barrier's parts", lambda: fired(app, db, conn, "b1"))
+        assert squat.beside("the callback", lambda: deliver_callback(app, "b1")) == 1
+        assert squat.beside("its redelivery", lambda: deliver_callback(app, "b1")) == skipped("b1")
+    assert status(peek, "b1") == ("completed", 0)
     assert len(calls.callback) == 1 and effects(peek) == 1
 
 

@@ -18,9 +18,11 @@ from celery import Celery
 from celery.schedules import crontab
 
 from pg_transport.beat import CannotStart, Scheduler
+from pg_transport.db.locks import advisory_key
 from pg_transport.errors import ConfigurationError
 from pg_transport.publish.batching import batch
-from tests.integration.conftest import Peek
+from tests.integration.conftest import Peek, build_schema
+from tests.integration.squatter import squatter
 
 
 def beat_app(broker_url: str, schema: str, entries: dict[str, Any]) -> Celery:
@@ -222,3 +224,30 @@ def test_a_broker_that_is_not_pgq_is_refused() -> None:
     app.conf.result_expires = None
     with pytest.raises(CannotStart, match="needs a pgq:// broker"):
         Scheduler(app)
+
+
+def test_a_connect_only_role_holding_every_key_delays_no_start_and_no_takeover(
+    pg_url: str, broker_url: str, schema: str, peek: Peek, schedulers: list[Scheduler]
+) -> None:
+    entries = {"every-2": {"task": "t.a", "schedule": 2.0}}
+    app = beat_app(broker_url, schema, entries)
+    build_schema(peek.conn, schema)  # (a migration beside a squatter: test_schema.py)
+    with squatter(pg_url) as squat:
+        # The key earlier pgq versions synced the schedule under at start-up.
+        squat.hold(advisory_key("pgq:beat", schema))
+        one = squat.beside("a beat's start-up", lambda: Scheduler(app))
+        schedulers.append(one)
+        assert one.hold_lease() and one.term == 1
+        two = squat.beside("a second beat's start-up", lambda: Scheduler(app))
+        schedulers.append(two)
+        assert not two.hold_lease()
+        one.close()  # the leader goes: the standby takes over
+        assert squat.beside("the takeover", two.hold_lease) and two.term == 2
+        assert peek("SELECT name FROM {schema}.beat_entry") == [("every-2",)]
+        # What the start-up does lock, the squatter cannot take.
+        with pytest.raises(psycopg.errors.InsufficientPrivilege), squat.conn.transaction():
+            squat.conn.execute(
+                psycopg.sql.SQL("LOCK TABLE {}.beat_entry IN SHARE UPDATE EXCLUSIVE MODE").format(
+                    psycopg.sql.Identifier(schema)
+                )
+            )

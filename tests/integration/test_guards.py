@@ -13,12 +13,14 @@ from typing import Any
 import psycopg
 import pytest
 
+from barrier.errors import LockHeld
 from barrier.guards import Claim, Guards, lock_id, transition, try_lock_id
 from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek
+from tests.integration.squatter import squatter
 
 
 @pytest.fixture
@@ -280,3 +282,50 @@ def test_id_lock_excludes_a_second_session(connect: Callable[[], psycopg.Connect
             assert try_lock_id(b, "pgq:test", "exec-43")
     with b.transaction():
         assert try_lock_id(b, "pgq:test", "exec-42")  # released at A's commit
+
+
+def test_an_id_lock_a_connect_only_role_holds_is_given_up_naming_it(
+    pg_url: str, connect: Callable[[], psycopg.Connection[Any]]
+) -> None:
+    conn = connect()
+    with squatter(pg_url) as squat:
+        squat.hold(advisory_key("pgq:test", "exec-42"))
+        with conn.transaction():
+            with pytest.raises(LockHeld) as caught:
+                squat.beside("lock_id", lambda: lock_id(conn, "pgq:test", "exec-42", wait=0.2))
+            message = str(caught.value)
+            assert f"pid {squat.pid} (role {squat.role!r}, application 'squatter')" in message
+            assert "('pgq:test', 'exec-42')" in message and "0.2 s" in message
+            assert caught.value.holders and caught.value.parts == ("pgq:test", "exec-42")
+            lock_id(conn, "pgq:test", "exec-43")  # the transaction goes on
+        squat.conn.execute("SELECT pg_advisory_unlock_all()")
+        with conn.transaction():
+            lock_id(conn, "pgq:test", "exec-42", wait=0.2)  # free again: taken at once
+
+
+def test_an_id_lock_waits_for_a_holder_that_lets_go(
+    connect: Callable[[], psycopg.Connection[Any]],
+) -> None:
+    a, b, watch = connect(), connect(), connect()
+    taken = threading.Event()
+    with a.transaction():
+        lock_id(a, "pgq:test", "exec-42")
+
+        def second() -> None:
+            with b.transaction():
+                lock_id(b, "pgq:test", "exec-42")
+                taken.set()
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        wait_for(
+            lambda: watch.execute(  # (outside a transaction: activity read afresh)
+                "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND query LIKE %s",
+                [b.info.backend_pid, "%pg_try_advisory_xact_lock%"],
+            ).fetchone(),
+            10,
+            "B to try the lock",
+        )
+        assert not taken.is_set()  # B tried while A holds it
+    thread.join(10)  # A committed: B, trying again, takes it
+    assert taken.is_set()

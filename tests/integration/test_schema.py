@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 
+from pg_transport.db.locks import advisory_key
 from pg_transport.db.migrate import current_version, ensure_schema, latest_version, migrate
 from pg_transport.db.pool import Connector
-from pg_transport.sql import channel_prefix, load_schema
+from pg_transport.sql import channel_prefix, load_migrations, load_queries, load_schema
+from tests.integration.conftest import Peek
+from tests.integration.squatter import squatter
+from tests.integration.test_cli import invoke
 from tests.pg import drop_schema, new_schema_name
 
 
@@ -118,3 +123,70 @@ def test_eight_processes_connecting_first_time_at_once(pg_url: str, schema: str)
             )
         ).fetchall()
     assert [v[0] for v in versions] == list(range(1, latest_version() + 1))
+
+
+def at_version(conn: psycopg.Connection[Any], schema: str, version: int) -> None:
+    """``schema`` as a pgq of ``version`` migrations left it."""
+    s = psycopg.sql.Identifier(schema)
+    with conn.transaction():
+        conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(s))
+        for migration in load_migrations()[:version]:
+            conn.execute(migration.composed(schema))
+            conn.execute(
+                psycopg.sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(s),
+                [migration.version],
+            )
+
+
+@pytest.mark.parametrize("start", ["nothing", "one migration behind"])
+def test_migrate_waits_on_no_lock_a_connect_only_role_can_hold(
+    pg_url: str, broker_url: str, schema: str, start: str
+) -> None:
+    with squatter(pg_url) as squat, psycopg.connect(pg_url, autocommit=True) as conn:
+        version = 0 if start == "nothing" else latest_version() - 1
+        if version:
+            at_version(conn, schema, version)
+        # The key a migration waited on in earlier pgq versions, taken first by a role
+        # that can only connect (it is computed from public strings).
+        squat.hold(advisory_key("pgq:migrate", schema))
+        result = squat.beside(
+            f"`pgq migrate` from {start}",
+            lambda: invoke("migrate", "--url", broker_url, "--schema", schema),
+        )
+        assert result.exit_code == 0, result.output
+        names = [m.name for m in load_migrations()[version:]]
+        assert f"({', '.join(names)}); now at version {latest_version()}" in result.output
+        assert current_version(conn, schema) == latest_version()
+        # What an upgrade does lock, the squatter cannot take.
+        for mode in ("SHARE ROW EXCLUSIVE", "ACCESS SHARE"):
+            statement = psycopg.sql.SQL("LOCK TABLE {}.schema_version IN {} MODE").format(
+                psycopg.sql.Identifier(schema), psycopg.sql.SQL(mode)
+            )
+            with pytest.raises(psycopg.errors.InsufficientPrivilege), squat.conn.transaction():
+                squat.conn.execute(statement)
+
+
+def test_an_upgrade_waits_for_another_upgrade(pg_url: str, schema: str) -> None:
+    """Two upgrades of one schema run one after the other: the second, once the first
+    committed, finds nothing left to apply."""
+    with (
+        psycopg.connect(pg_url, autocommit=True) as first,
+        psycopg.connect(pg_url, autocommit=True) as second,
+    ):
+        at_version(first, schema, latest_version() - 1)
+        applied: list[list[str]] = []
+        with first.transaction():
+            first.execute(load_queries(schema)["migrate_lock"])  # the first upgrade's lock
+            thread = threading.Thread(target=lambda: applied.append(migrate(second, schema)))
+            thread.start()
+            peek = Peek(pg_url, schema)
+            peek.wait_for_lock(second.info.backend_pid, "the second upgrade did not wait")
+            peek.conn.close()
+            for migration in load_migrations()[latest_version() - 1 :]:
+                first.execute(migration.composed(schema))
+                first.execute(
+                    load_queries(schema)["record_version"], {"version": migration.version}
+                )
+        thread.join(10)
+        assert applied == [[]]
+        assert current_version(first, schema) == latest_version()
