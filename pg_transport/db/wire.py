@@ -15,7 +15,6 @@ Behind a transaction pooler nothing is prepared: the statement is sent whole eac
 from __future__ import annotations
 
 import hashlib
-import select
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ import psycopg
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
+from pg_transport.db import waits
 from pg_transport.db.params import render
 from pg_transport.sql import to_positional
 
@@ -157,7 +157,8 @@ def _run_apart(
     Each step's outcome comes back: its rows (as text) once it committed, or its error.
     A step runs whatever the steps before it did. Should the connection be lost, the
     steps not answered yet get the OperationalError; ``conn`` is then closed. Waits
-    with the GIL released, as psycopg does (libpq's blocking read would hold it).
+    with the GIL released, as psycopg does (libpq's blocking read would hold it), on
+    ``poll`` (:mod:`~pg_transport.db.waits`).
 
     (A synchronization point per step, not BEGIN … COMMIT around each but the last
     under one: measured, the explicit transactions cost 3-4 times as much more than a
@@ -201,7 +202,7 @@ def send_buffered(pgconn: pq.abc.PGconn) -> None:
     """Write out what libpq still holds of the statements sent (a connection in
     non-blocking mode may keep part of them), waiting until the socket takes it."""
     while pgconn.flush():
-        select.select([], [pgconn.socket], [], 1.0)
+        waits.writable(pgconn.socket, 1.0)
 
 
 def _next_result(conn: psycopg.Connection[Any]) -> pq.abc.PGresult:
@@ -212,7 +213,7 @@ def _next_result(conn: psycopg.Connection[Any]) -> pq.abc.PGresult:
         while pgconn.is_busy():
             if pgconn.status == pq.ConnStatus.BAD:
                 raise _lost(conn)
-            select.select([pgconn.socket], [], [])
+            waits.readable((pgconn.socket,), None)
             pgconn.consume_input()  # (OperationalError on a dead socket)
         result = pgconn.get_result()
         if result is not None:
