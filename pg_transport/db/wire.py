@@ -156,9 +156,10 @@ def _run_apart(
 
     Each step's outcome comes back: its rows (as text) once it committed, or its error.
     A step runs whatever the steps before it did. Should the connection be lost, the
-    steps not answered yet get the OperationalError; ``conn`` is then closed. Waits
-    with the GIL released, as psycopg does (libpq's blocking read would hold it), on
-    ``poll`` (:mod:`~pg_transport.db.waits`).
+    steps not answered yet get the OperationalError; ``conn`` is then closed (so too
+    when reading the answers fails otherwise: nothing raised here says a step failed
+    that may have committed). Waits with the GIL released, as psycopg does (libpq's
+    blocking read would hold it), on ``poll`` (:mod:`~pg_transport.db.waits`).
 
     (A synchronization point per step, not BEGIN … COMMIT around each but the last
     under one: measured, the explicit transactions cost 3-4 times as much more than a
@@ -168,16 +169,28 @@ def _run_apart(
         for statement, _ in steps:
             statement.ready(conn)
     outcomes: list[list[Row] | psycopg.Error] = []
+    sent = False
     pgconn.enter_pipeline_mode()
     try:
         for statement, params in steps:
             statement.send(conn, params, prepare=prepare)
             pgconn.pipeline_sync()
+        sent = True
         send_buffered(pgconn)
         for _ in steps:
             outcomes.append(_step(conn))
     except psycopg.OperationalError as lost:  # the connection, with what was unanswered
         outcomes += [lost] * (len(steps) - len(outcomes))
+        conn.close()
+    except Exception as exc:
+        if not sent:
+            raise
+        # Sent, and reading the answers failed otherwise (a wait refused, a bug): the
+        # steps may have committed, their answers are unread. That is what a lost
+        # connection leaves, and it is reported so (the session closed): the callers'
+        # keys make their retries safe (a publish sent again finds its row taken),
+        # where this exception would report a committed publish as failed.
+        outcomes += [_unread(exc)] * (len(steps) - len(outcomes))
         conn.close()
     finally:
         _leave_pipeline(conn)
@@ -231,6 +244,14 @@ def _leave_pipeline(conn: psycopg.Connection[Any]) -> None:
         pgconn.exit_pipeline_mode()
     except psycopg.Error:
         conn.close()  # answers left unread (interrupted): not reusable
+
+
+def _unread(cause: Exception) -> psycopg.OperationalError:
+    lost = psycopg.OperationalError(
+        f"the connection was closed: reading the server's answers failed ({cause!r})"
+    )
+    lost.__cause__ = cause
+    return lost
 
 
 def _lost(conn: psycopg.Connection[Any]) -> psycopg.OperationalError:

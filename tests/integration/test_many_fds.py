@@ -18,13 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import pytest
 from celery import Celery, states
 from kombu import Connection, Exchange, Queue
 
+from pg_transport.db import waits
 from tests.integration.conftest import Peek
 from tests.pg import pgq_url
 
@@ -148,6 +149,41 @@ def test_a_result_is_waited_for_past_descriptor_1024(
         for app in (client, worker):
             app.backend.listener.stop()
     _no_errors(caplog)
+
+
+def test_a_publish_whose_answer_cannot_be_read_after_its_commit_succeeds_once(
+    url: str, schema: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should waiting for the server's answer fail after the insert committed (as
+    ``select`` did past descriptor 1024), the publish is not reported as failed: the
+    session is closed as lost, and the retry on another finds its row taken."""
+    with Connection(url, transport_options={"schema": schema}) as conn:
+        conn.SimpleQueue("unread")  # declared
+        peek = Peek(pg_url, schema)
+        real = waits.readable
+        publishing = threading.get_ident()
+        refused: list[int] = []
+
+        def refuse_once_committed(fds: Collection[int], timeout: float | None) -> set[int]:
+            if threading.get_ident() != publishing or refused:
+                return real(fds, timeout)
+            peek.wait_until(
+                "SELECT count(*) = 1 FROM {schema}.message", failure="the insert never committed"
+            )
+            refused.append(1)
+            raise ValueError("filedescriptor out of range in select()")
+
+        monkeypatch.setattr(waits, "readable", refuse_once_committed)
+        try:
+            conn.Producer().publish({"n": 1}, routing_key="unread")
+            assert refused, "the publish never waited for its answer"
+            assert peek("SELECT count(*) FROM {schema}.message") == [(1,)]
+        finally:
+            monkeypatch.undo()
+            peek.conn.close()
+        message = conn.SimpleQueue("unread").get(timeout=10)
+        assert message.payload == {"n": 1}
+        message.ack()
 
 
 # Under gevent's monkey-patching (Celery's gevent pool): pgq's waits block only their
