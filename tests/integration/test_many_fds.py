@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
+from contextlib import suppress
 from typing import Any
 
 import pytest
@@ -109,13 +110,17 @@ def test_a_consumer_is_woken_through_its_listener_past_descriptor_1024(
         got: list[Any] = []
         consumer = conn.Consumer([queue], accept=["json"], callbacks=[lambda b, m: got.append(b)])
         consumer.consume()
+        with suppress(TimeoutError):
+            conn.drain_events(timeout=0.05)  # (starts the listener)
         engine = conn.transport.engine
-        with pytest.raises(TimeoutError):  # its claim finds nothing: it waits
-            conn.drain_events(timeout=0.05)
         deadline = time.monotonic() + 10
         while not engine.listener.listening:  # its LISTEN answered
             assert time.monotonic() < deadline, "the listener never listened"
             time.sleep(0.005)
+        while not engine.waiting:  # no claim out: the next one is the wake-up's
+            assert time.monotonic() < deadline, "the consumer never came to wait"
+            with suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
         with Connection(url, transport_options={"schema": schema}) as publisher:
             publisher.Producer().publish({"n": 1}, exchange=queue.exchange, routing_key="r")
         # Only the listener's wake-up brings it before the poll (a minute away).
