@@ -30,8 +30,16 @@ from pg_transport.db import waits
 from tests.integration.conftest import Peek
 from tests.pg import pgq_url
 
-# Every descriptor below this one is taken before pgq opens any.
+# Every descriptor below this one is taken before pgq opens any; the soft limit is
+# raised to ROOM for them if need be.
 FLOOR = 1100
+ROOM = FLOOR + 1000
+
+
+def _skip_without_room() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < ROOM:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit ({hard}) is below {ROOM}")
 
 
 @pytest.fixture
@@ -39,11 +47,9 @@ def crowded() -> Iterator[int]:
     """Every descriptor number below :data:`FLOOR` in use (the soft limit raised if need
     be); yields the number of the last one taken."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = FLOOR + 1000
-    if soft != resource.RLIM_INFINITY and soft < want:
-        if hard != resource.RLIM_INFINITY and hard < want:
-            pytest.skip(f"RLIMIT_NOFILE's hard limit ({hard}) is below {want}")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if soft != resource.RLIM_INFINITY and soft < ROOM:
+        _skip_without_room()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ROOM, hard))
     taken: list[int] = []
     try:
         while not taken or taken[-1] < FLOOR:
@@ -205,9 +211,10 @@ from kombu import Connection
 
 from pg_transport.db import waits
 
-url, schema, floor = sys.argv[1], sys.argv[2], int(sys.argv[3])
+url, schema, floor, room = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, floor + 1000), hard))
+if soft != resource.RLIM_INFINITY and soft < room:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
 while os.open(os.devnull, os.O_RDONLY) < floor:
     pass
 
@@ -230,8 +237,9 @@ print("ok")
 
 def test_under_gevent_past_descriptor_1024(url: str, schema: str) -> None:
     pytest.importorskip("gevent")
+    _skip_without_room()
     done = subprocess.run(
-        [sys.executable, "-c", GEVENT, url, schema, str(FLOOR)],
+        [sys.executable, "-c", GEVENT, url, schema, str(FLOOR), str(ROOM)],
         capture_output=True,
         text=True,
         timeout=120,
