@@ -349,7 +349,7 @@ class Transport(virtual.Transport):
         self, connection: Any, timeout: float | None = None
     ) -> None:
         """Deliver what comes, else wait for a wake-up, an ack or the poll: the engine
-        Celery's event loop runs, driven by a select() loop."""
+        Celery's event loop runs, driven by a poll() loop (:mod:`~pg_transport.db.waits`)."""
         self._ensure_renewer()
         self.blocking.drain(timeout)
 

@@ -3,7 +3,7 @@
 Consumers that run no event loop (Celery's gevent and eventlet pools, plain kombu
 consumers, ``SimpleQueue``) call ``drain_events(timeout)``: deliver what comes, or wait
 for it. This driver runs the same engine Celery's event loop runs, so they claim, ack,
-wake and dead-letter alike: it kicks the engine, then waits with ``select()`` on the
+wake and dead-letter alike: it kicks the engine, then waits (``poll``) on the
 engine's descriptors and on its own timers (the poll, a refill's short wait) until a
 message has been handed to kombu or the timeout is up.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import select
 from collections.abc import Callable
 from time import monotonic
 
 from pg_transport.consume.engine import Engine
+from pg_transport.db import waits
 
 __all__ = ["BlockingDriver"]
 
@@ -78,7 +78,7 @@ class BlockingDriver:
             wait -= now
             if timeout is not None:
                 wait = min(wait, timeout - (now - start))
-            ready, _, _ = select.select(self._fds, [], [], max(wait, 0.0))
+            ready = waits.readable(self._fds, wait)
             if self._fds[1] in ready:
                 engine.on_wake()
             if self._fds[0] in ready:

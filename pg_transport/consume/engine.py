@@ -7,7 +7,7 @@ last one riding on it), or those acks alone. The engine decides what to send nex
 (:meth:`Engine.kick`) and takes what comes back (:meth:`Engine.on_readable`), handing
 messages to kombu. It never waits and never runs the application's code beyond kombu's
 delivery callback: a driver waits for it — Celery's event loop
-(:mod:`~pg_transport.consume.hub`) or a ``select()`` loop for kombu's blocking
+(:mod:`~pg_transport.consume.hub`) or a ``poll()`` loop for kombu's blocking
 ``drain_events`` (:mod:`~pg_transport.consume.blocking`) — and calls it when the session's
 socket or the wake-up pipe is readable, or a timer is due.
 

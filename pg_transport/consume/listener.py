@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import psycopg
 
 from pg_transport.consume.session import Notifications
+from pg_transport.db import waits
 from pg_transport.db.pool import Connector
 from pg_transport.errors import PgqError
 from pg_transport.sql import compose_channel, load_queries
@@ -144,8 +144,7 @@ class Listener:
             self._mark(found)
             # A queue consumed anew waits this long at most for its LISTEN (it is
             # claimed at once all the same, and polled).
-            ready, _, _ = select.select([pgconn.socket], [], [], 0.2)
-            if ready:
+            if waits.readable((pgconn.socket,), 0.2):
                 pgconn.consume_input()
                 notes.collect(pgconn, found)
                 self._mark(found)

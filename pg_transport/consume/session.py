@@ -20,7 +20,6 @@ Rows come back as libpq's text values; the caller decodes the few columns it ask
 from __future__ import annotations
 
 import logging
-import select
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from time import monotonic
@@ -29,6 +28,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from pg_transport.db import waits
 from pg_transport.db.pool import Connector
 from pg_transport.db.wire import Row, Statement, rows, send_buffered
 from pg_transport.sql import compose_channel, load_queries
@@ -213,7 +213,7 @@ class Session:
             left = deadline - monotonic()
             if left <= 0:
                 return None
-            select.select([self.fileno()], [], [], left)
+            waits.readable((self.fileno(),), left)
             try:
                 reply = self.read()
             except psycopg.Error:

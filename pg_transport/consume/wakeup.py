@@ -1,7 +1,7 @@
 """The wake-up pipe: how another thread tells the consumer's driver to look again.
 
 An ack made on a pool thread frees a prefetch slot; the driver (Celery's event loop, or
-the blocking ``select()`` loop) is waiting on sockets, so the ack writes a byte here and
+the blocking ``poll()`` loop) is waiting on sockets, so the ack writes a byte here and
 the driver, watching the pipe's read end with the session's socket, wakes. Writing never
 blocks: a full pipe means a wake-up is pending already.
 """

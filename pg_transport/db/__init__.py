@@ -8,6 +8,7 @@ layer for per-message statements, and migrations. Nothing here knows kombu or qu
   through libpq directly, parameters written as text.
 - :mod:`~pg_transport.db.migrate`: the schema's version and its migrations.
 - :mod:`~pg_transport.db.locks`: deterministic advisory-lock keys.
+- :mod:`~pg_transport.db.waits`: waiting for sockets at any descriptor number (poll).
 """
 
 from __future__ import annotations

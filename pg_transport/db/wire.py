@@ -15,7 +15,6 @@ Behind a transaction pooler nothing is prepared: the statement is sent whole eac
 from __future__ import annotations
 
 import hashlib
-import select
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ import psycopg
 from psycopg import abc, pq
 from psycopg.adapt import PyFormat, Transformer
 
+from pg_transport.db import waits
 from pg_transport.db.params import render
 from pg_transport.sql import to_positional
 
@@ -156,8 +156,10 @@ def _run_apart(
 
     Each step's outcome comes back: its rows (as text) once it committed, or its error.
     A step runs whatever the steps before it did. Should the connection be lost, the
-    steps not answered yet get the OperationalError; ``conn`` is then closed. Waits
-    with the GIL released, as psycopg does (libpq's blocking read would hold it).
+    steps not answered yet get the OperationalError; ``conn`` is then closed (so too
+    when reading the answers fails otherwise: nothing raised here says a step failed
+    that may have committed). Waits with the GIL released, as psycopg does (libpq's
+    blocking read would hold it), on ``poll`` (:mod:`~pg_transport.db.waits`).
 
     (A synchronization point per step, not BEGIN … COMMIT around each but the last
     under one: measured, the explicit transactions cost 3-4 times as much more than a
@@ -167,16 +169,28 @@ def _run_apart(
         for statement, _ in steps:
             statement.ready(conn)
     outcomes: list[list[Row] | psycopg.Error] = []
+    sent = False
     pgconn.enter_pipeline_mode()
     try:
         for statement, params in steps:
             statement.send(conn, params, prepare=prepare)
             pgconn.pipeline_sync()
+        sent = True
         send_buffered(pgconn)
         for _ in steps:
             outcomes.append(_step(conn))
     except psycopg.OperationalError as lost:  # the connection, with what was unanswered
         outcomes += [lost] * (len(steps) - len(outcomes))
+        conn.close()
+    except Exception as exc:
+        if not sent:
+            raise
+        # Sent, and reading the answers failed otherwise (a wait refused, a bug): the
+        # steps may have committed, their answers are unread. That is what a lost
+        # connection leaves, and it is reported so (the session closed): the callers'
+        # keys make their retries safe (a publish sent again finds its row taken),
+        # where this exception would report a committed publish as failed.
+        outcomes += [_unread(exc)] * (len(steps) - len(outcomes))
         conn.close()
     finally:
         _leave_pipeline(conn)
@@ -201,7 +215,7 @@ def send_buffered(pgconn: pq.abc.PGconn) -> None:
     """Write out what libpq still holds of the statements sent (a connection in
     non-blocking mode may keep part of them), waiting until the socket takes it."""
     while pgconn.flush():
-        select.select([], [pgconn.socket], [], 1.0)
+        waits.writable(pgconn.socket, 1.0)
 
 
 def _next_result(conn: psycopg.Connection[Any]) -> pq.abc.PGresult:
@@ -212,7 +226,7 @@ def _next_result(conn: psycopg.Connection[Any]) -> pq.abc.PGresult:
         while pgconn.is_busy():
             if pgconn.status == pq.ConnStatus.BAD:
                 raise _lost(conn)
-            select.select([pgconn.socket], [], [])
+            waits.readable((pgconn.socket,), None)
             pgconn.consume_input()  # (OperationalError on a dead socket)
         result = pgconn.get_result()
         if result is not None:
@@ -230,6 +244,14 @@ def _leave_pipeline(conn: psycopg.Connection[Any]) -> None:
         pgconn.exit_pipeline_mode()
     except psycopg.Error:
         conn.close()  # answers left unread (interrupted): not reusable
+
+
+def _unread(cause: Exception) -> psycopg.OperationalError:
+    lost = psycopg.OperationalError(
+        f"the connection was closed: reading the server's answers failed ({cause!r})"
+    )
+    lost.__cause__ = cause
+    return lost
 
 
 def _lost(conn: psycopg.Connection[Any]) -> psycopg.OperationalError:

@@ -215,8 +215,9 @@ class Publisher:
         self, conn: psycopg.Connection[Any], params: dict[str, Any], woke: psycopg.Error
     ) -> None:
         """A wake-up for a message committed durably failed: lost with ``conn``, it is
-        sent again on another connection; otherwise a warning says so."""
-        failure: psycopg.Error | None = woke
+        sent again on another connection; otherwise a warning says so. Nothing here
+        raises: the message is committed, and its publish succeeded."""
+        failure: Exception | None = woke
         if isinstance(woke, psycopg.OperationalError) and conn.closed:
             try:
                 self.connector.run(
@@ -224,7 +225,7 @@ class Publisher:
                     idempotent=True,
                 )
                 failure = None
-            except psycopg.Error as exc:
+            except Exception as exc:  # (no connection to be had: BrokerUnavailable, …)
                 failure = exc
         if failure is not None:
             logger.warning(

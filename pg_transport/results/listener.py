@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
+from pg_transport.db import waits
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import TRANSIENT, attempt, is_dead_connection
 from pg_transport.errors import BrokerUnavailable
@@ -242,7 +242,7 @@ class Listener:
                 return
             polling = not self.use_notify and bool(self._subs)
         timeout = self.polling_interval if polling else IDLE_WAKE
-        ready, _, _ = select.select([conn.pgconn.socket, self._wake_r], [], [], timeout)
+        ready = waits.readable((conn.pgconn.socket, self._wake_r), timeout)
         if conn.pgconn.socket in ready:
             conn.pgconn.consume_input()
             while (note := conn.pgconn.notifies()) is not None:
