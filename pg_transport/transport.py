@@ -37,6 +37,7 @@ from urllib.parse import quote
 import psycopg
 from kombu.transport import virtual
 
+from pg_transport import failover
 from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options, warn_unknown_environment
@@ -55,7 +56,6 @@ from pg_transport.db.url import first_port, seal, unseal
 from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
-    ConfigurationError,
     SchemaError,
 )
 from pg_transport.qos import TOKEN
@@ -410,17 +410,16 @@ deadletters.connect()
 
 def _client_url(client: Any) -> str:
     """The pgq URL of a kombu Connection, built from its fields when not given as one."""
-    if len(getattr(client, "alt", None) or ()) > 1:
-        # kombu splits a URL at every ';' into failover alternates, a ';' in a password
-        # included, and Celery reports the alternates masked by a parser of its own.
-        raise ConfigurationError(
-            "the broker URL is a list (kombu splits a URL at ';'): pgq takes one URL. "
-            "List failover hosts libpq's way, pgq://host1,host2/db?"
-            "target_session_attrs=read-write, and write a ';' in a password as %3B"
-        )
+    alternates = getattr(client, "alt", None)
+    if isinstance(alternates, list) and len(alternates) > 1:
+        # kombu's failover list ('pgq://a;pgq://b', or Celery's list-valued broker_url).
+        failover.adopt(alternates)
     hostname = client.hostname or ""
     if "://" in hostname:
         return unseal(str(hostname), client.password)
+    switched = failover.full_url(client)
+    if switched is not None:  # kombu switched to an alternate's switch form
+        return switched
     auth = ""
     if client.userid:
         auth = quote(client.userid, safe="")

@@ -45,6 +45,14 @@ class PgqFixtures:
         yield conn
         conn.release()
 
+    @pytest.fixture
+    def failover_connection(self, broker_url: str, schema: str) -> Iterator[Connection]:
+        """kombu's failover list: the unreachable URL first, then the test server's."""
+        conn = Connection(f"{UNREACHABLE};{broker_url}", transport_options={"schema": schema})
+        conn.transport  # noqa: B018 (the transport takes the list in: kombu's port is set)
+        yield conn
+        conn.release()
+
 
 class TestPgqBasicFunctionality(PgqFixtures, common.BasicFunctionality):
     pass
@@ -68,4 +76,8 @@ class TestPgqEventLoop(PgqFixtures, common.BaseEventLoop):
 
 
 class TestPgqTimeToLive(PgqFixtures, common.BaseTimeToLive):
+    pass
+
+
+class TestPgqFailover(PgqFixtures, common.BaseFailover):
     pass

@@ -375,12 +375,12 @@ def test_a_raw_query_password_libpq_would_misread_is_refused_without_showing_it(
 
 
 def test_a_password_kombu_would_split_at_a_raw_semicolon_is_refused() -> None:
-    """kombu reads a raw ';' as a list of failover URLs: pgq refuses the list."""
+    """kombu reads a raw ';' as a list of failover URLs: the piece after it is no URL."""
     conn = Connection(f"pgq://{USER}:K7q;Zx9@{HOST}/{DB}")
     with pytest.raises(ConfigurationError) as info:
         conn.as_uri()
     assert "K7q" not in str(info.value) and "Zx9" not in str(info.value)
-    assert "write a ';' in a password as %3B" in str(info.value)
+    assert "inside a user name or password must be written %3B" in str(info.value)
 
 
 # -- what survives masking ---------------------------------------------------------
