@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kombu.transport import TRANSPORT_ALIASES
 
+from pg_transport import hints as _hints
 from pg_transport import ordering as _ordering
 from pg_transport.config import Options
 from pg_transport.errors import (
@@ -57,5 +58,8 @@ __all__ = [
 
 TRANSPORT = "pg_transport.transport:Transport"
 TRANSPORT_ALIASES.setdefault("pgq", TRANSPORT)
+# postgresql:// and postgres:// (a first guess) are answered with pgq:// (pg_transport.hints).
+for _scheme in _hints.SCHEMES:
+    TRANSPORT_ALIASES.setdefault(_scheme, "pg_transport.hints:PostgresSchemeHint")
 # Celery's backend aliases: now if Celery's table is loaded, else when it is.
 _alias.install()

@@ -186,3 +186,50 @@ def test_migrating_steps_run_a_celery_worker_on_pgq(
     text = log.read_text(errors="replace")
     assert "No such transport" not in text
     assert "Traceback" not in text, text
+
+
+def test_the_scheme_is_found_where_pth_files_are_not_processed(
+    newcomer: tuple[Path, subprocess.CompletedProcess[str]], pg_url: str, schema: str
+) -> None:
+    """`pip install --target` + PYTHONPATH, zipapps, `python -S`: no .pth hook runs. The
+    `celery` command still finds pgq:// (its `celery.commands` entry point imports pgq),
+    and `celery pgq …` is pgq's command; a pgq result backend is found by Celery's
+    `celery.result_backends` entry point."""
+    home, installed = newcomer
+    assert installed.returncode == 0, f"exit status {installed.returncode}"
+    python = home / ".venv" / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    url = to_broker_url(pg_url)
+    env = clean_env(home)
+    env.update(PYTHONPATH=site, PGQ_SCHEMA=schema)
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(python), "-S", "-c", code], cwd=home, env=env, capture_output=True, text=True
+        )
+
+    # Without the hook nothing registered the scheme: the case being tested.
+    bare = run(f"import kombu; kombu.Connection({url!r}).transport")
+    assert "No such transport: pgq" in bare.stderr, bare.stderr
+    worker_side = run(
+        "import celery.bin.celery, kombu\n"
+        f"c = kombu.Connection({url!r}); c.connect(); print(type(c.transport).__module__)"
+    )
+    assert worker_side.returncode == 0, worker_side.stderr
+    assert worker_side.stdout.strip() == "pg_transport.transport", worker_side.stdout
+    command = run(
+        "import sys; from celery.bin.celery import main\n"
+        f"sys.argv = ['celery', 'pgq', 'status', '--url', {url!r}]\nmain()"
+    )
+    assert command.returncode == 0, command.stderr
+    backend = run(
+        "from celery import Celery\n"
+        f"app = Celery('x', backend={url!r})\nprint(type(app.backend).__name__)"
+    )
+    assert backend.returncode == 0, backend.stderr
+    assert backend.stdout.strip() == "PgqBackend", backend.stdout

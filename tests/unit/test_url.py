@@ -503,3 +503,14 @@ def test_the_barrier_names_a_foreign_broker_by_its_scheme_only() -> None:
         with pytest.raises(ConfigurationError) as info:
             backend_for(Celery("shop", broker=url))
         assert str(info.value) == f"the barrier needs a pgq:// broker, app 'shop' uses {uses}"
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_a_postgresql_broker_url_is_answered_with_pgq_s_scheme(scheme: str) -> None:
+    import pg_transport  # noqa: F401 (what registers the hint, as the .pth hook does)
+
+    conn = Connection(f"{scheme}://app:K7q@db.internal:5432/app")
+    with pytest.raises(ConfigurationError) as info:
+        conn.transport  # noqa: B018
+    message = str(info.value)
+    assert "pgq's scheme is pgq://" in message and "K7q" not in message
