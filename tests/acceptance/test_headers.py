@@ -1,0 +1,85 @@
+"""Celery headers of every wrong shape, published to real workers of each pool: no worker
+dies, none wedges (a task sent after them runs), and every bad message is in dead_letter
+with a reason naming its field."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
+
+pytestmark = pytest.mark.acceptance
+
+MARK = "tests.acceptance.app.mark"
+SLOW = "tests.acceptance.app.slow_mark"
+RAISES = "tests.acceptance.headers_app.cannot_run"
+
+#: (field, value): what a publisher could put in the headers a worker unpacks.
+BAD: list[tuple[str, Any]] = [
+    ("timelimit", "abc"),
+    ("timelimit", [1, 2, 3]),
+    ("timelimit", [1]),
+    ("timelimit", 5),
+    ("timelimit", ["1", None]),
+    ("timelimit", [-1, None]),
+    ("eta", "abc"),
+    ("eta", 12),
+    ("eta", ""),
+    ("expires", "tomorrow"),
+    ("expires", [2030]),
+    ("retries", "1"),
+    ("argsrepr", ["a"]),
+    ("kwargsrepr", 12),
+    ("id", 12),
+    ("task", ["x"]),
+    ("root_id", {}),
+    ("stamped_headers", "a"),
+    ("stamps", [1]),
+    ("ignore_result", "yes"),
+]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: str) -> None:
+    client = env.client()
+    # A slow task first, so that the bad messages come to a pool that is busy (prefork
+    # runs them from its callback when the slot frees) and then idle.
+    client.send_task(SLOW, args=["busy", 0.5])
+    for n, (field, value) in enumerate(BAD):
+        client.send_task(MARK, args=[f"bad-{n}"], headers={field: value})
+    # Celery raising after the pool took a slot, for reasons no check could foresee.
+    for n in range(3):
+        client.send_task(RAISES, args=[f"raises-{n}"])
+    worker = start_worker(
+        env,
+        f"headers-{pool}",
+        pool=pool,
+        concurrency=1,
+        app="tests.acceptance.headers_app",
+        environ=QUICK_STOP,
+    )
+    try:
+        count = len(BAD) + 3
+        wait_for(
+            lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter") == count,
+            60,
+            f"{count} dead letters",
+        )
+        client.send_task(MARK, args=["after"])
+        wait_for(lambda: "after" in [r[1] for r in env.runs()], 30, "a task sent after them")
+        assert worker.proc.poll() is None, "the worker died"
+    finally:
+        worker.stop()
+    assert sorted(r[1] for r in env.runs()) == ["after", "busy"], worker.output()
+    with_reasons = env.scalar("SELECT array_agg(reason) FROM {schema}.dead_letter")
+    named = Counter(
+        m.group(1) for r in with_reasons if (m := re.search(r"(?:header|field) '(\w+)'", r))
+    )
+    assert named == Counter(field for field, _ in BAD), with_reasons
+    raised = [r for r in with_reasons if "raised after the pool slot was taken" in r]
+    assert len(raised) == 3, with_reasons
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
