@@ -1,15 +1,20 @@
 """Celery headers of every wrong shape, published to real workers of each pool: no worker
 dies, none wedges (a task sent after them runs), and every bad message is in dead_letter
-with a reason naming its field."""
+with a reason naming its field. And a worker that wedges all the same (its pool never
+starts what it holds) fails ``pgq health``."""
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from pg_transport import health
+from pg_transport.ops.cli import main
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 
 pytestmark = pytest.mark.acceptance
@@ -83,3 +88,37 @@ def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: st
     raised = [r for r in with_reasons if "raised after the pool slot was taken" in r]
     assert len(raised) == 3, with_reasons
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+
+
+def test_a_worker_holding_a_task_its_pool_never_starts_is_unhealthy(
+    env: Env, tmp_path: Path
+) -> None:
+    heartbeat = tmp_path / "worker.heartbeat"
+
+    def pgq_health() -> Any:
+        return CliRunner().invoke(main, ["health", "--file", str(heartbeat), "--stale-after", "3"])
+
+    worker = start_worker(
+        env,
+        "wedged",
+        pool="prefork",
+        concurrency=1,
+        app="tests.acceptance.wedge_app",
+        environ={**QUICK_STOP, health.FILE_ENV: str(heartbeat), "TEST_WEDGE": "1"},
+    )
+    try:
+        wait_for(lambda: pgq_health().exit_code == 0, 30, "a healthy idle worker")
+        env.client().send_task(MARK, args=["never"])
+        # (Stuck is reported first, whatever the heartbeat's age, once it lasts 3 s.)
+        found = wait_for(
+            lambda: "without starting any" in (r := pgq_health()).stderr and r,
+            30,
+            "pgq health to report the stuck pool",
+        )
+        assert found.exit_code == 1
+        assert worker.proc.poll() is None
+        # Its consume loop still turns: only the stuck pool makes it unhealthy.
+        assert health.check(heartbeat, 30).healthy
+        assert env.runs() == []
+    finally:
+        worker.stop()
