@@ -32,7 +32,7 @@ import binascii
 import json
 import math
 from collections.abc import Callable, Mapping
-from datetime import timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from dateutil.parser import isoparse
@@ -109,9 +109,15 @@ def _date(value: Any) -> str | None:
     if not isinstance(value, str):
         return f"is {_shown(value)}, not an ISO 8601 date string"
     try:
-        parsed = isoparse(value)
-    except (ValueError, OverflowError) as exc:
-        return f"is {_shown(value)}, not an ISO 8601 date ({exc})"
+        # Python's parser first (ten times faster), then Celery's (dateutil's) for the
+        # forms only it reads. A form only Python's read would fail Celery's parse,
+        # which Celery reports itself (InvalidTaskError) before a pool slot is taken.
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        try:
+            parsed = isoparse(value)
+        except (ValueError, OverflowError) as exc:
+            return f"is {_shown(value)}, not an ISO 8601 date ({exc})"
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=timezone.utc)
     try:
