@@ -184,8 +184,6 @@ def fault(payload: Mapping[str, Any]) -> str | None:
     headers = payload.get("headers") or {}
     if "task" in headers:  # protocol 2 (or hybrid)
         body = _body(payload, objects_only=True)
-        if isinstance(body, str):
-            return body
         fields = dict(headers)
         if isinstance(body, dict) and "args" in body:
             # Hybrid: Celery takes these from the body, then the headers over them.
@@ -236,28 +234,24 @@ def _embed(embed: Mapping[str, Any], where: str) -> str | None:
 
 
 def _body(payload: Mapping[str, Any], *, objects_only: bool) -> Any:
-    """The decoded JSON body (None: not JSON, or not worth decoding; a str: why it does
-    not decode). ``objects_only``: decode only a body that is a JSON object (a protocol
-    2 body is an array, which Celery's own unpacking checks as it reads it)."""
+    """The decoded JSON body; None when it is not JSON or does not decode (Celery's
+    decoder reports that, and pgq dead-letters what it cannot decode, before a pool slot
+    is taken). ``objects_only``: decode only a body that is a JSON object (a protocol 2
+    body is an array, which Celery's own unpacking checks as it reads it)."""
     if payload.get("content-type", _JSON) != _JSON:
         return None
     text = payload.get("body")
     if not isinstance(text, str):
         return None
-    if (payload.get("properties") or {}).get("body_encoding") == "base64":
-        try:
-            text = base64.b64decode(text, validate=True).decode(
-                payload.get("content-encoding") or "utf-8"
-            )
-        except (binascii.Error, ValueError, LookupError) as exc:
-            return f"Celery task message's body does not decode: {exc}"
-    if objects_only and not text.lstrip().startswith("{"):
-        return None
     try:
-        body = json.loads(text)
-    except ValueError as exc:
-        return f"Celery task message's JSON body does not parse: {exc}"
-    return body
+        if (payload.get("properties") or {}).get("body_encoding") == "base64":
+            encoding = payload.get("content-encoding") or "utf-8"
+            text = base64.b64decode(text, validate=True).decode(encoding)
+        if objects_only and not text.lstrip().startswith("{"):
+            return None
+        return json.loads(text)
+    except (binascii.Error, ValueError, LookupError):
+        return None
 
 
 def _shown(value: Any) -> str:

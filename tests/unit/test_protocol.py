@@ -178,16 +178,16 @@ def test_a_protocol_1_body_of_the_wrong_shape_is_refused(body: Any, named: str) 
     assert why is not None and named in why
 
 
-def test_a_base64_body_is_read_and_one_that_does_not_parse_is_refused() -> None:
+def test_a_base64_body_is_read_and_one_that_does_not_parse_is_left_to_celery() -> None:
     message = v1(timelimit="abc")
     message["body"] = base64.b64encode(message["body"].encode()).decode()
     message["properties"]["body_encoding"] = "base64"
     assert "'timelimit'" in (protocol.fault(message) or "")
-    # A task (its headers say so) whose body is not JSON; without the headers, what
-    # it is is left to Celery's decoder (pgq dead-letters what that cannot decode).
+    # Celery's decoder refuses it before a pool slot is taken (pgq dead-letters what it
+    # cannot decode): not this check's to name.
     message = payload()
     message["body"] = "{not json"
-    assert "does not parse" in (protocol.fault(message) or "")
+    assert protocol.fault(message) is None
     assert protocol.fault(v1() | {"body": "{not json"}) is None
 
 
