@@ -37,15 +37,20 @@ def guard(consumer: Any) -> None:
     worker = consumer.controller
     process: Callable[[Any], Any] = consumer.on_task_request
     semaphore = getattr(worker, "semaphore", None)
-    if semaphore is not None and process == getattr(worker, "_process_task_sem", None):
+    run: Callable[[Any], Any] | None = getattr(worker, "_process_task", None)
+    if (
+        semaphore is not None
+        and run is not None
+        and process == getattr(worker, "_process_task_sem", None)
+    ):
         # Celery's own hand-over takes a slot, then runs the request now or when a
         # slot frees up (then inside the pool's callback): the guard must be around
         # the run itself, and give that slot back.
-        run: Callable[[Any], Any] = worker._process_task
+        sem_run: Callable[[Any], Any] = run
 
         def guarded_run(request: Any) -> None:
             try:
-                run(request)
+                sem_run(request)
             except Exception as exc:  # any raise: the task cannot run here
                 try:
                     refuse(request, exc)
@@ -68,7 +73,15 @@ def guard(consumer: Any) -> None:
 
 
 def refuse(request: Any, exc: BaseException) -> None:
-    """Dead-letter ``request``'s message with ``exc`` as the reason; Celery forgets it."""
+    """Dead-letter ``request``'s message with ``exc`` as the reason; Celery forgets it.
+    Never raises: it runs inside Celery's event loop."""
+    try:
+        _refuse(request, exc)
+    except Exception:  # a bug: the worker goes on; the message stays held by it
+        logger.exception("pgq: could not dead-letter a task the worker cannot run")
+
+
+def _refuse(request: Any, exc: BaseException) -> None:
     logger.error(
         "pgq: task %s[%s] cannot be run by this worker: dead-lettered",
         getattr(request, "name", "?"),
