@@ -37,7 +37,7 @@ from typing import Any
 
 from dateutil.parser import isoparse
 
-__all__ = ["MAX_SECONDS", "fault"]
+__all__ = ["EMBED", "FIELDS", "HYBRID", "MAX_SECONDS", "REQUIRED", "fault"]
 
 #: The largest time limit accepted, in seconds (about 68 years: past it, timer
 #: arithmetic in some pools overflows; no real limit is near it).
@@ -187,7 +187,7 @@ def fault(payload: Mapping[str, Any]) -> str | None:
         fields = dict(headers)
         if isinstance(body, dict) and "args" in body:
             # Hybrid: Celery takes these from the body, then the headers over them.
-            fields = {k: body[k] for k in _HYBRID if k in body}
+            fields = {k: body[k] for k in HYBRID if k in body}
             fields.update(headers)
             return _fields(fields, "field") or _arguments(body) or _embed(body, "body")
         return _fields(fields, "header")
@@ -197,8 +197,8 @@ def fault(payload: Mapping[str, Any]) -> str | None:
     return _fields(body, "body field") or _arguments(body) or _embed(body, "body")
 
 
-# The body fields Celery reads from a hybrid message (celery.worker.strategy).
-_HYBRID = (
+#: The body fields Celery reads from a hybrid message (celery.worker.strategy).
+HYBRID = (
     "lang", "task", "id", "root_id", "parent_id", "group", "meth", "shadow", "eta",
     "expires", "retries", "timelimit", "argsrepr", "kwargsrepr", "origin",
 )  # fmt: skip

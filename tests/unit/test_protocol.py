@@ -143,7 +143,7 @@ def test_a_header_of_the_wrong_shape_is_refused_naming_it(field: str, value: Any
     # The same field in a protocol 1 body, and in a hybrid message's body.
     why = protocol.fault(v1(**{field: value}))
     assert why is not None and f"body field {field!r}" in why
-    if field in protocol._HYBRID and field != "task":  # (no task header: protocol 1)
+    if field in protocol.HYBRID and field != "task":  # (no task header: protocol 1)
         hybrid = payload()
         hybrid["body"] = json.dumps({"args": [1], "kwargs": {}, field: value})
         del hybrid["headers"][field]
@@ -224,7 +224,7 @@ def test_whatever_passes_the_check_celery_takes_without_raising(
     field: str, value: Any, hybrid: bool
 ) -> None:
     message = payload(**{field: value})
-    if hybrid and field in protocol._HYBRID and field != "task":
+    if hybrid and field in protocol.HYBRID and field != "task":
         message["body"] = json.dumps({"args": [1], "kwargs": {}, field: value})
         del message["headers"][field]
     if protocol.fault(message) is None:
