@@ -184,13 +184,12 @@ def fault(payload: Mapping[str, Any]) -> str | None:
     headers = payload.get("headers") or {}
     if "task" in headers:  # protocol 2 (or hybrid)
         body = _body(payload, objects_only=True)
-        fields = dict(headers)
         if isinstance(body, dict) and "args" in body:
             # Hybrid: Celery takes these from the body, then the headers over them.
             fields = {k: body[k] for k in HYBRID if k in body}
             fields.update(headers)
             return _fields(fields, "field") or _arguments(body) or _embed(body, "body")
-        return _fields(fields, "header")
+        return _fields(headers, "header")
     body = _body(payload, objects_only=False)
     if not isinstance(body, dict) or "task" not in body:
         return None  # not a Celery task message (or not one Celery would take as one)
