@@ -5,13 +5,17 @@ starts what it holds) fails ``pgq health``."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from click.testing import CliRunner
+from psycopg import sql
+from psycopg.types.json import Json
 
 from pg_transport import health
 from pg_transport.ops.cli import main
@@ -45,7 +49,43 @@ BAD: list[tuple[str, Any]] = [
     ("stamped_headers", "a"),
     ("stamps", [1]),
     ("ignore_result", "yes"),
+    ("shadow", 12),
+    ("parent_id", [1]),
+    ("group", 12),
+    ("group_index", "0"),
+    ("replaced_task_nesting", -1),
 ]
+#: The same fields where protocol 1 has them (in the body, no task header), and in the
+#: body of a hybrid message (protocol 2 headers, a body with args): (field, row payload).
+BODIES: list[tuple[str, dict[str, Any]]] = [
+    (
+        "timelimit",
+        {"headers": {}, "body": {"task": MARK, "id": "v1", "args": [], "timelimit": "abc"}},
+    ),
+    (
+        "eta",
+        {"headers": {"task": MARK, "id": "hybrid"}, "body": {"args": [], "eta": 12}},
+    ),
+]
+
+
+def insert_rows(env: Env, rows: list[dict[str, Any]]) -> None:
+    """Rows as a publisher other than Celery could write them (JSON bodies)."""
+    with psycopg.connect(env.pg_url, autocommit=True) as conn:
+        for row in rows:
+            payload = {
+                "body": json.dumps(row["body"]),
+                "content-type": "application/json",
+                "content-encoding": "utf-8",
+                "headers": row["headers"],
+                "properties": {"delivery_info": {"exchange": "", "routing_key": "celery"}},
+            }
+            conn.execute(
+                sql.SQL("INSERT INTO {}.message (queue, payload) VALUES ('celery', %s)").format(
+                    sql.Identifier(env.schema)
+                ),
+                [Json(payload)],
+            )
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
@@ -56,6 +96,9 @@ def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: st
     client.send_task(SLOW, args=["busy", 0.5])
     for n, (field, value) in enumerate(BAD):
         client.send_task(MARK, args=[f"bad-{n}"], headers={field: value})
+    # A bad one with an ETA (Celery would run it from a timer, not the delivery).
+    client.send_task(MARK, args=["bad-eta"], headers={"timelimit": "abc"}, countdown=0.01)
+    insert_rows(env, [row for _, row in BODIES])
     # Celery raising after the pool took a slot, for reasons no check could foresee.
     for n in range(3):
         client.send_task(RAISES, args=[f"raises-{n}"])
@@ -68,7 +111,7 @@ def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: st
         environ=QUICK_STOP,
     )
     try:
-        count = len(BAD) + 3
+        count = len(BAD) + 1 + len(BODIES) + 3
         wait_for(
             lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter") == count,
             60,
@@ -84,7 +127,8 @@ def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: st
     named = Counter(
         m.group(1) for r in with_reasons if (m := re.search(r"(?:header|field) '(\w+)'", r))
     )
-    assert named == Counter(field for field, _ in BAD), with_reasons
+    sent = [field for field, _ in BAD] + ["timelimit"] + [field for field, _ in BODIES]
+    assert named == Counter(sent), with_reasons
     raised = [r for r in with_reasons if "raised after the pool slot was taken" in r]
     assert len(raised) == 3, with_reasons
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
