@@ -237,8 +237,10 @@ def _body(payload: Mapping[str, Any], *, objects_only: bool) -> Any:
     decoder reports that, and pgq dead-letters what it cannot decode, before a pool slot
     is taken). ``objects_only``: decode only a body that is a JSON object (a protocol 2
     body is an array, which Celery's own unpacking checks as it reads it)."""
-    if payload.get("content-type", _JSON) != _JSON:
-        return None
+    if payload.get("content-type", _JSON) != _JSON or "compression" in (
+        payload.get("headers") or {}
+    ):
+        return None  # another serializer, or compressed: Celery's decoder reads it
     text = payload.get("body")
     if not isinstance(text, str):
         return None

@@ -191,6 +191,15 @@ def test_a_base64_body_is_read_and_one_that_does_not_parse_is_left_to_celery() -
     assert protocol.fault(v1() | {"body": "{not json"}) is None
 
 
+def test_a_compressed_body_is_left_to_celery_its_headers_are_checked() -> None:
+    message = payload(compression="application/x-gzip")
+    message["body"] = base64.b64encode(b'{"args": [], "timelimit": "abc"}').decode()
+    message["properties"]["body_encoding"] = "base64"
+    assert protocol.fault(message) is None
+    message["headers"]["retries"] = "1"
+    assert "'retries'" in (protocol.fault(message) or "")
+
+
 def test_the_envelope_check_includes_the_protocol() -> None:
     assert "'timelimit'" in (envelope.fault(payload(timelimit="abc")) or "")
 
