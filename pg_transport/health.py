@@ -8,6 +8,14 @@ never returns, retrying a lost connection — stops the heartbeat, and so does a
 dead one. Checking that the process exists, or that Postgres answers, would call
 all of these healthy.
 
+A worker whose loop turns but which holds tasks it never starts is not healthy either:
+tasks wait for its pool (reserved) while the pool runs nothing. Its leases are renewed
+all the same, so no other worker gets those messages. The heartbeat step watches for
+that (:class:`Stuck`) and writes since when into the heartbeat file; ``pgq health`` fails
+once it has lasted past the same threshold. (A full pool running long tasks is not
+stuck, nor are ETA or rate-limited tasks waiting their turn: Celery does not count them
+as reserved until it hands them to the pool.)
+
 The worker side is a Celery consumer bootstep, :class:`HeartbeatStep`, which touches
 a heartbeat file (``PGQ_HEALTH_FILE``) after every consume-loop cycle; add it with
 :func:`install`. ``pgq health`` compares the file's age with a threshold
@@ -49,6 +57,7 @@ __all__ = [
     "Health",
     "Heartbeat",
     "HeartbeatStep",
+    "Stuck",
     "UnsafeDirectory",
     "check",
     "default_file",
@@ -149,19 +158,38 @@ class Heartbeat:
         self._written: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._info: dict[str, Any] = {}
 
     def start(self) -> None:
         """Write the file afresh (who is beating, since when) and count it as a beat."""
-        info = {"pid": os.getpid(), "hostname": socket.gethostname(), "started_at": time.time()}
+        if not self._info:
+            self._info = {
+                "pid": os.getpid(),
+                "hostname": socket.gethostname(),
+                "started_at": time.time(),
+            }
         try:
             _prepare_dir(self.path)
-            written = self._write(json.dumps(info))
+            written = self._write(json.dumps(self._info))
         except OSError as exc:
             self._warn(exc)
             return
         with self._lock:
             self._written = written
             self._last = self.clock()
+
+    def stuck(self, since: float | None, waiting: int = 0) -> None:
+        """Say in the file that the worker has held ``waiting`` tasks without starting
+        any since ``since`` (wall clock; None: it is not stuck). Written when it changes."""
+        found = self._info.get("stuck_since")
+        if since == found and (since is None or waiting == self._info.get("waiting")):
+            return
+        if since is None:
+            self._info.pop("stuck_since", None)
+            self._info.pop("waiting", None)
+        else:
+            self._info.update(stuck_since=since, waiting=waiting)
+        self.start()
 
     def _write(self, text: str) -> tuple[int, int]:
         """Replace the file with ``text``; the (device, inode) of the file written.
@@ -237,6 +265,39 @@ class Heartbeat:
             logger.warning("cannot write the pgq heartbeat file %s: %s", self.path, exc)
 
 
+class Stuck:
+    """Since when a worker has had tasks waiting for its pool while its pool runs nothing.
+
+    Fed what Celery's worker state says at each beat: how many requests wait for the
+    pool (reserved, not started) and how many run. Waiting with nothing running is a
+    moment's state in a healthy worker (the pool picks a task up within milliseconds);
+    lasting, it is a worker that will not run what it holds."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def observe(self, waiting: int, running: int, now: float) -> float | None:
+        if waiting and not running:
+            if self.since is None:
+                self.since = now
+        else:
+            self.since = None
+        return self.since
+
+
+def _pool_state() -> tuple[int, int] | None:
+    """(waiting, running) requests of this worker; None when they could not be read (a
+    pool thread changed them while they were counted)."""
+    from celery.worker import state
+
+    try:
+        running = set(state.active_requests)
+        waiting = set(state.reserved_requests) - running
+    except RuntimeError:  # changed during iteration: read at the next beat
+        return None
+    return len(waiting), len(running)
+
+
 class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Consumer bootstep: beat after every cycle of the consume loop.
 
@@ -254,15 +315,25 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(parent, **kwargs)
         self.heartbeat = Heartbeat(heartbeat_path(os.environ))
         self._timer: Any = None
+        self._stuck = Stuck()
+
+    def pulse(self) -> None:
+        """A turn of the consume loop: beat, and say whether the pool is stuck."""
+        found = _pool_state()
+        if found is not None:
+            since = self._stuck.observe(*found, now=time.time())
+            self.heartbeat.stuck(since, found[0])
+        self.heartbeat.beat()
 
     def start(self, c: Any) -> None:
         heartbeat = self.heartbeat
         heartbeat.start()
         if c.hub is not None:
-            self._timer = c.hub.call_repeatedly(MIN_BEAT_INTERVAL, heartbeat.beat)
+            self._timer = c.hub.call_repeatedly(MIN_BEAT_INTERVAL, self.pulse)
             return
         connection = c.connection
         drain = connection.drain_events
+        pulse = self.pulse
         if getattr(drain, _WRAPPED, False):
             return  # the same connection again (a restart): wrapped once is enough
 
@@ -272,7 +343,7 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
             finally:
                 # Also after the idle timeout (socket.timeout) and after errors: the
                 # loop turned. A drain that never returns never gets here.
-                heartbeat.beat()
+                pulse()
 
         setattr(drain_events, _WRAPPED, True)
         connection.drain_events = drain_events
@@ -321,8 +392,19 @@ def check(path: Path, stale_after: float, *, now: float | None = None) -> Health
             f"down, or writes elsewhere ({FILE_ENV})",
             None,
         )
-    age = max(0.0, (time.time() if now is None else now) - mtime)
-    who = _who(path)
+    now = time.time() if now is None else now
+    age = max(0.0, now - mtime)
+    info = _info(path)
+    who = _who(info)
+    stuck = _stuck_for(info, now)
+    if stuck is not None and stuck > stale_after:
+        return Health(
+            False,
+            f"worker{who} has held {info.get('waiting')} task(s) without starting any for "
+            f"{stuck:.1f}s while its pool runs nothing (stuck after {stale_after:g}s; "
+            f"heartbeat {path})",
+            age,
+        )
     if age > stale_after:
         return Health(
             False,
@@ -333,9 +415,24 @@ def check(path: Path, stale_after: float, *, now: float | None = None) -> Health
     return Health(True, f"worker{who} consumed {age:.1f}s ago (stale after {stale_after:g}s)", age)
 
 
-def _who(path: Path) -> str:
+def _info(path: Path) -> dict[str, Any]:
     try:
         info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _who(info: dict[str, Any]) -> str:
+    try:
         return f" pid {int(info['pid'])} on {info['hostname']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return ""
+
+
+def _stuck_for(info: dict[str, Any], now: float) -> float | None:
+    """Seconds the worker has been stuck, as its heartbeat file says (None: it is not)."""
+    since = info.get("stuck_since")
+    if isinstance(since, bool) or not isinstance(since, (int, float)):
+        return None
+    return max(0.0, now - float(since))

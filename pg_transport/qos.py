@@ -135,16 +135,25 @@ class QoS(virtual.QoS):
                         lambda: self.channel.store.release([token], failed=True),
                     )
                 else:
-                    message = self._delivered.get(delivery_tag)
-                    self._land(
-                        "reject",
-                        held,
-                        lambda: self.channel.dead_letter(
-                            token, "rejected without requeue", message
-                        ),
-                    )
+                    self._dead_letter(delivery_tag, held, "rejected without requeue")
         finally:
             self._forget(delivery_tag)
+
+    def refuse(self, delivery_tag: str, reason: str) -> None:
+        """Dead-letter a delivery Celery took but cannot run, with ``reason``; its
+        prefetch slot is free again and its lease no longer renewed."""
+        with self._held_lock:
+            held = self._held.get(delivery_tag)
+        try:
+            if held is not None:
+                self._dead_letter(delivery_tag, held, reason)
+        finally:
+            self._forget(delivery_tag)
+
+    def _dead_letter(self, delivery_tag: str, held: tuple[Lease, float], reason: str) -> None:
+        token = held[0]
+        message = self._delivered.get(delivery_tag)
+        self._land("dead-lettering", held, lambda: self.channel.dead_letter(token, reason, message))
 
     def _land(self, what: str, held: tuple[Lease, float], work: Callable[[], object]) -> None:
         """Run a fenced statement for a delivery's outcome: off the driver's thread when

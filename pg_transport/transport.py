@@ -37,7 +37,7 @@ from urllib.parse import quote
 import psycopg
 from kombu.transport import virtual
 
-from pg_transport import failover
+from pg_transport import failover, guard
 from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options, warn_unknown_environment
@@ -406,6 +406,8 @@ def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]
 
 # A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).
 deadletters.connect()
+# A task a worker on pgq took but cannot run gives its pool slot and message back.
+guard.connect()
 
 
 def _client_url(client: Any) -> str:

@@ -4,7 +4,8 @@ A row's payload is whatever its publisher wrote: pgq's transport writes kombu's
 message layout (``body``, ``properties``, ``headers``, ...), but a publisher role can
 insert anything a JSON column takes. kombu and Celery index into that layout without
 asking, so a row that does not have it would raise inside the consumer loop. The
-consumer checks it here first and dead-letters a row that fails, with the reason.
+consumer checks it here first and dead-letters a row that fails, with the reason; then
+what Celery reads of a task message (:mod:`~pg_transport.consume.protocol`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import base64
 import binascii
 from typing import Any
+
+from pg_transport.consume import protocol
 
 __all__ = ["fault"]
 
@@ -45,7 +48,7 @@ def fault(payload: dict[str, Any]) -> str | None:
         value = payload.get(key)
         if value is not None and not isinstance(value, str):
             return f"payload's {key} is a JSON {_kind(value)}, not a string"
-    return None
+    return protocol.fault(payload)
 
 
 def _kind(value: Any) -> str:

@@ -352,3 +352,50 @@ def test_pgq_health_refuses_a_bad_threshold(tmp_path: Path, value: str) -> None:
     result = invoke_health("--file", str(tmp_path / "hb"), **{health.STALE_ENV: value})
     assert result.exit_code == 2
     assert "--stale-after" in result.stderr
+
+
+def test_stuck_counts_from_the_first_beat_with_tasks_waiting_and_none_running() -> None:
+    stuck = health.Stuck()
+    assert stuck.observe(0, 0, now=1.0) is None  # idle
+    assert stuck.observe(3, 2, now=2.0) is None  # a full pool, tasks queued behind it
+    assert stuck.observe(2, 0, now=3.0) == 3.0
+    assert stuck.observe(4, 0, now=9.0) == 3.0  # still: since the first
+    assert stuck.observe(4, 1, now=10.0) is None  # the pool started one
+    assert stuck.observe(1, 0, now=11.0) == 11.0
+
+
+class Request:
+    """Stands for a Celery request in the worker's state (weakly referenced there)."""
+
+
+def test_a_worker_holding_tasks_its_pool_never_starts_turns_unhealthy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery.worker import state
+
+    step = make_step(tmp_path, monkeypatch)
+    consumer = SimpleNamespace(hub=None, connection=FakeConnection())
+    step.start(consumer)
+    path = tmp_path / "hb"
+    waiting, running = Request(), Request()
+    try:
+        state.reserved_requests.add(waiting)
+        consumer.connection.drain_events(timeout=2.0)
+        since = json.loads(path.read_text())["stuck_since"]
+        # The loop keeps turning (fresh beats): healthy until the threshold has passed.
+        consumer.connection.drain_events(timeout=2.0)
+        assert health.check(path, 30, now=since + 29).healthy
+        found = health.check(path, 30, now=since + 31)
+        assert not found.healthy
+        assert "has held 1 task(s) without starting any for 31.0s" in found.message
+        result = invoke_health(**{health.FILE_ENV: str(path), health.STALE_ENV: "0.001"})
+        assert result.exit_code == 1 and "while its pool runs nothing" in result.stderr
+        # The pool starts something: no longer stuck.
+        state.active_requests.add(running)
+        state.reserved_requests.add(running)
+        consumer.connection.drain_events(timeout=2.0)
+        assert "stuck_since" not in json.loads(path.read_text())
+        assert health.check(path, 30).healthy
+    finally:
+        state.reserved_requests.clear()
+        state.active_requests.clear()
