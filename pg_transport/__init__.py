@@ -12,6 +12,7 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from pg_transport import hints as _hints
 from pg_transport import ordering as _ordering
+from pg_transport import preflight as _preflight
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -31,6 +32,8 @@ from pg_transport.publish.joined import transaction
 # A task's ordering defaults (its ordering_key and followable attributes) become headers
 # as it is sent.
 _ordering.connect()
+# A worker or beat with a bad pgq setting stops with one line (pg_transport.preflight).
+_preflight.connect()
 
 try:
     # Installed (wheel or editable): the hook's module sits at the top of site-packages,

@@ -1,0 +1,76 @@
+"""A pgq worker or beat with a bad setting stops at start-up with one line, not a traceback.
+
+Celery builds the transport deep inside the worker's start-up; a
+:class:`~pg_transport.errors.ConfigurationError` raised there ends the worker with ~60
+lines of traceback around the one line that says what is wrong. These receivers check
+pgq's settings first (``celeryd_init`` for a worker, ``beat_init`` for beat): a bad one is
+written as ``pgq: <what is wrong>`` on stderr and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+from celery import signals
+
+from pg_transport.config import Options
+from pg_transport.db.url import parse_url, scheme_of
+from pg_transport.errors import ConfigurationError
+
+__all__ = ["check", "connect", "stop"]
+
+
+def stop(exc: ConfigurationError) -> NoReturn:
+    """Say what is wrong in one line and end the process (status 1)."""
+    sys.stderr.write(f"pgq: {exc}\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
+
+
+def _urls(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return value.split(";")
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return []
+
+
+def check(app: Any) -> None:
+    """Raise ConfigurationError if ``app``'s pgq settings are bad (nothing if not on pgq)."""
+    conf = app.conf
+    brokers = _urls(conf.broker_write_url or conf.broker_url)
+    if brokers and all((scheme_of(u) or "").lower() == "pgq" for u in brokers):
+        for url in brokers:
+            parse_url(url)
+        Options.from_sources(conf.broker_transport_options, os.environ)
+    backend = conf.result_backend
+    if isinstance(backend, str) and (scheme_of(backend) or "").lower() == "pgq":
+        from pg_transport.results.options import ResultOptions
+
+        parse_url(backend)
+        ResultOptions.from_sources(conf.result_backend_transport_options, os.environ)
+
+
+def _checked(app: Any) -> None:
+    try:
+        check(app)
+    except ConfigurationError as exc:
+        stop(exc)
+
+
+def _on_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if instance is not None:
+        _checked(instance.app)
+
+
+def _on_beat(sender: Any = None, **_: Any) -> None:
+    if sender is not None:
+        _checked(sender.app)
+
+
+def connect() -> None:
+    """Check every worker and beat this process starts (idempotent)."""
+    signals.celeryd_init.connect(_on_worker, weak=False, dispatch_uid="pgq-preflight-worker")
+    signals.beat_init.connect(_on_beat, weak=False, dispatch_uid="pgq-preflight-beat")
