@@ -3,7 +3,8 @@
 Celery builds the transport deep inside the worker's start-up; a
 :class:`~pg_transport.errors.ConfigurationError` raised there ends the worker with ~60
 lines of traceback around the one line that says what is wrong. These receivers check
-pgq's settings first (``celeryd_init`` for a worker, ``beat_init`` for beat): a bad one is
+pgq's settings first (``celeryd_init`` for a worker; ``import_modules``, which Celery's
+loader sends as a worker or beat starts, before beat shows its banner): a bad one is
 written as ``pgq: <what is wrong>`` on stderr and the process exits with status 1.
 """
 
@@ -65,12 +66,14 @@ def _on_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
         _checked(instance.app)
 
 
-def _on_beat(sender: Any = None, **_: Any) -> None:
-    if sender is not None:
-        _checked(sender.app)
+def _on_import_modules(sender: Any = None, **_: Any) -> None:
+    if sender is not None and hasattr(sender, "conf"):
+        _checked(sender)
 
 
 def connect() -> None:
     """Check every worker and beat this process starts (idempotent)."""
     signals.celeryd_init.connect(_on_worker, weak=False, dispatch_uid="pgq-preflight-worker")
-    signals.beat_init.connect(_on_beat, weak=False, dispatch_uid="pgq-preflight-beat")
+    signals.import_modules.connect(
+        _on_import_modules, weak=False, dispatch_uid="pgq-preflight-modules"
+    )
