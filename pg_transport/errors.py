@@ -56,6 +56,11 @@ class TransactionRefused(PgqError):
     names both sides. Nothing was published, in the transaction or apart from it."""
 
 
+class NotYetCommitted(PgqError):
+    """A task's result was asked for inside the transaction that published it: no worker
+    can see the task before that transaction commits, so the wait could only time out."""
+
+
 class PoolerDetected(BrokerRefused):
     """A transaction pooler (PgBouncer's ``pool_mode = transaction``, say) stands between
     pgq and Postgres while pgq counts on a session of its own (``use_notify`` on): the

@@ -39,7 +39,17 @@ from pg_transport.db.retry import is_dead_connection
 from pg_transport.errors import NotPermitted, TransactionRefused
 from pg_transport.publish.callers import Caller, caller_for
 
-__all__ = ["Joined", "Server", "current", "join", "leave", "on_caller", "transaction"]
+__all__ = [
+    "Joined",
+    "Server",
+    "current",
+    "join",
+    "leave",
+    "note_published",
+    "on_caller",
+    "transaction",
+    "uncommitted",
+]
 
 T = TypeVar("T")
 
@@ -69,11 +79,15 @@ class Joined:
         self.caller = caller
         self._token: Token[Joined | None] | None = None
         self._entered = False
+        #: Task ids published in this block: none of them can run before its commit.
+        self.task_ids: set[str] = set()
+        self._outer: Joined | None = None
 
     def __enter__(self) -> Joined:
         if self._entered:
             raise RuntimeError("a pgq transaction block can be used for one with-block only")
         self._entered = True
+        self._outer = _open.get()
         self._token = _open.set(self)  # a block inside another publishes in its own
         return self
 
@@ -85,6 +99,29 @@ class Joined:
     ) -> None:
         assert self._token is not None
         _open.reset(self._token)
+        # (What an inner block published is forgotten as it ends: its transaction may
+        # commit without the outer block's, so only open blocks are asked.)
+
+
+def note_published(payload: Any) -> None:
+    """Remember the task id of a message just published in the open block, if any."""
+    block = _open.get()
+    if block is None or not isinstance(payload, dict):
+        return
+    headers = payload.get("headers")
+    task_id = headers.get("id") if isinstance(headers, dict) else None
+    if isinstance(task_id, str):
+        block.task_ids.add(task_id)
+
+
+def uncommitted(task_id: str) -> Caller | None:
+    """The caller whose open block (in this thread or task) published ``task_id``."""
+    block = _open.get()
+    while block is not None:
+        if task_id in block.task_ids:
+            return block.caller
+        block = block._outer
+    return None
 
 
 def current() -> Caller | None:

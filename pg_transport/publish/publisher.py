@@ -112,6 +112,7 @@ class Publisher:
         caller = joined.current()
         if caller is not None:
             self.on_caller(caller, lambda conn: self._insert_on(conn, params))
+            joined.note_published(payload)
             return
         open_batch = batching.current()
         if open_batch is not None:
@@ -271,7 +272,9 @@ class Publisher:
 
         caller = joined.current()
         if caller is not None:
-            return self.on_caller(caller, routed)
+            found_routed = self.on_caller(caller, routed)
+            joined.note_published(payload)
+            return found_routed
         open_batch = batching.current()
         if open_batch is not None:
             found: tuple[str | None, int] = open_batch.run(

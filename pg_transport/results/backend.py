@@ -35,7 +35,8 @@ from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.db.url import mask_url
-from pg_transport.errors import BrokerUnreachable, NotPermitted
+from pg_transport.errors import BrokerUnreachable, NotPermitted, NotYetCommitted
+from pg_transport.publish import joined
 from pg_transport.results.chords import Chords
 from pg_transport.results.errors import ResultTooLarge
 from pg_transport.results.expiry import REAP_LIMIT, reap_expired
@@ -58,6 +59,20 @@ def _connector(conninfo: str, display_url: str, *, own_sessions: bool) -> Connec
         prepare_threshold=5 if own_sessions else None,
         pin_search_path=own_sessions,
     )
+
+
+def _refuse_uncommitted(task_ids: list[str]) -> None:
+    """A wait for a task this thread published in a transaction still open could only
+    time out (no worker sees the task before the commit): refuse it at once."""
+    for task_id in task_ids:
+        caller = joined.uncommitted(task_id)
+        if caller is not None:
+            raise NotYetCommitted(
+                f"task {task_id} was published in the transaction of {caller.describe}, "
+                "which is still open: no worker can see the task before it commits. "
+                "Wait for the result after the commit (outside the "
+                "pg_transport.transaction() block)"
+            )
 
 
 def _default_schema(app: Any) -> str:
@@ -424,6 +439,15 @@ class PgqBackend(AsyncBackendMixin, Backend):
             return False
 
     # -- expiry -------------------------------------------------------------------------
+    # -- waiting inside the publishing transaction ------------------------------
+    def wait_for_pending(self, result: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_uncommitted([result.id])
+        return super().wait_for_pending(result, *args, **kwargs)
+
+    def iter_native(self, result: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_uncommitted([node.id for node in result.results or ()])
+        return super().iter_native(result, *args, **kwargs)
+
     def cleanup(self) -> None:
         """Delete results and groups past ``result_expires`` (Celery's backend_cleanup)."""
         while reap_expired(self.connector, self.schema) >= REAP_LIMIT:
