@@ -246,3 +246,26 @@ def test_a_key_with_nothing_in_flight_still_delivers_at_once(store: Store, peek:
     assert bodies(claim(store, limit=1)) == [0]
     assert peek("SELECT count(*) FROM {schema}.message WHERE visible_at = 'infinity'") == [(0,)]
     assert claim(store) == []  # then met, and parked behind it
+
+
+def test_a_message_waiting_for_one_whose_worker_died_is_not_wedged(
+    store: Store, session: psycopg.Connection[Any], paused_commit: Peek
+) -> None:
+    peek = paused_commit
+    late = commit_paused(store, session, peek, message(1, key="k"))
+    store.publisher.publish(Q, message(2, key="k"))
+    [a] = claim(store)
+    peek(f"SELECT pg_advisory_unlock({PAUSE_LOCK})")
+    late.join(10)
+    assert claim(store) == []  # B waits for A's lease
+    # A's worker dies: its lease, and with it B's wait, runs out. B has the earlier
+    # place: it goes, and A, ready again, waits behind it (not the two parked for good
+    # behind each other).
+    peek.expire_leases()
+    [b] = claim(store)
+    assert bodies([b]) == [1]
+    assert claim(store) == []  # A parked behind B
+    store.ack([b.token])
+    [again] = claim(store)
+    assert bodies([again]) == [2] and again.read_ct == 2
+    assert again.id == a.id
