@@ -176,17 +176,62 @@ WITH wanted AS (
 ), gated AS MATERIALIZED (
     SELECT c.*,
            CASE WHEN c.okey IS NULL THEN NULL
-                -- No earlier message of its key (the common case): one probe.
+                -- An earlier message of its key (by place) is there: parked behind it.
                 WHEN (SELECT 1 FROM {schema}.message AS p
                              WHERE p.queue = c.queue AND p.okey = c.okey
                                AND (p.oseq, p.id) < (c.oseq, c.id)
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1) IS NULL
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1)
+                     IS NOT NULL
+               THEN CASE WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
+                                      WHERE p.queue = c.queue AND p.okey = c.okey
+                                        AND (p.oseq, p.id) < (c.oseq, c.id)
+                                        AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+                                      FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
+                         ELSE 'busy' END
+                -- First of its key: no other message of the key live (not parked), but
+                -- those this claim holds (the common case): one probe.
+                WHEN (SELECT 1 FROM {schema}.message AS p
+                             WHERE p.queue = c.queue AND p.okey = c.okey
+                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+                               AND p.id <> ALL(ARRAY(SELECT id FROM candidates)) LIMIT 1)
+                     IS NULL
                THEN NULL
+                -- One is in flight (it was delivered while this one, placed before it,
+                -- was not committed yet): wait for it, parked until its lease ends.
                 WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
                              WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND (p.oseq, p.id) < (c.oseq, c.id)
+                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
                                AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                             FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
+                               AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
+                               AND p.due_at IS NULL
+                             FOR KEY SHARE OF p SKIP LOCKED) THEN 'wait'
+                WHEN (SELECT 1 FROM {schema}.message AS p
+                             WHERE p.queue = c.queue AND p.okey = c.okey
+                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
+                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+                               AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
+                               AND p.due_at IS NULL LIMIT 1) IS NOT NULL
+               THEN 'busy'
+                -- The others are ready or due later: none may be taken by another claim
+                -- now, nor have been since this statement began (each is locked here, as
+                -- it stands now). One that cannot be locked, or has changed, makes the
+                -- key busy for this claim.
+                WHEN (SELECT pg_catalog.count(*) FROM {schema}.message AS p
+                      WHERE p.queue = c.queue AND p.okey = c.okey
+                        AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
+                        AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+                        AND p.id <> ALL(ARRAY(SELECT id FROM candidates)))
+                     = (SELECT pg_catalog.count(*) FROM (
+                            SELECT 1 FROM {schema}.message AS p
+                            WHERE p.queue = c.queue AND p.okey = c.okey
+                              AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
+                              AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+                              AND p.id <> ALL(ARRAY(SELECT id FROM candidates))
+                              AND NOT (p.read_ct > 0 AND p.visible_at > pg_catalog.now()
+                                       AND p.due_at IS NULL)
+                            FOR SHARE OF p SKIP LOCKED) AS l)
+               THEN NULL
                 ELSE 'busy'
            END AS key_gate,
            CASE WHEN c.follows IS NULL THEN NULL
@@ -206,6 +251,12 @@ WITH wanted AS (
 ), held AS MATERIALIZED (
     SELECT g.id, g.queue, g.priority, g.read_ct, g.visible_at,
            CASE WHEN g.key_gate = 'park' THEN 'infinity'::timestamptz
+                WHEN g.key_gate = 'wait'
+                THEN (SELECT pg_catalog.min(p.visible_at) FROM {schema}.message AS p
+                      WHERE p.queue = g.queue AND p.okey = g.okey
+                        AND p.visible_at < 'infinity'::timestamptz AND p.id <> g.id
+                        AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
+                        AND p.due_at IS NULL)
                 WHEN g.key_gate IS NULL AND g.follow_gate = 'park' THEN g.follow_until
            END AS park_until
     FROM gated AS g

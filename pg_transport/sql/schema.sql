@@ -97,6 +97,10 @@ CREATE SEQUENCE {schema}.message_oseq AS bigint;
 
 -- A key's messages in order: its head is the first entry.
 CREATE INDEX message_key_idx ON {schema}.message (queue, okey, oseq, id) WHERE okey IS NOT NULL;
+-- The messages of a key that are not parked: the claim looks for one in flight
+-- (0012_commit_order.sql).
+CREATE INDEX message_key_live_idx ON {schema}.message (queue, okey)
+    WHERE okey IS NOT NULL AND visible_at < 'infinity'::timestamptz;
 -- Messages a follower may name (they carry their task id), and the followers.
 CREATE INDEX message_task_idx ON {schema}.message (task_id) WHERE task_id IS NOT NULL;
 CREATE INDEX message_follows_idx ON {schema}.message (follows) WHERE follows IS NOT NULL;
@@ -150,7 +154,7 @@ BEGIN
         WHERE m.id = (SELECT h.id FROM {schema}.message AS h
                       WHERE h.queue = OLD.queue AND h.okey = OLD.okey
                       ORDER BY h.oseq, h.id LIMIT 1)
-          AND m.visible_at = 'infinity'::timestamptz;
+          AND m.due_at IS NOT NULL;
         GET DIAGNOSTICS woken = ROW_COUNT;
         IF woken > 0 THEN
             PERFORM pg_catalog.pg_notify(
@@ -188,12 +192,58 @@ CREATE TRIGGER message_leave_key AFTER DELETE ON {schema}.message
 FOR EACH ROW WHEN (OLD.okey IS NOT NULL OR OLD.task_id IS NOT NULL)
 EXECUTE FUNCTION {schema}.message_leave();
 
+-- A move of a delivered message to the back of its key (relaxed requeue) promotes the
+-- key's next; a move at commit (message_commit_place) is of a message no one saw.
 CREATE TRIGGER message_move_key AFTER UPDATE OF oseq ON {schema}.message
-FOR EACH ROW WHEN (OLD.okey IS NOT NULL AND OLD.oseq IS DISTINCT FROM NEW.oseq)
+FOR EACH ROW WHEN (OLD.okey IS NOT NULL AND OLD.oseq IS DISTINCT FROM NEW.oseq
+                   AND OLD.read_ct > 0)
 EXECUTE FUNCTION {schema}.message_leave();
+
+-- At the commit of a keyed message: to the back of its key if a message of the key with
+-- a later place is there that is not this transaction's own later one (inserted after
+-- it, not moved yet), unless it holds the place of the message it retries (strict).
+-- Own messages of a key move in the order they were inserted: one moved makes every
+-- later one move too, so the transaction's own order is kept. At most 64 later places
+-- are read: past that, the message moves (always safe).
+CREATE FUNCTION {schema}.message_commit_place() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    place bigint;
+    mine xid;
+    seen bigint;
+    counted bigint;
+BEGIN
+    SELECT m.oseq, m.xmin INTO place, mine FROM {schema}.message AS m WHERE m.id = NEW.id;
+    IF NOT FOUND THEN
+        RETURN NULL;  -- gone already
+    END IF;
+    IF (SELECT 1 FROM {schema}.message AS o
+        WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq = place AND o.id <> NEW.id
+        LIMIT 1) IS NOT NULL THEN
+        RETURN NULL;  -- a retry in its original's place
+    END IF;
+    SELECT pg_catalog.count(*),
+           pg_catalog.count(*) FILTER (WHERE later.id < NEW.id OR NOT later.xmin = mine)
+    INTO seen, counted
+    FROM (SELECT o.id, o.xmin FROM {schema}.message AS o
+          WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq > place
+          ORDER BY o.oseq DESC LIMIT 64) AS later;
+    IF counted > 0 OR seen >= 64 THEN
+        UPDATE {schema}.message
+        SET oseq = pg_catalog.nextval('{schema}.message_oseq'::regclass)
+        WHERE id = NEW.id;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE CONSTRAINT TRIGGER message_commit_place AFTER INSERT ON {schema}.message
+DEFERRABLE INITIALLY DEFERRED
+FOR EACH ROW WHEN (NEW.okey IS NOT NULL) EXECUTE FUNCTION {schema}.message_commit_place();
 
 REVOKE ALL ON FUNCTION {schema}.message_place() FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.message_leave() FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.message_commit_place() FROM PUBLIC;
 
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (
