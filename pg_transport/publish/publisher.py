@@ -49,6 +49,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger("pg_transport.publish")
 
+#: The triggers that keep the publisher's boundary: their refusals name them.
+BOUNDARY = frozenset({"message_admit", "dead_letter_admit"})
+
 #: Largest payload (its JSON text, in bytes) published or delivered by default.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -185,12 +188,17 @@ class Publisher:
     @contextmanager
     def _permitted(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
         """A publish Postgres refuses for the role's rights raises :class:`NotPermitted`,
-        with the database's reason: a role without the page's grants, or a publisher-only
-        role publishing to a worker's control queue or writing what only pgq writes
-        (migration 0013_publish_boundary.sql). Nothing was stored."""
+        with the database's reason: a publisher-only role publishing to a worker's
+        control queue or writing what only pgq writes (the publisher's boundary, raised
+        by the triggers BOUNDARY names: migration 0013_publish_boundary.sql), or, on
+        pgq's own session, a role without the grants of docs/least-privilege.md (on an
+        application's, :mod:`~pg_transport.publish.joined` says which grant it needs).
+        Nothing was stored."""
         try:
             yield
         except psycopg.errors.InsufficientPrivilege as exc:
+            if exc.diag.constraint_name not in BOUNDARY and not is_own(conn):
+                raise
             raise NotPermitted(
                 f"role {conn.info.user!r} may not publish this message in pgq schema "
                 f"{self.schema!r}: {exc.diag.message_primary or exc} (see "

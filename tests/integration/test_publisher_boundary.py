@@ -106,6 +106,7 @@ def test_a_publisher_reaches_no_control_reply_or_event_queue(granted: Roles) -> 
                 "docs/least-privilege.md); nothing was published"
             )
             assert isinstance(raised.value.__cause__, psycopg.errors.InsufficientPrivilege)
+            assert raised.value.__cause__.diag.constraint_name == "message_admit"
         # A key nothing is bound to on a direct exchange is kept as a dead letter under
         # the key's name, which an operator's `pgq dead requeue` would publish: refused.
         with pytest.raises(NotPermitted, match=f"not to '{CONTROL}'"):
@@ -115,6 +116,14 @@ def test_a_publisher_reaches_no_control_reply_or_event_queue(granted: Roles) -> 
         # In a batch: refused too, and the batch's task message goes with it.
         with pytest.raises(NotPermitted), pg_transport.batch():
             Producer(conn.channel()).publish({"n": 1}, routing_key="jobs")
+            Producer(conn.channel()).publish(SHUTDOWN, routing_key=CONTROL)
+        # In the application's transaction (pg_transport.transaction), on its connection.
+        with (
+            psycopg.connect(granted.libpq(role)) as app_conn,
+            pytest.raises(NotPermitted, match=f"only, not to '{CONTROL}'"),
+            app_conn.transaction(),
+            pg_transport.transaction(app_conn),
+        ):
             Producer(conn.channel()).publish(SHUTDOWN, routing_key=CONTROL)
         assert stored(granted) == []
         # A task message, the publisher's job, goes.

@@ -23,10 +23,11 @@ BEGIN
         RETURN NEW;
     END IF;
     IF NEW.queue LIKE '%.pidbox' OR NEW.queue LIKE 'celeryev.%' THEN
-        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', MESSAGE = pg_catalog.format(
-            'role %I may publish task messages only, not to %L: a worker''s control or '
-            'reply queue (kombu pidbox) or an event queue (celeryev) takes messages from '
-            'the workers'' role only', current_user, NEW.queue);
+        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', CONSTRAINT = TG_NAME,
+            MESSAGE = pg_catalog.format(
+                'role %I may publish task messages only, not to %L: a worker''s control or '
+                'reply queue (kombu pidbox) or an event queue (celeryev) takes messages '
+                'from the workers'' role only', current_user, NEW.queue);
     END IF;
     problem := CASE
         -- What only a claim writes.
@@ -53,9 +54,10 @@ BEGIN
                  'now(): it holds every later message of its key until then'
     END;
     IF problem IS NOT NULL THEN
-        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', MESSAGE = pg_catalog.format(
-            'role %I may not insert this message into queue %L: %s',
-            current_user, NEW.queue, problem);
+        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', CONSTRAINT = TG_NAME,
+            MESSAGE = pg_catalog.format(
+                'role %I may not insert this message into queue %L: %s',
+                current_user, NEW.queue, problem);
     END IF;
     RETURN NEW;
 END
@@ -72,10 +74,11 @@ BEGIN
     IF (NEW.queue LIKE '%.pidbox' OR NEW.queue LIKE 'celeryev.%')
        AND NOT pg_catalog.has_column_privilege(
            '{schema}.message'::regclass, 'visible_at', 'UPDATE') THEN
-        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', MESSAGE = pg_catalog.format(
-            'role %I may publish task messages only, not to %L: a worker''s control or '
-            'reply queue (kombu pidbox) or an event queue (celeryev) takes messages from '
-            'the workers'' role only', current_user, NEW.queue);
+        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', CONSTRAINT = TG_NAME,
+            MESSAGE = pg_catalog.format(
+                'role %I may publish task messages only, not to %L: a worker''s control or '
+                'reply queue (kombu pidbox) or an event queue (celeryev) takes messages '
+                'from the workers'' role only', current_user, NEW.queue);
     END IF;
     RETURN NEW;
 END
