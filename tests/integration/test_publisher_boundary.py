@@ -294,14 +294,19 @@ def test_no_publish_holds_a_key_for_good(granted: Roles) -> None:
 
 
 def test_the_bounds_are_the_same_in_python_and_sql() -> None:
+    """The trigger's bounds (in schema.sql and its migration) are ordering's constants."""
     sql_dir = Path(pg_transport.sql.__file__).parent
     assert timedelta(days=1).total_seconds() == MAX_KEY_HOLD
     assert timedelta(days=365).total_seconds() == MAX_FOLLOWS_TIMEOUT
-    for text in (
-        (sql_dir / "schema.sql").read_text(),
-        (sql_dir / "migrations" / "0013_publish_boundary.sql").read_text(),
-    ):
-        assert text.count("interval '1 day'") == 2 and text.count("interval '365 days'") == 1
+    for path in (sql_dir / "schema.sql", sql_dir / "migrations" / "0013_publish_boundary.sql"):
+        text = path.read_text()
+        start = text.index("CREATE FUNCTION {schema}.message_admit()")
+        body = text[start : text.index("$$;", start)]
+        assert body.count("interval '1 day'") == 2, path
+        assert body.count("interval '365 days'") == 1, path
+        assert "interval" not in body.replace("interval '1 day'", "").replace(
+            "interval '365 days'", ""
+        ), path
 
 
 def test_the_publishers_rights_are_judged_not_named(granted: Roles) -> None:
