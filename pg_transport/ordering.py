@@ -37,10 +37,12 @@ __all__ = [
     "FOLLOWS",
     "FOLLOWS_MISSING",
     "FOLLOWS_TIMEOUT",
+    "MAX_KEY_HOLD",
     "ORDERING_KEY",
     "OrderingError",
     "Placement",
     "apply_task_defaults",
+    "check_hold",
     "move_options",
     "placement",
 ]
@@ -75,6 +77,11 @@ DEFAULT_FOLLOWS_RETENTION = 86400.0
 MAX_KEY_BYTES = 1024
 # Longest wait a follower may ask for (a year: longer overflows nothing, but means nothing).
 MAX_FOLLOWS_TIMEOUT = 365 * 24 * 3600.0
+#: Longest a message of an ordering key may wait to run (its ETA or countdown, then its
+#: follows wait): every later message of its key waits behind it, so a year-9999 ETA
+#: would hold the key for good. The database keeps the same bound for every writer
+#: (migration 0013_publish_boundary.sql).
+MAX_KEY_HOLD = 24 * 3600.0
 
 
 class OrderingError(ValueError):
@@ -178,6 +185,24 @@ def placement(payload: Mapping[str, Any], default_wait: float) -> Placement:
         else (default_wait if wait is None else _seconds(FOLLOWS_TIMEOUT, wait)),
         followable=marked,
     )
+
+
+def check_hold(place: Placement, delay: float) -> None:
+    """:class:`OrderingError` when a message of an ordering key would wait longer than
+    :data:`MAX_KEY_HOLD` to run: ``delay`` (its ETA or countdown, in seconds) and its
+    follows wait together."""
+    if place.okey is None:
+        return
+    hold = delay + (place.follow_wait or 0.0)
+    if hold > MAX_KEY_HOLD:
+        waits = f"eta/countdown {delay:.0f} s" + (
+            f" + {FOLLOWS_TIMEOUT} {place.follow_wait:.0f} s" if place.follow_wait else ""
+        )
+        raise OrderingError(
+            f"header {ORDERING_KEY}={place.okey[:40]!r}: a message of an ordering key may wait "
+            f"at most {MAX_KEY_HOLD:.0f} s to run ({waits}): every later message of its key "
+            "would wait behind it; send it without the key, or later"
+        )
 
 
 def move_options(message: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ import psycopg
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import ONCE, Policy, is_dead_connection
 from pg_transport.db.retry import attempt as retry_attempt
+from pg_transport.errors import NotPermitted
 
 __all__ = ["Batch", "BatchFailed", "Op", "batch", "current"]
 
@@ -189,6 +190,13 @@ class _Part:
         except BaseException as exc:
             if not is_dead_connection(exc):
                 self._fail(exc)
+                if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+                    # A pipelined publish's refusal arrives here, not at the publish.
+                    raise NotPermitted(
+                        "a publish of this batch was refused: "
+                        f"{exc.diag.message_primary or exc} (see docs/least-privilege.md); "
+                        "nothing of the batch was published"
+                    ) from exc
                 raise
             # Lost while committing: whether the commit landed is unknown. The publish
             # keys make sending everything again safe either way.

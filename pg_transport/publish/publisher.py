@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import psycopg
@@ -37,7 +38,7 @@ from psycopg.rows import tuple_row
 from pg_transport import ordering
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
-from pg_transport.errors import MessageTooLarge
+from pg_transport.errors import MessageTooLarge, NotPermitted
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
@@ -47,6 +48,9 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "WAYS", "Publisher", "way_of"]
 T = TypeVar("T")
 
 logger = logging.getLogger("pg_transport.publish")
+
+#: The triggers that keep the publisher's boundary: their refusals name them.
+BOUNDARY = frozenset({"message_admit", "dead_letter_admit"})
 
 #: Largest payload (its JSON text, in bytes) published or delivered by default.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -161,10 +165,12 @@ class Publisher:
         publish_key: str | None,
         ttl: float | None,
     ) -> dict[str, Any]:
+        # First: a header it cannot honour is refused naming it, before encoding fails on
+        # a value JSON cannot hold.
+        place = ordering.placement(payload, self.follows_timeout)
+        ordering.check_hold(place, max(delay, 0.0))
         return {
-            # First: a header it cannot honour is refused naming it, before encoding
-            # fails on a value JSON cannot hold.
-            **ordering.placement(payload, self.follows_timeout).params(),
+            **place.params(),
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
@@ -177,7 +183,28 @@ class Publisher:
 
     def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         """Run a publish on ``conn``, the way :func:`way_of` picks for it."""
-        WAYS[way_of(conn, flushes=self.flushes, due_now=params["notify"])](self, conn, params)
+        with self._permitted(conn):
+            WAYS[way_of(conn, flushes=self.flushes, due_now=params["notify"])](self, conn, params)
+
+    @contextmanager
+    def _permitted(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """A publish Postgres refuses for the role's rights raises :class:`NotPermitted`,
+        with the database's reason: a publisher-only role publishing to a worker's
+        control queue or writing what only pgq writes (the publisher's boundary, raised
+        by the triggers BOUNDARY names: migration 0013_publish_boundary.sql), or, on
+        pgq's own session, a role without the grants of docs/least-privilege.md (on an
+        application's, :mod:`~pg_transport.publish.joined` says which grant it needs).
+        Nothing was stored."""
+        try:
+            yield
+        except psycopg.errors.InsufficientPrivilege as exc:
+            if exc.diag.constraint_name not in BOUNDARY and not is_own(conn):
+                raise
+            raise NotPermitted(
+                f"role {conn.info.user!r} may not publish this message in pgq schema "
+                f"{self.schema!r}: {exc.diag.message_primary or exc} (see "
+                "docs/least-privilege.md); nothing was published"
+            ) from exc
 
     def _batched(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         conn.execute(self.q["publish_plain"], params)  # joins the caller's pipeline
@@ -252,8 +279,10 @@ class Publisher:
         Returns the exchange's type (None: never declared) and how many queues
         matched. With a ``publish_tag`` a repeated call inserts nothing new.
         """
+        place = ordering.placement(payload, self.follows_timeout)  # (first: above)
+        ordering.check_hold(place, max(delay, 0.0))
         params = {
-            **ordering.placement(payload, self.follows_timeout).params(),  # (first: above)
+            **place.params(),
             "exchange": exchange,
             "routing_key": routing_key,
             "priority": priority,
@@ -266,7 +295,8 @@ class Publisher:
         }
 
         def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
-            row = _fetch_one(conn, self.q["publish_routed"], params)
+            with self._permitted(conn):
+                row = _fetch_one(conn, self.q["publish_routed"], params)
             assert row is not None
             return row[0], int(row[1] or 0)
 
@@ -292,12 +322,17 @@ class Publisher:
             "priority": priority,
             "reason": reason,
         }
+
+        def keep(conn: psycopg.Connection[Any]) -> Any:
+            with self._permitted(conn):
+                return _scalar_on_(conn, self.q["dead_letter_unroutable"], params)
+
         caller = joined.current()
         if caller is not None:  # kept only if the application's transaction commits
             return int(
                 self.on_caller(
                     caller,
-                    lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                    keep,
                 )
             )
         open_batch = batching.current()
@@ -306,12 +341,12 @@ class Publisher:
                 open_batch.run(
                     self._batch_key(),
                     self.connector,
-                    lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                    keep,
                 )
             )
         return int(
             self.connector.run(
-                lambda conn: _scalar_on_(conn, self.q["dead_letter_unroutable"], params),
+                keep,
                 idempotent=False,
             )
         )

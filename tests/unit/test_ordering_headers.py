@@ -87,3 +87,24 @@ def test_a_tasks_default_key_comes_from_its_argument_by_name_or_position() -> No
     apply_task_defaults(sender=broken.name, body=((1,), {}, {}), headers=refused)
     with pytest.raises(OrderingError, match="missing"):  # the publish refuses it
         placement({"headers": refused}, 300.0)
+
+
+def test_a_keyed_message_may_hold_its_key_a_day_at_most() -> None:
+    """Its ETA and its follows wait together: a later message of its key waits as long."""
+    hold = ordering.MAX_KEY_HOLD
+    keyed = placement({"headers": {"pgq-ordering-key": "k", "id": "t1"}}, 300.0)
+    ordering.check_hold(keyed, hold)
+    with pytest.raises(OrderingError, match=r"'k': .* at most 86400 s to run \(eta/countdown"):
+        ordering.check_hold(keyed, hold + 1)
+    follower = placement(
+        {"headers": {"pgq-ordering-key": "k", "pgq-follows": "t0", "pgq-follows-timeout": 600}},
+        300.0,
+    )
+    ordering.check_hold(follower, hold - 600)
+    with pytest.raises(OrderingError, match=r"\+ pgq-follows-timeout 600 s"):
+        ordering.check_hold(follower, hold - 599)
+    # Unkeyed, any delay (a year-9999 ETA) and a year's follows wait hold no key.
+    ordering.check_hold(placement({"headers": {}}, 300.0), 1e12)
+    ordering.check_hold(
+        placement({"headers": {"pgq-follows": "t0", "pgq-follows-timeout": 3e7}}, 300.0), 1e12
+    )
