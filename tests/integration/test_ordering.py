@@ -399,7 +399,11 @@ def test_a_follower_delivered_past_its_wait_is_told_and_signalled(
         ) as conn:
             queue = Queue(Q)
             Producer(conn.channel()).publish(
-                {"n": 1}, routing_key=Q, declare=[queue], follows="gone", headers={"task": "t"}
+                {"n": 1},
+                routing_key=Q,
+                declare=[queue],
+                follows="gone",
+                headers={"task": "t", "id": "follower-1"},
             )
             got: list[Any] = []
             with Consumer(conn, [queue], callbacks=[lambda body, m: got.append(m)]):
