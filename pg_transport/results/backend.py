@@ -40,6 +40,7 @@ from pg_transport.results.chords import Chords
 from pg_transport.results.errors import ResultTooLarge
 from pg_transport.results.expiry import REAP_LIMIT, reap_expired
 from pg_transport.results.listener import Listener, Row, listener_for, result_channel
+from pg_transport.results.masking import seal_result_backend, url_of
 from pg_transport.results.options import DEFAULT_SCHEMA, ResultOptions
 from pg_transport.sql import load_named
 
@@ -144,9 +145,12 @@ class PgqBackend(AsyncBackendMixin, Backend):
     persistent = True
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
+        url = url_of(url or app.conf.result_backend or "")
         super().__init__(app, url=url, **kwargs)
-        url = url or str(app.conf.result_backend or "")
         self.url = url
+        # The app's setting shows this URL from now on only masked (a worker's was
+        # sealed when it imported its modules).
+        seal_result_backend(app)
         self.options = ResultOptions.from_sources(
             app.conf.get("result_backend_transport_options"),
             os.environ,
