@@ -192,8 +192,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         except psycopg.errors.InsufficientPrivilege as exc:
             raise NotPermitted(
                 f"the pgq result backend cannot {what} in schema {self.schema!r}: "
-                f"{exc.diag.message_primary or exc}. Grant the role the worker (or "
-                "publisher) privileges on the result tables (docs/least-privilege.md)"
+                f"{exc.diag.message_primary or exc}. Grant the role what docs/results.md "
+                "lists under Roles for its use (a worker's rights, or EXECUTE on the result "
+                "functions for a process that waits for results)"
             ) from exc
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
