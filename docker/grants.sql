@@ -10,6 +10,11 @@ GRANT USAGE ON SCHEMA pgq TO pgq_worker;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA pgq TO pgq_worker;
 ALTER DEFAULT PRIVILEGES FOR ROLE pgq_owner IN SCHEMA pgq
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO pgq_worker;
+-- The result backend reads, forgets and keeps groups through these (by id).
+GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
+      pgq.result_group_save(text, text, text, bytea, float8), pgq.result_group_read(text),
+      pgq.result_group_delete(text)
+    TO pgq_worker;
 
 -- 5. monitor rights, as pgq_owner
 BEGIN;

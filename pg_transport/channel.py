@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import uuid
 from hashlib import md5
 from queue import Empty
@@ -21,7 +22,9 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from pg_transport import identity, ordering, topic
+from pg_transport.config import MAX_SECONDS
 from pg_transport.consume import envelope, poison
+from pg_transport.errors import InvalidMessage
 from pg_transport.eta import eta_delay
 from pg_transport.producer_batch import PublishBatch
 from pg_transport.qos import Message, QoS, lease_of
@@ -151,6 +154,18 @@ class Channel(virtual.Channel):
         return encoded
 
     # -- kombu virtual channel interface ------------------------------------
+    def _get_message_priority(self, message: Any, reverse: bool = False) -> int:
+        # kombu takes a priority it cannot read as the default, and raises a bare
+        # OverflowError on an infinite one: a NaN or infinity is refused by name instead.
+        properties = message.get("properties") if isinstance(message, dict) else None
+        priority = properties.get("priority") if isinstance(properties, dict) else None
+        if isinstance(priority, float) and not math.isfinite(priority):
+            raise InvalidMessage(
+                f"message property priority is {priority!r}: a number from 0 to "
+                f"{self.max_priority} is; the message was not published"
+            )
+        return int(super()._get_message_priority(message, reverse))
+
     def _delay(self, message: dict[str, Any]) -> float:
         """Seconds until a Celery ETA/countdown message is due (0: deliver now)."""
         if not self.connection.options.native_delayed_delivery:
@@ -397,6 +412,14 @@ def _expiration(value: Any) -> float | None:
     if value in (None, ""):
         return None
     try:
-        return max(float(value), 0.0) / 1000.0
+        milliseconds = float(value)
     except (TypeError, ValueError):
         return None
+    except OverflowError:  # an int past any float
+        milliseconds = math.inf
+    if not milliseconds <= MAX_SECONDS * 1000.0:  # NaN too
+        raise InvalidMessage(
+            f"message property expiration is {value!r} ms: at most {MAX_SECONDS * 1000} ms "
+            "(ten years); the message was not published"
+        )
+    return max(milliseconds, 0.0) / 1000.0

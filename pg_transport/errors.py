@@ -7,6 +7,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "InvalidMessage",
     "MessageTooLarge",
     "NotPermitted",
     "PgqError",
@@ -39,6 +40,11 @@ class BrokerRefused(BrokerUnavailable):
 
 class SchemaError(PgqError):
     """The pgq schema is missing, outdated, or cannot be created with our rights."""
+
+
+class InvalidMessage(PgqError, ValueError):
+    """A message holds a value pgq cannot store (a NaN, an infinity, an expiration past
+    any date): the error names the field; it was not published."""
 
 
 class MessageTooLarge(PgqError, ValueError):

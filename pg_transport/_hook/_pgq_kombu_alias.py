@@ -8,6 +8,11 @@ every Python process down, so instead this module waits: it adds a meta-path
 finder that notices the moment ``kombu.transport`` (or ``celery.app.backends``) is
 imported and adds the alias right after the module body runs. A process that never
 imports them pays one list insertion.
+
+With Celery's backend table it connects one receiver to Celery's ``import_modules``
+signal (a worker, beat, ``celery report``): an app whose ``result_backend`` is a pgq
+URL has it sealed there, before any of Celery's surfaces shows it
+(:mod:`pg_transport.results.masking`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,20 @@ def _register(module: types.ModuleType) -> None:
     aliases = getattr(module, table, None)
     if isinstance(aliases, dict):
         aliases.setdefault(ALIAS, target)
+    if module.__name__ == "celery.app.backends":
+        from celery import signals
+
+        signals.import_modules.connect(_seal_result_backend, weak=False, dispatch_uid=ALIAS)
+
+
+def _seal_result_backend(sender: object = None, **_: object) -> None:
+    conf = getattr(sender, "conf", None)
+    backend = conf.get("result_backend") if conf is not None else None
+    # Only an app with a pgq backend pays for importing pgq.
+    if isinstance(backend, str) and backend[: len(ALIAS) + 3].lower() == ALIAS + "://":
+        from pg_transport.results.masking import seal_result_backend
+
+        seal_result_backend(sender)
 
 
 class _AliasLoader(importlib.abc.Loader):

@@ -30,12 +30,14 @@ __all__ = [
     "SECRET_KEYS",
     "URL_FORM",
     "Credentials",
+    "SealedURL",
     "build_url",
     "first_port",
     "mask_url",
     "parse_url",
     "scheme_of",
     "seal",
+    "seal_text",
     "unseal",
 ]
 
@@ -285,3 +287,48 @@ def unseal(url: str, password: object) -> str:
         if "password" not in params:
             return build_url({**params, "password": password})
     return url
+
+
+class SealedURL(str):
+    """A URL held where others read it as text: its text is the masked URL.
+
+    Celery shows a setting such as ``result_backend`` through a pattern of its own
+    (``inspect conf``, ``report``, Flower's Config tab), which misses a raw ``#`` or
+    ``?`` in a password and ``?password=``. A SealedURL put in the setting shows only
+    what :func:`mask_url` shows, whoever reads it and however they mask it; the URL to
+    connect with is :attr:`url`, for pgq alone to read.
+    """
+
+    __slots__ = ("_url",)
+
+    _url: str
+
+    def __new__(cls, url: str) -> SealedURL:
+        sealed = super().__new__(cls, mask_url(url))
+        sealed._url = url
+        return sealed
+
+    @property
+    def url(self) -> str:
+        """The URL itself, secrets included."""
+        return self._url
+
+    def __reduce__(self) -> tuple[type[SealedURL], tuple[str]]:
+        # A pickled setting carries the URL, as the plain text it replaced did.
+        return (SealedURL, (self._url,))
+
+
+def seal_text(url: str) -> str:
+    """``url`` as a :class:`SealedURL` when a pgq URL shown as it is would show a secret
+    or could not be parsed; any other text as it is."""
+    if isinstance(url, SealedURL) or scheme_of(url) is None:
+        return url
+    if str(scheme_of(url)).lower() != "pgq":
+        return url
+    try:
+        params = parse_url(url)
+    except ConfigurationError:
+        return SealedURL(url)  # shown as what is wrong with it; the backend says so
+    if not any(key in params for key in SECRET_KEYS):
+        return url
+    return SealedURL(url)

@@ -430,6 +430,14 @@ def metrics(url: str | None, schema: str, port: int | None, host: str | None) ->
     metavar="MODULE",
     help="Module that connects your message_poisoned handlers (for rehook).",
 )
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name browsers reach the console by (a proxy's public name, say); "
+    "repeatable. An IP address and localhost always are.",
+)
 def web(
     url: str | None,
     schema: str,
@@ -439,6 +447,7 @@ def web(
     token_file: str | None,
     interval: float,
     app: str | None,
+    allowed_hosts: tuple[str, ...],
 ) -> None:
     """Serve a web console of the queues, dead letters, barriers, schedules and processes.
 
@@ -481,6 +490,7 @@ def web(
             port=port,
             token=token or None,
             interval=interval,
+            allowed_hosts=allowed_hosts,
             announce=click.echo,
         )
     except OSError as exc:

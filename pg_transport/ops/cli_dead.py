@@ -117,18 +117,27 @@ def dead_requeue(
     help="Only rows dead for longer than this: 90s, 30m, 12h, 7d. Default: every row.",
 )
 @click.option("--queue", metavar="QUEUE", help="Only rows of this queue.")
-@click.option("-y", "--yes", is_flag=True, help="Purge every row without asking.")
+@click.option("-y", "--yes", is_flag=True, help="Purge without asking (for scripts and cron).")
 def dead_purge(
     url: str | None, schema: str, older_than: str | None, queue: str | None, yes: bool
 ) -> None:
-    """Delete dead-letter rows for good, and print how many."""
+    """Delete dead-letter rows for good, and print how many.
+
+    Asks first unless --yes: whatever the filters, `--older-than 0s` deletes as much as
+    no filter does.
+    """
     # Checked before connecting: a typo must not wait for (or depend on) the server.
     seconds = parse_duration(older_than) if older_than is not None else None
     with open_store(url, schema) as store:
-        if seconds is None and not yes:
+        if not yes:
             click.confirm(
-                "Delete every dead-letter row"
+                (
+                    "Delete every dead-letter row"
+                    if seconds is None
+                    else "Delete the dead-letter rows"
+                )
                 + (f" of queue {quoted(queue)}" if queue else "")
+                + (f" dead for longer than {older_than}" if older_than else "")
                 + f" in pgq schema {store.schema!r} at {store.connector.display_url}?",
                 abort=True,
             )

@@ -52,10 +52,15 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_DEADLINE = 10.0
 #: Seconds to write an answer to a client that does not read it.
 WRITE_TIMEOUT = 10.0
-#: Connections served at once. Prometheus scrapes a target from one connection at a time;
-#: the rest is room for a few other clients, and a flood waits in the listen backlog
-#: instead of becoming a flood of threads.
-MAX_HANDLERS = 8
+#: Connections served at once, each from its first byte (a thread waits for the request
+#: too). Prometheus scrapes a target from one connection at a time; the rest is room for
+#: dozens of clients that connect and say nothing (20 of them reconnecting the moment
+#: they are dropped held 8 slots for good, and scrapes missed). A flood beyond it waits
+#: in the listen backlog instead of becoming a flood of threads.
+MAX_HANDLERS = 64
+#: Connections the kernel holds for us while every handler is busy (the standard
+#: library's 5 drops the rest, so a scraper's connection could wait for seconds).
+LISTEN_BACKLOG = 128
 #: Name of the threads that serve one connection each.
 HANDLER_THREAD = "pgq-metrics-request"
 #: What a failed scrape answers: not the error, which may name the database.
@@ -201,6 +206,8 @@ class MetricsServer(HTTPServer):
     at a time, so a burst of scrapers never runs the (whole-table) status queries
     concurrently.
     """
+
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(
         self,

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -38,7 +39,7 @@ from psycopg.rows import tuple_row
 from pg_transport import ordering
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
-from pg_transport.errors import MessageTooLarge, NotPermitted
+from pg_transport.errors import InvalidMessage, MessageTooLarge, NotPermitted
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
@@ -88,7 +89,15 @@ class Publisher:
 
     def encode(self, payload: dict[str, Any]) -> str:
         """The JSON text stored for ``payload``; :class:`MessageTooLarge` past the limit."""
-        text = json.dumps(payload)  # ASCII only: its length is its size in bytes
+        try:
+            # ASCII only: its length is its size in bytes. No NaN or infinity: Python
+            # writes them, and Postgres' json refuses them.
+            text = json.dumps(payload, allow_nan=False)
+        except ValueError:
+            raise InvalidMessage(
+                f"message field {_non_finite(payload)} is not a finite number: JSON holds no "
+                "NaN or infinity; the message was not published"
+            ) from None
         if len(text) > self.max_message_bytes:
             raise MessageTooLarge(
                 f"message of {len(text)} bytes is larger than max_message_bytes "
@@ -403,3 +412,19 @@ def _fetch_one(
 def _scalar_on_(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> Any:
     row = _fetch_one(conn, query, params)
     return row[0] if row else None
+
+
+def _non_finite(value: Any, path: str = "") -> str:
+    """Where in ``value`` the first NaN or infinity is (``headers.x``, ``body[2]``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(the message)"
+    items: Any = ()
+    if isinstance(value, Mapping):
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    for where, item in items:
+        found = _non_finite(item, where)
+        if found:
+            return found
+    return ""

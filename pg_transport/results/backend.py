@@ -41,6 +41,7 @@ from pg_transport.results.chords import Chords
 from pg_transport.results.errors import ResultTooLarge
 from pg_transport.results.expiry import REAP_LIMIT, reap_expired
 from pg_transport.results.listener import Listener, Row, listener_for, result_channel
+from pg_transport.results.masking import seal_result_backend, url_of
 from pg_transport.results.options import DEFAULT_SCHEMA, ResultOptions
 from pg_transport.sql import load_named
 
@@ -159,9 +160,12 @@ class PgqBackend(AsyncBackendMixin, Backend):
     persistent = True
 
     def __init__(self, app: Any, url: str | None = None, **kwargs: Any) -> None:
+        url = url_of(url or app.conf.result_backend or "")
         super().__init__(app, url=url, **kwargs)
-        url = url or str(app.conf.result_backend or "")
         self.url = url
+        # The app's setting shows this URL from now on only masked (a worker's was
+        # sealed when it imported its modules).
+        seal_result_backend(app)
         self.options = ResultOptions.from_sources(
             app.conf.get("result_backend_transport_options"),
             os.environ,
@@ -203,8 +207,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         except psycopg.errors.InsufficientPrivilege as exc:
             raise NotPermitted(
                 f"the pgq result backend cannot {what} in schema {self.schema!r}: "
-                f"{exc.diag.message_primary or exc}. Grant the role the worker (or "
-                "publisher) privileges on the result tables (docs/least-privilege.md)"
+                f"{exc.diag.message_primary or exc}. Grant the role what docs/results.md "
+                "lists under Roles for its use (a worker's rights, or EXECUTE on the result "
+                "functions for a process that waits for results)"
             ) from exc
 
     def exception_safe_to_retry(self, exc: BaseException) -> bool:

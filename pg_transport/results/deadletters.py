@@ -58,20 +58,21 @@ def dead_letter_error(task_id: str, reason: str, dead_letter_id: int) -> DeadLet
 def _body(payload: Mapping[str, Any]) -> Any:
     headers = payload.get("headers") or {}
     content_type = payload.get("content-type")
-    if content_type not in _SAFE or headers.get("compression"):
+    if content_type not in _SAFE or not isinstance(headers, Mapping) or headers.get("compression"):
         return None
     body = payload.get("body")
-    properties = payload.get("properties") or {}
-    if properties.get("body_encoding") == "base64" and isinstance(body, str):
-        body = base64.b64decode(body)
+    properties = payload.get("properties")
+    encoding = properties.get("body_encoding") if isinstance(properties, Mapping) else None
     try:
+        if encoding == "base64" and isinstance(body, str):
+            body = base64.b64decode(body)
         return loads(
             body,
             content_type=content_type,
             content_encoding=payload.get("content-encoding") or "utf-8",
             accept=list(_SAFE),
         )
-    except Exception:  # an undecodable body: the request is what the headers say
+    except Exception:  # not base64, or undecodable: the request is what the headers say
         return None
 
 
@@ -118,14 +119,26 @@ def on_dead_lettered(
     if request.ignore_result:
         return
     error = dead_letter_error(task_id, reason, dead_letter_id)
-    if settled:
-        # Celery ran the task's failure handling already (errbacks, chord part, its
-        # task-failed event): only the stored result changes, to name the dead letter.
-        request.chord = None
-        backend.store_result(task_id, error, states.FAILURE, request=request)
-    else:
-        backend.mark_as_failure(task_id, error, request=request)
-        _task_failed_event(app, task_id, error)
+    try:
+        if settled:
+            # Celery ran the task's failure handling already (errbacks, chord part, its
+            # task-failed event): only the stored result changes, to name the dead letter.
+            request.chord = None
+            backend.store_result(task_id, error, states.FAILURE, request=request)
+        else:
+            backend.mark_as_failure(task_id, error, request=request)
+            _task_failed_event(app, task_id, error)
+    except Exception:
+        # The request is what the message said (callbacks, chord, fields): one Celery
+        # cannot follow still ends the task's result, without them, or get() would wait.
+        logger.warning(
+            "task %s dead-lettered (%s): its request could not be followed; storing its "
+            "failure without it",
+            task_id,
+            reason,
+            exc_info=True,
+        )
+        backend.store_result(task_id, error, states.FAILURE)
     logger.info("task %s dead-lettered (%s): result marked FAILURE", task_id, reason)
 
 

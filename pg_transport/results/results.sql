@@ -27,40 +27,33 @@ RETURNING r.status
 SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 
 -- name: result_get
--- One task's stored state.
-SELECT status, content_type, content_encoding, meta FROM {schema}.result
-WHERE task_id = %(task_id)s
+-- One task's stored state. Reads go through result_read, which takes ids (schema.sql).
+SELECT status, content_type, content_encoding, meta
+FROM {schema}.result_read(ARRAY[%(task_id)s::text])
 
 -- name: result_get_many
 -- The stored states of many tasks (every waiter of a process in one statement).
 SELECT task_id, status, content_type, content_encoding, meta, updated_at
-FROM {schema}.result
-WHERE task_id = ANY(%(ids)s::text[])
+FROM {schema}.result_read(%(ids)s::text[])
 
 -- name: result_forget
 -- Delete one task's state.
-DELETE FROM {schema}.result WHERE task_id = %(task_id)s
+SELECT {schema}.result_forget(%(task_id)s::text)
 
 -- name: group_save
 -- Save a GroupResult (its member ids, encoded); saving again replaces it.
-INSERT INTO {schema}.result_group AS g
-    (group_id, content_type, content_encoding, meta, expires_at)
-VALUES (%(group_id)s, %(content_type)s, %(content_encoding)s, %(meta)s,
-        pg_catalog.now() + pg_catalog.make_interval(secs => %(expires)s::float8))
-ON CONFLICT (group_id) DO UPDATE
-SET content_type = excluded.content_type,
-    content_encoding = excluded.content_encoding,
-    meta = excluded.meta,
-    expires_at = excluded.expires_at
+SELECT {schema}.result_group_save(
+    %(group_id)s::text, %(content_type)s::text, %(content_encoding)s::text, %(meta)s::bytea,
+    %(expires)s::float8
+)
 
 -- name: group_get
 -- One saved GroupResult.
-SELECT content_type, content_encoding, meta FROM {schema}.result_group
-WHERE group_id = %(group_id)s
+SELECT content_type, content_encoding, meta FROM {schema}.result_group_read(%(group_id)s::text)
 
 -- name: group_delete
 -- Delete a saved GroupResult.
-DELETE FROM {schema}.result_group WHERE group_id = %(group_id)s
+SELECT {schema}.result_group_delete(%(group_id)s::text)
 
 -- name: result_reap
 -- Delete up to limit results and groups past their expiry. Rows another reaper (or a

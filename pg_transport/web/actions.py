@@ -8,6 +8,7 @@ A purge is asked again on a page of its own before it is done.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -15,7 +16,7 @@ import tornado.web
 
 from pg_transport.errors import ConfigurationError
 from pg_transport.ops.dead import DeadLetters, NotFound
-from pg_transport.web.base import MAX_IDS, USER_COOKIE, Base, audit
+from pg_transport.web.base import MAX_IDS, USER_COOKIE, Base, Problem, audit
 
 __all__ = ["routes"]
 
@@ -34,15 +35,33 @@ class Login(Base):
             raise tornado.web.HTTPError(404, "this console is read-only: it has no token")
         name = self.get_body_argument("name", "").strip()
         token = self.get_body_argument("token", "")
+        client = str(self.request.remote_ip)
+        wait = self.console.sign_ins.wait(client)
+        if wait > 0:
+            # Not even compared: a right token now would tell a guesser it was right.
+            audit.warning("sign-in from %s refused: too many failed attempts", client)
+            raise Problem(
+                429,
+                "Too many failed sign-ins",
+                f"Too many failed sign-ins from this address: try again in {math.ceil(wait)} s.",
+                retry_after=math.ceil(wait),
+            )
         if not _NAME.match(name) or not self.console.token_matches(token):
-            audit.warning("sign-in refused from %s (name %r)", self.request.remote_ip, name[:64])
+            self.console.sign_ins.failed(client)
+            audit.warning("sign-in refused from %s (name %r)", client, name[:64])
             self.set_status(403)
             self.page("login.html", failed=True, name=name[:64])
             return
+        self.console.sign_ins.succeeded(client)
         self.set_signed_cookie(
-            USER_COOKIE, name, expires_days=None, httponly=True, samesite="Strict"
+            USER_COOKIE,
+            self.console.sessions.open(name),
+            expires_days=None,
+            httponly=True,
+            samesite="Strict",
+            secure=self.over_tls,
         )
-        audit.info("%s signed in from %s", name, self.request.remote_ip)
+        audit.info("%s signed in from %s", name, client)
         self.redirect("/dead")
 
 
@@ -50,6 +69,10 @@ class Logout(Base):
     def post(self) -> None:
         if self.current_user:
             audit.info("%s signed out", self.current_user)
+        session = self.session()
+        if session:
+            # Ended here, not only forgotten by this browser: a copy of the cookie is dead.
+            self.console.sessions.close(session)
         self.clear_cookie(USER_COOKIE)
         self.redirect("/queues")
 

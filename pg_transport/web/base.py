@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from pg_transport.db.pool import Connector
 from pg_transport.errors import PgqError
 from pg_transport.ops.cli_common import age, identity_text, one_line
 from pg_transport.store import Store
+from pg_transport.web.auth import Sessions, SignInLimit
 from pg_transport.web.reads import Capabilities, Reads
 
 __all__ = ["MAX_IDS", "USER_COOKIE", "Base", "Console", "audit", "checked_time", "until", "utc"]
@@ -62,14 +64,19 @@ class Console:
     threads: int = 4
     #: Shown in the header: the URL with its password masked.
     where: str = ""
-    #: Answer only requests addressed to a loopback name (the default when listening on
-    #: one): a page of another site whose name was made to resolve to 127.0.0.1 (DNS
+    #: Host names requests may be addressed to, besides an IP address and localhost: a
+    #: page of another site whose name was made to resolve to the console's address (DNS
     #: rebinding) sends its own name as Host, and gets nothing.
-    loopback_only: bool = False
+    allowed_hosts: frozenset[str] = frozenset()
     executor: ThreadPoolExecutor = field(init=False)
+    sessions: Sessions = field(init=False)
+    sign_ins: SignInLimit = field(init=False)
 
     def __post_init__(self) -> None:
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="pgq-web")
+        self.sessions = Sessions()
+        self.sign_ins = SignInLimit()
+        self.allowed_hosts = frozenset(h.lower() for h in self.allowed_hosts)
         self.reads = Reads(self.connector, self.schema)
         self.store = Store(self.connector, self.schema)
 
@@ -89,6 +96,14 @@ class Console:
         return hmac.new(seed, b"pgq web console cookie", hashlib.sha256).hexdigest()
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def utc(value: datetime | None) -> str:
     if value is None:
         return "-"
@@ -105,10 +120,13 @@ def until(value: datetime | None, now: datetime) -> str:
 class Problem(tornado.web.HTTPError):
     """An error page with a title; its detail is logged as it is (it may quote a row)."""
 
-    def __init__(self, status: int, title: str, detail: str) -> None:
+    def __init__(
+        self, status: int, title: str, detail: str, *, retry_after: int | None = None
+    ) -> None:
         super().__init__(status, "%s", detail)
         self.title = title
         self.detail = detail
+        self.retry_after = retry_after
 
 
 class Base(tornado.web.RequestHandler):
@@ -125,18 +143,30 @@ class Base(tornado.web.RequestHandler):
         self.set_header("X-Frame-Options", "DENY")
 
     def prepare(self) -> None:
-        if self.console.loopback_only:
-            host = self.request.host_name.strip("[]").lower()
-            if host not in LOOPBACK_NAMES:
-                raise tornado.web.HTTPError(
-                    400, "this console answers requests to 127.0.0.1 or localhost only"
-                )
+        host = self.request.host_name.strip("[]").lower()
+        if not (_is_address(host) or host in LOOPBACK_NAMES or host in self.console.allowed_hosts):
+            raise tornado.web.HTTPError(
+                400,
+                "this console answers requests to an IP address, localhost or a name given "
+                "with --allowed-host only",
+            )
+
+    @property
+    def over_tls(self) -> bool:
+        """Whether the browser reached us over TLS (directly, or through a proxy that
+        says so: a cookie marked Secure on its word is at worst not sent back)."""
+        forwarded = self.request.headers.get("X-Forwarded-Proto", "")
+        return self.request.protocol == "https" or forwarded.split(",")[0].strip() == "https"
+
+    def session(self) -> str | None:
+        raw = self.get_signed_cookie(USER_COOKIE, max_age_days=1)
+        return raw.decode() if raw else None
 
     def get_current_user(self) -> str | None:
         if not self.console.actions:
             return None
-        raw = self.get_signed_cookie(USER_COOKIE, max_age_days=1)
-        return raw.decode() if raw else None
+        session = self.session()
+        return self.console.sessions.user(session) if session else None
 
     async def db(self, fn: Callable[[], T]) -> T:
         """``fn`` in the console's threads; a refused privilege is a page of its own."""
@@ -170,6 +200,8 @@ class Base(tornado.web.RequestHandler):
         title, detail = "Error", self._reason
         if isinstance(exc, Problem):
             title, detail = exc.title, exc.detail
+            if exc.retry_after is not None:
+                self.set_header("Retry-After", str(exc.retry_after))
         elif isinstance(exc, tornado.web.HTTPError) and exc.log_message:
             detail = exc.log_message % exc.args if exc.args else exc.log_message
         self.render(

@@ -19,9 +19,23 @@ __all__ = ["serve", "start"]
 logger = logging.getLogger("pg_transport.web")
 
 
-def start(console: Console, host: str, port: int) -> tuple[tornado.httpserver.HTTPServer, int]:
+#: Seconds a client has to send a request's headers (or, between requests, to start
+#: the next one), and its body: a connection that sends nothing, or a byte now and
+#: then, is closed instead of kept for ever.
+HEADER_TIMEOUT = 10.0
+BODY_TIMEOUT = 30.0
+
+
+def start(
+    console: Console, host: str, port: int, *, header_timeout: float = HEADER_TIMEOUT
+) -> tuple[tornado.httpserver.HTTPServer, int]:
     """Listen on ``host:port`` (0: any free port); the server and the port it has."""
-    server = tornado.httpserver.HTTPServer(make_app(console), xheaders=False)
+    server = tornado.httpserver.HTTPServer(
+        make_app(console),
+        xheaders=False,
+        idle_connection_timeout=header_timeout,
+        body_timeout=BODY_TIMEOUT,
+    )
     sockets = tornado.netutil.bind_sockets(port, host)
     server.add_sockets(sockets)
     return server, int(sockets[0].getsockname()[1])
@@ -35,6 +49,7 @@ def serve(
     port: int,
     token: str | None,
     interval: float,
+    allowed_hosts: tuple[str, ...] = (),
     announce: object = print,
 ) -> None:
     """Serve until SIGINT or SIGTERM, sampling every ``interval`` seconds meanwhile.
@@ -48,16 +63,17 @@ def serve(
     import ipaddress
 
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
+        ipaddress.ip_address(host)
+        named: tuple[str, ...] = ()
     except ValueError:
-        loopback = host == "localhost"
+        named = (host,)  # listening on a name: requests to that name are expected
     console = Console(
         connector,
         schema,
         token=token,
         interval=interval,
         where=connector.display_url,
-        loopback_only=loopback,
+        allowed_hosts=frozenset((*named, *allowed_hosts)),
     )
     sampler = Sampler(connector, schema, interval)
 

@@ -44,6 +44,7 @@ from tests.integration.test_cli import pgq_command
 pytestmark = pytest.mark.acceptance
 
 MARK = "tests.acceptance.app.mark"
+RESULTS_APP = "tests.acceptance.results_app"  # pgq as broker and result backend
 # Every secret below holds one of these; no output may hold any of them.
 TOKENS = ("K7q", "Zx9", "Kq8", "Zx8", "Kq6", "Zx6")
 # A secret shown in a query: anything but the mask after its '='.
@@ -163,10 +164,10 @@ def sessions_of(env: Env, role: str, application_name: str) -> int:
     )
 
 
-def celery(env: Env, url: str, *args: str) -> str:
+def celery(env: Env, url: str, *args: str, app: str = APP) -> str:
     """A `celery` command on ``url``; its whole output (stdout and stderr)."""
     result = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, *args],
+        [sys.executable, "-m", "celery", "-A", app, *args],
         cwd=ROOT,
         env=env.environ(PGQ_BROKER_URL=url),
         capture_output=True,
@@ -195,6 +196,40 @@ def get(url: str) -> tuple[int, str]:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def start_flower(env: Env, url: str, app: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Flower on ``url`` (its API open); the process and its base URL, once it answers."""
+    port = free_port()
+    with log.open("wb") as out:
+        flower = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                app,
+                "flower",
+                "--address=127.0.0.1",
+                f"--port={port}",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env.environ(PGQ_BROKER_URL=url, FLOWER_UNAUTHENTICATED_API="true"),
+        )
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert flower.poll() is None, log.read_text()
+        try:
+            return get(f"{base}/healthcheck")[0] == 200
+        except OSError:
+            return False
+
+    wait_for(up, 60, "Flower to answer")
+    return flower, base
 
 
 def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostile) -> None:
@@ -232,35 +267,7 @@ def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostil
 
         # Flower shows the stats' broker and the conf on a worker's page and in its API,
         # and its own Connection.as_uri() in its log (its broker page has no pgq view).
-        port = free_port()
-        with flower_log.open("wb") as out:
-            flower = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    APP,
-                    "flower",
-                    "--address=127.0.0.1",
-                    f"--port={port}",
-                ],
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env.environ(PGQ_BROKER_URL=url, FLOWER_UNAUTHENTICATED_API="true"),
-            )
-        base = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            assert flower is not None and flower.poll() is None, flower_log.read_text()
-            try:
-                return get(f"{base}/healthcheck")[0] == 200
-            except OSError:
-                return False
-
-        wait_for(up, 60, "Flower to answer")
+        flower, base = start_flower(env, url, APP, flower_log)
         status, api = get(f"{base}/api/workers?refresh=1&workername={quote(node)}")
         assert status == 200, api
         assert not leaks(api), api
@@ -290,6 +297,68 @@ def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostil
     assert f"Connected to {shown}" in log, log
     assert not leaks(log), log
     assert f"Broker: {shown}" in flower_text, flower_text
+    assert not leaks(flower_text), flower_text
+
+
+def masked_alike(shown: str, url: str) -> bool:
+    """Whether ``shown`` is ``url`` with every secret masked (by pgq's mask, or by
+    Celery's over pgq's)."""
+    params, original = parse_url(shown), parse_url(url)
+    secrets = ("password", "sslpassword")
+    return {k: v for k, v in params.items() if k not in secrets} == {
+        k: v for k, v in original.items() if k not in secrets
+    } and all(set(params[key]) == {"*"} for key in secrets)
+
+
+def test_result_backend_url_is_masked_in_conf_report_and_flower(env: Env, hostile: Hostile) -> None:
+    """The hostile URL as result backend too: Celery shows ``result_backend`` through a
+    pattern of its own, which a raw '#' or '?' in the password, or ?password=, gets by."""
+    url, shown = hostile.url(), mask_url(hostile.url())
+    worker = start_worker(env, "results", app=RESULTS_APP, environ={"PGQ_BROKER_URL": url})
+    node = f"results@{socket.gethostname()}"
+    flower: subprocess.Popen[bytes] | None = None
+    flower_log = Path(tempfile.mkstemp(prefix="pgq-flower-", suffix=".log")[1])
+    try:
+        # The backend connects with the password: a result stored by the worker, read here.
+        client = Celery("client", broker=url, backend=url, set_as_current=False)
+        client.conf.update(broker_transport_options={"schema": env.schema})
+        assert client.send_task(RESULTS_APP + ".add", args=[2, 3]).get(timeout=30) == 5
+        assert client.backend.as_uri() == shown
+        assert str(client.conf.result_backend) == shown
+        assert not leaks(client.bugreport())
+
+        conf = celery(env, url, "inspect", "conf", "-d", node, "-j", "-t", "10", app=RESULTS_APP)
+        report = celery(
+            env, url, "inspect", "report", "-d", node, "-j", "-t", "10", app=RESULTS_APP
+        )
+        local_report = celery(env, url, "report", app=RESULTS_APP)
+        for output in (conf, report, local_report):
+            assert not leaks(output), output
+        assert masked_alike(replies(conf)[node]["result_backend"], url)
+        said = re.search(r"results:(\S+)", replies(report)[node]["ok"])
+        assert said and masked_alike(said.group(1), url), report
+        said = re.search(r"results:(\S+)", local_report)
+        assert said and masked_alike(said.group(1), url), local_report
+
+        # Flower's Config tab (a worker's page) and its API show the worker's conf.
+        flower, base = start_flower(env, url, RESULTS_APP, flower_log)
+        status, api = get(f"{base}/api/workers?refresh=1&workername={quote(node)}")
+        assert status == 200, api
+        assert not leaks(api), api
+        assert masked_alike(json.loads(api)[node]["conf"]["result_backend"], url)
+        status, page = get(f"{base}/worker/{quote(node)}")
+        assert status == 200 and "result_backend" in page, page
+        assert not leaks(page), page
+    finally:
+        if flower is not None:
+            os.killpg(flower.pid, signal.SIGTERM)
+            flower.wait(30)
+        code = worker.stop()
+    log, flower_text = worker.output(), flower_log.read_text(errors="replace")
+    flower_log.unlink()
+    assert code == 0, log
+    assert f".> results:     {shown}" in log, log
+    assert not leaks(log), log
     assert not leaks(flower_text), flower_text
 
 

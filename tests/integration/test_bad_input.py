@@ -403,3 +403,47 @@ def test_granted_role_connects(
         message.ack()
         assert queue.qsize() == 0
         queue.close()
+
+
+# -- a message pgq cannot store: refused by name, nothing stored --------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"expiration": 1e300}, "expiration"),
+        ({"expiration": 10**400}, "expiration"),
+        ({"priority": float("nan")}, "priority"),
+        ({"priority": float("inf")}, "priority"),
+        ({"headers": {"deadline": float("nan")}}, "headers.deadline"),
+        ({"headers": {"limits": [1.0, float("-inf")]}}, r"headers.limits\[1\]"),
+    ],
+    ids=[
+        "huge-expiration",
+        "int-expiration",
+        "nan-priority",
+        "inf-priority",
+        "nan-header",
+        "inf-in-a-list",
+    ],
+)
+@pytest.mark.parametrize("exchange", ["", "routed"])
+def test_a_value_postgres_cannot_hold_is_refused_naming_the_field(
+    pg_url: str, schema: str, options: dict[str, Any], field: str, exchange: str
+) -> None:
+    from kombu import Exchange, Producer, Queue
+
+    from pg_transport.errors import InvalidMessage
+
+    with Connection(pgq_url(pg_url), transport_options={"schema": schema}) as conn:
+        channel = conn.channel()
+        target = Exchange(exchange, type="direct") if exchange else Exchange("")
+        queue = Queue("jobs", target, routing_key="jobs").bind(channel)
+        queue.declare()
+        producer = Producer(channel, exchange=target)
+        with pytest.raises(InvalidMessage, match=f"message (property|field) {field} is "):
+            producer.publish({"n": 1}, routing_key="jobs", **options)
+        # Nothing stored, and the channel publishes on.
+        assert queue.queue_declare(passive=True).message_count == 0
+        producer.publish({"n": 2}, routing_key="jobs")
+        assert queue.queue_declare(passive=True).message_count == 1

@@ -273,17 +273,17 @@ def test_purge_older_than_keeps_newer_rows(
         [*old, old_other],
     )
 
-    nine_days = dead("purge", "--older-than", "9d", url=broker_url, schema=schema)
+    nine_days = dead("purge", "--older-than", "9d", "-y", url=broker_url, schema=schema)
     assert nine_days.stdout.strip() == "0 dead-letter rows purged (dead for longer than 9d)"
 
     of_queue = dead(
-        "purge", "--older-than", "7d", "--queue", "other", url=broker_url, schema=schema
+        "purge", "--older-than", "7d", "--queue", "other", "-y", url=broker_url, schema=schema
     )
     assert of_queue.exit_code == 0, of_queue.output
     assert of_queue.stdout.strip() == (
         "1 dead-letter row purged from queue 'other' (dead for longer than 7d)"
     )
-    result = dead("purge", "--older-than", "7d", url=broker_url, schema=schema)
+    result = dead("purge", "--older-than", "7d", "--yes", url=broker_url, schema=schema)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == "2 dead-letter rows purged (dead for longer than 7d)"
     assert dead_ids(peek) == [recent]
@@ -302,6 +302,45 @@ def test_purge_of_everything_asks_unless_yes(
     result = dead("purge", "--yes", url=broker_url, schema=schema)
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == "2 dead-letter rows purged"
+    assert dead_ids(peek) == []
+
+
+def test_a_filtered_purge_asks_too_unless_yes(
+    broker_url: str, schema: str, store: Store, peek: Peek
+) -> None:
+    """`--older-than 0s --queue q` deletes as much as a bare purge of q: it asks alike."""
+    ids = [poison(store, peek, "jobs", task_message(n)) for n in range(2)]
+    for given in ("n\n", ""):  # declined, and no answer at all (cron, a pipe)
+        declined = dead(
+            "purge",
+            "--older-than",
+            "0s",
+            "--queue",
+            "jobs",
+            url=broker_url,
+            schema=schema,
+            input=given,
+        )
+        assert declined.exit_code == 1, declined.output
+        assert (
+            "Delete the dead-letter rows of queue 'jobs' dead for longer than 0s in pgq "
+            f"schema {schema!r}"
+        ) in declined.output
+        assert dead_ids(peek) == ids
+    accepted = dead(
+        "purge",
+        "--older-than",
+        "0s",
+        "--queue",
+        "jobs",
+        url=broker_url,
+        schema=schema,
+        input="y\n",
+    )
+    assert accepted.exit_code == 0, accepted.output
+    assert accepted.stdout.strip().endswith(
+        "2 dead-letter rows purged from queue 'jobs' (dead for longer than 0s)"
+    )
     assert dead_ids(peek) == []
 
 

@@ -496,3 +496,54 @@ def test_error_answers_do_not_quote_the_request(store: Store, request_bytes: byt
     head, _, body = answer.rpartition(b"\r\n\r\n")
     assert re.fullmatch(rb"(400|501|505) [A-Za-z ]+\n", body), answer
     assert not head or head.split()[1] == body[:3]
+
+
+class Reconnector:
+    """A client that connects, sends nothing, and connects again as soon as the server
+    drops it, until stopped: what holds connections open without ever asking."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stopped = threading.Event()
+        self.connected = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
+                    self.connected.set()
+                    sock.recv(1)  # until the server drops us (or the test ends)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def test_scrapes_are_answered_while_20_clients_reconnect_as_soon_as_they_are_dropped(
+    store: Store,
+) -> None:
+    deadline = 3.0  # how long each of them holds its connection before it is dropped
+    server = metrics.make_server(
+        "127.0.0.1", 0, lambda: status_report.collect(store), request_deadline=deadline
+    )
+    with running(server) as url:
+        clients = [Reconnector(server.port) for _ in range(20)]
+        try:
+            for client in clients:
+                assert client.connected.wait(30), "a client could not connect at all"
+            for _ in range(3):
+                started = time.monotonic()
+                status, body = scrape(url, timeout=30)
+                elapsed = time.monotonic() - started
+                assert status == 200 and "pgq_queue_ready_messages" in body
+                # Not behind them: answered before any of them was dropped to make room.
+                assert elapsed < deadline, elapsed
+        finally:
+            for client in clients:
+                client.stop()
+            server.shutdown()
+            for client in clients:
+                client.thread.join(30)

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -417,3 +418,51 @@ def test_a_new_waiter_is_handed_the_row_and_the_others_not_again(
     assert [r.status for r in second.rows] == [states.STARTED, states.SUCCESS]
     listener.unsubscribe("twice", first)
     listener.unsubscribe("twice", second)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # A body that claims base64 and is not.
+        {
+            "body": "not base64 at all!",
+            "content-type": "application/json",
+            "content-encoding": "utf-8",
+            "headers": {"task": "t"},
+            "properties": {"body_encoding": "base64"},
+        },
+        # Headers and properties of the wrong shape.
+        {"body": "W10=", "content-type": "application/json", "headers": ["x"], "properties": "p"},
+    ],
+    ids=["not-base64", "wrong-shapes"],
+)
+def test_a_dead_lettered_task_with_a_hostile_message_still_fails_its_result(
+    apps: tuple[Celery, Celery], payload: dict[str, Any]
+) -> None:
+    """The dead-letter receiver ends the result whatever the message held, so get()
+    raises DeadLettered at once instead of waiting to its timeout."""
+    from celery import _state
+
+    from pg_transport.results import deadletters
+    from pg_transport.results.errors import DeadLettered
+    from pg_transport.signals import message_dead_lettered
+
+    deadletters.connect()  # as a pgq worker's transport does when it loads
+    client, worker = apps
+    task_id = str(uuid.uuid4())
+    previous = _state.get_current_app()
+    worker.set_current()
+    try:
+        message_dead_lettered.send(
+            sender=None,
+            queue="celery",
+            task_id=task_id,
+            reason="poisoned",
+            dead_letter_id=7,
+            payload=payload,
+            settled=False,
+        )
+    finally:
+        previous.set_current()
+    with pytest.raises(DeadLettered, match="dead letter 7"):
+        client.AsyncResult(task_id).get(timeout=30)

@@ -9,6 +9,7 @@ the masking function, kombu's Connection as Celery reports and censors it.
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Callable
 from urllib.parse import quote
 
@@ -24,6 +25,7 @@ from barrier.backend import backend_for
 from pg_transport.db.pool import KEEPALIVES, url_to_conninfo
 from pg_transport.db.url import MASK, Credentials, build_url, mask_url, parse_url, seal, unseal
 from pg_transport.errors import ConfigurationError
+from pg_transport.results.masking import url_of
 
 # -- pgq:// -> libpq ----------------------------------------------------------------
 
@@ -348,6 +350,29 @@ def test_clones_and_pickles_keep_the_real_password(
     for copy in (conn.clone(), pickle.loads(pickle.dumps(conn))):
         assert copy.as_uri() == shown
         assert parse_url(copy.as_uri(include_password=True)) == parse_url(url)
+
+
+def without_secrets(url: str) -> dict[str, str]:
+    return {k: v for k, v in parse_url(url).items() if k not in ("password", "sslpassword")}
+
+
+@MATRIX
+def test_celery_shows_the_result_backend_masked_once_the_app_imports_its_modules(
+    password: str, way: str, url: str, key: str, shown: str
+) -> None:
+    app = Celery("results", backend=url, set_as_current=False)
+    # What a worker, beat and `celery report` do first: pgq seals the setting there.
+    app.loader.import_default_modules()
+    assert str(app.conf.result_backend) == shown
+    # `celery inspect conf`, Flower's Config tab; `report` (its settings and results line).
+    reported = re.search(r"^settings -> .* results:(\S+)$", app.bugreport(), re.MULTILINE)
+    assert reported is not None
+    for censored in (app.conf.table()["result_backend"], reported.group(1)):
+        assert without_secrets(censored) == without_secrets(url)
+        assert set(parse_url(censored)[key]) == {"*"}
+    # The backend still connects with the password, in this process and in a pickle.
+    assert url_of(app.conf.result_backend) == url
+    assert url_of(pickle.loads(pickle.dumps(app.conf.result_backend))) == url
 
 
 @pytest.mark.parametrize("name", sorted(set(HOSTILE) - RAW_IN_USER_PART))
