@@ -227,7 +227,13 @@ class Chords:
             "outcome": outcome,
             "result": json_dumps(note),
         }
-        return conn.execute(self.backend.q["chord_part_record"], params).fetchone() is not None
+        q = self.backend.q
+        if conn.execute(q["chord_part_record"], params).fetchone() is not None:
+            return True
+        # A part of a streamed header, placed under the chord's row lock.
+        if conn.execute(q["chord_lock_streamed"], params).fetchone() is None:
+            return False
+        return conn.execute(q["chord_part_record_streamed"], params).fetchone() is not None
 
     def _succeeded(
         self,

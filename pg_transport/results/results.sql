@@ -159,9 +159,8 @@ SELECT status, total < %(unsized)s FROM {schema}.barrier WHERE id = %(id)s
 -- name: chord_part_record
 -- Record a chord part once, at its place: a task added with add_to_chord at the place it
 -- was given; a part of a listed header at its task id's place in the header (the metadata
--- lists the header's ids); a part of a streamed (generator) header at its group index.
--- A redelivered part, an unknown chord or a task that is not one of its parts inserts
--- nothing.
+-- lists the header's ids). A redelivered part, an unknown chord, a part of a streamed
+-- header (chord_part_record_streamed) or a task that is not a part inserts nothing.
 INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome, result)
 SELECT b.id, p.idx, %(task_id)s, %(outcome)s, %(result)s::json
 FROM {schema}.barrier AS b
@@ -174,23 +173,46 @@ CROSS JOIN LATERAL (
         WITH ORDINALITY AS e(task_id, ord)
     WHERE e.task_id = %(task_id)s
       AND NOT COALESCE((b.metadata ->> 'streamed')::boolean, false)
-    UNION ALL
-    SELECT %(index)s::integer
-    WHERE COALESCE((b.metadata ->> 'streamed')::boolean, false)
-      AND NOT COALESCE(b.metadata -> 'added' ? %(task_id)s::text, false)
-      AND %(index)s::integer >= 0 AND %(index)s::integer < b.total
 ) AS p(idx)
 WHERE b.id = %(id)s AND p.idx IS NOT NULL
 ON CONFLICT (barrier_id, idx) DO NOTHING
 RETURNING idx
 
+-- name: chord_lock_streamed
+-- Lock a streamed chord's row (to commit) before placing a part of its header.
+SELECT 1 FROM {schema}.barrier
+WHERE id = %(id)s AND COALESCE((metadata ->> 'streamed')::boolean, false)
+FOR UPDATE
+
+-- name: chord_part_record_streamed
+-- Record a part of a streamed (generator) header once: its task id not recorded yet. Its
+-- header place is its group index, kept with it (a group nested in the header numbers
+-- its tasks from 0 again, so two parts may share one); its row takes the next negative
+-- idx, in arrival order, apart from the non-negative ones of tasks added with
+-- add_to_chord. Run under chord_lock_streamed's lock, in a statement of its own: it sees
+-- every part recorded before.
+INSERT INTO {schema}.barrier_part (barrier_id, idx, task_id, outcome, result)
+SELECT b.id,
+       -1 - (SELECT pg_catalog.count(*) FROM {schema}.barrier_part AS p
+             WHERE p.barrier_id = b.id AND p.idx < 0)::integer,
+       %(task_id)s, %(outcome)s,
+       pg_catalog.json_build_object('index', %(index)s::integer, 'note', %(result)s::json)
+FROM {schema}.barrier AS b
+WHERE b.id = %(id)s
+  AND NOT COALESCE(b.metadata -> 'added' ? %(task_id)s::text, false)
+  AND NOT EXISTS (SELECT 1 FROM {schema}.barrier_part AS p
+                  WHERE p.barrier_id = b.id AND p.task_id = %(task_id)s)
+ON CONFLICT (barrier_id, idx) DO NOTHING
+RETURNING idx
+
 -- name: chord_results
--- The header's stored results in part order, for the chord's body.
+-- The header's stored results in header order: a streamed header's parts (negative idx) by
+-- group index, then arrival; a listed header's and added tasks' by idx.
 SELECT p.task_id, r.status, r.content_type, r.content_encoding, r.meta
 FROM {schema}.barrier_part AS p
 LEFT JOIN {schema}.result AS r ON r.task_id = p.task_id
 WHERE p.barrier_id = %(id)s AND p.outcome = 'succeeded'
-ORDER BY p.idx
+ORDER BY p.idx >= 0, (p.result ->> 'index')::integer, pg_catalog.abs(p.idx)
 
 -- name: chord_fire
 -- The armed -> fired flip, only for a chord with nothing remaining; the loser gets no row.

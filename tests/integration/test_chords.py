@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery, chord, states
+from celery import Celery, chord, group, states
 from celery.app.task import Context
 from celery.exceptions import ChordError
+from celery.utils.functional import regen
 
 import barrier.backend
 from pg_transport.results.chords import CHORD_PREFIX
@@ -267,3 +268,54 @@ def test_add_to_chord_waits_for_the_added_task_too(app: Celery, pg_url: str, sch
     assert json.loads(sent["body"])[0] == [[1, 2, 3]]
     with pytest.raises(ChordError, match="fired already"):
         app.backend.add_to_chord("g-add", app.AsyncResult("late"))
+
+
+def test_a_generator_header_may_hold_a_group(app: Celery, pg_url: str, schema: str) -> None:
+    barrier.backend.backend_for(app)
+
+    def header() -> Iterator[Any]:
+        # The group's tasks are numbered from 0 again: two parts share group index 1.
+        yield group(app.signature("t.part", args=(0,)), app.signature("t.part", args=(1,)))
+        yield app.signature("t.part", args=(2,))
+
+    chord(header(), app=app)(app.signature("t.collect"))
+    sent = messages(pg_url, schema, "t.part")
+    assert [m["headers"]["group_index"] for m in sent] == [0, 1, 1]
+    for value, m in enumerate(sent):
+        body = json.loads(m["body"])[2]["chord"]
+        headers = m["headers"]
+        request = {"group_index": headers["group_index"]}
+        finish(app, headers["group"], body, headers["id"], states.SUCCESS, value, **request)
+        finish(app, headers["group"], body, headers["id"], states.SUCCESS, value, **request)
+    [sent_body] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent_body["body"])[0] == [[0, 1, 2]]
+
+
+def test_concurrent_streamed_parts_and_their_copies_fire_once_in_header_order(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    n = 6
+    body = app.signature("t.collect")
+    body.freeze(group_id="g-stream")
+    app.backend.apply_chord(("g-stream", regen(iter(()))), body)
+    app.backend.set_chord_size("g-stream", n)
+    start = threading.Barrier(2 * n)
+    errors: list[BaseException] = []
+
+    def part(i: int) -> None:
+        try:
+            start.wait(10)
+            finish(app, "g-stream", body, f"s-{i}", states.SUCCESS, i, group_index=i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    # Every part twice at once: a redelivery racing the first delivery.
+    threads = [threading.Thread(target=part, args=(i % n,)) for i in range(2 * n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    [sent] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent["body"])[0] == [list(range(n))]
+    assert q(pg_url, schema, "SELECT count(*) FROM {schema}.barrier_part") == [(n,)]
