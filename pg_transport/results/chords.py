@@ -64,6 +64,9 @@ _FOREVER = float(MAX_SECONDS)
 #: The total of a streamed chord (a generator header) until ``set_chord_size`` tells its
 #: size: every part counts against it, none can take it to 0.
 UNSIZED = 2**31 - 1
+# Group ids of the streamed chords this process armed and has not sized yet: Celery sizes
+# every chord, in the process that applies it; only these need the round trip.
+_unsized_here: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -144,25 +147,37 @@ class Chords:
             return int(row[0]) if row else 1
 
         run: int = self.db.run(work)
+        if streamed:
+            _unsized_here.add(group_id)
         return run
 
     def set_size(self, group_id: str, size: int) -> None:
         """A streamed chord's size, told before its header's last part is sent. Parts
         that returned already counted; if they are all of them, the body fires now."""
+        if group_id not in _unsized_here:
+            return  # a listed header's size is known since it was armed
         db = self.db
         backend = self.backend
         chord_id = CHORD_PREFIX + group_id
+        after: list[Any] = []
 
         def work(conn: psycopg.Connection[Any]) -> None:
+            after.clear()
             with conn.transaction():
                 row = conn.execute(
                     backend.q["chord_set_size"],
                     {"id": chord_id, "size": int(size), "unsized": UNSIZED},
                 ).fetchone()
                 if row is not None and int(row[0]) == 0:
-                    self._fire(db, conn, group_id, None)
+                    try:
+                        self._fire(db, conn, group_id, None)
+                    except _Unstored as exc:
+                        self._fail_chord(db, conn, group_id, str(exc), after)
 
         db.run(work)
+        _unsized_here.discard(group_id)
+        for call in after:
+            call()
 
     def add(self, group_id: str, task_id: str) -> None:
         """``add_to_chord``: one more part, whose result comes after the header's."""
