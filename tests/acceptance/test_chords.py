@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from celery import Celery, chord, states
+from celery import Celery, chord, group, states
 from celery.exceptions import ChordError
 
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for, workers
@@ -175,8 +175,27 @@ def test_the_chord_shapes_celery_documents(env: Env) -> None:
         )()
         assert added.get(timeout=60) == 101
         no_chord_unlock(env)
+
+        # Chains, groups and chords as bodies or in the header take Celery's chord_unlock
+        # (all three at once, polling every 0.1 s).
+        two = [sig(T + "part", args=[i]) for i in range(2)]
+        chained = chord(two, sig(T + "collect") | sig(T + "add", args=(10,)), app=app)
+        grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)
+        inner = chord(two, sig(T + "collect", kwargs={"label": "inner"}), app=app)
+        nested = chord(
+            [inner, sig(T + "part", args=[2])],
+            sig(T + "collect", kwargs={"label": "outer"}),
+            app=app,
+        )
+        chained_r, grouped_r, nested_r = (
+            c.apply_async(interval=0.1) for c in (chained, grouped, nested)
+        )
+        assert chained_r.get(timeout=60) == 11
+        assert grouped_r.get(timeout=60) == [1, 1]
+        assert nested_r.get(timeout=60) == 1 + 2
         time.sleep(0.5)  # a second body would start within this
     assert len(labels(env, "callback:again")) == 2
+    assert labels(env, "callback:outer") == ["callback:outer"]
     assert labels(env, "callback:gen") == ["callback:gen"]
     assert labels(env, "callback:added") == ["callback:added"]
     assert labels(env, "note:") == ["note:si-errback"]
