@@ -19,10 +19,20 @@ broker's database:
   body's errbacks (``link_error``) in the same transaction; errbacks Celery calls in
   process (those taking ``request, exc, traceback``) are called once it committed.
 
+Messages are built as Celery's ``apply_async`` would: an immutable body or errback
+(``.si()``) gets no header results or body id; the body's parent is the part that
+completed the chord; errbacks sent as tasks are the failed body's child group.
+
+Each ``apply_chord`` is a run: a frozen chord applied again (same group id) resets its
+fan-in. A generator header is streamed: armed with an unknown size (:data:`UNSIZED`),
+its parts placed by arrival with their group index, sized by ``set_chord_size``.
+``add_to_chord`` adds a part after the header's while the chord is armed and sized.
+
 It needs the queue and the results in one database and schema (broker ``pgq://`` on the
 result backend's database and schema, the default) and a body that is one task's
 signature (``link`` and ``link_error`` allowed). Anything else (a chain or group as body,
-nested groups in the header, another broker) takes Celery's own way (``chord_unlock``).
+nested groups in a listed header, another broker) takes Celery's own way
+(``chord_unlock``).
 """
 
 from __future__ import annotations
