@@ -51,6 +51,7 @@ from celery.utils import uuid
 from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
 
+import pg_transport
 from barrier.backend import Backend as BarrierDb
 from barrier.backend import backend_for, broker_url, uses_pgq
 from barrier.codec import dumps as json_dumps
@@ -120,7 +121,7 @@ class Chords:
 
     def takes(self, results: Sequence[Any], body: Any) -> bool:
         """Whether a chord of ``results`` (the frozen header) and ``body`` is native."""
-        if not (self.usable() and _plain_task(body)):
+        if not (self.usable() and isinstance(body, Signature)):
             return False
         if isinstance(results, _regen):
             # A generator header is streamed: nothing of it is read before its parts are
@@ -297,12 +298,20 @@ class Chords:
             raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {fired[1]} results")
         body = Signature.from_dict(json_loads(fired[0]), app=self.app)
         parent_id = getattr(request, "id", None)
+        root_id = getattr(request, "root_id", None) or parent_id
+        if not _plain_task(body):
+            # A chain, group or chord (or a task with a chain to follow): Celery's canvas
+            # sends it, as Celery's backends do (body.delay(results)), its messages
+            # joined to this transaction: they commit with the chord's flip, or not at all.
+            with pg_transport.transaction(conn):
+                body.apply_async((values,), parent_id=parent_id, root_id=root_id)
+            return
         out = task_message(
             self.app,
             body,
             args_prefix=(values,),
             parent_id=parent_id,
-            root_id=getattr(request, "root_id", None) or parent_id,
+            root_id=root_id,
         )
         publish_outgoing(db, conn, out, "pgq-chord", group_id, str(fired[2]), "callback")
 
@@ -359,6 +368,11 @@ class Chords:
             raise ChordError(f"chord {group_id} failed but is gone")
         body = Signature.from_dict(json_loads(found[0]), app=self.app)
         error = ChordError(reason)
+        if not _plain_task(body):
+            # Celery's own failure of a canvas body (each task of a group failed, a chain's
+            # rest failed, their errbacks called), once the flip has committed.
+            after.append(lambda: _fail_canvas_body(self.backend, body, error))
+            return PartOutcome(recorded=True, failed=True)
         sent = self._errbacks(db, conn, group_id, str(found[1]), body, error, after)
         body_id = body.id
         if body_id:
@@ -424,6 +438,18 @@ def _fake_request(body: Signature) -> Any:
             "delivery_info": {},
         }
     )
+
+
+def _fail_canvas_body(backend: Any, body: Signature, error: ChordError) -> None:
+    try:
+        # Celery fails the body from the stack (its traceback): raised here, as the
+        # Redis backend calls it while handling the chord's error.
+        try:
+            raise error
+        except ChordError as exc:
+            backend.chord_error_from_stack(body, exc)
+    except Exception:  # as Celery's on_chord_part_return: logged, the chord stays failed
+        logger.exception("failing chord body %r raised", body.task)
 
 
 def _call_quietly(sig: Signature, request: Any, error: BaseException) -> None:

@@ -174,25 +174,24 @@ def test_the_chord_shapes_celery_documents(env: Env) -> None:
             app=app,
         )()
         assert added.get(timeout=60) == 101
-        no_chord_unlock(env)
 
-        # Chains, groups and chords as bodies or in the header take Celery's chord_unlock
-        # (all three at once, polling every 0.1 s).
+        # A chain, a group or a chord as body, a chord in the header: sent by Celery's
+        # canvas in the completing part's transaction, from that part.
         two = [sig(T + "part", args=[i]) for i in range(2)]
-        chained = chord(two, sig(T + "collect") | sig(T + "add", args=(10,)), app=app)
-        grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)
+        chained = chord(two, sig(T + "collect") | sig(T + "echo"), app=app)()
+        grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)()
         inner = chord(two, sig(T + "collect", kwargs={"label": "inner"}), app=app)
         nested = chord(
             [inner, sig(T + "part", args=[2])],
             sig(T + "collect", kwargs={"label": "outer"}),
             app=app,
-        )
-        chained_r, grouped_r, nested_r = (
-            c.apply_async(interval=0.1) for c in (chained, grouped, nested)
-        )
-        assert chained_r.get(timeout=60) == 11
-        assert grouped_r.get(timeout=60) == [1, 1]
-        assert nested_r.get(timeout=60) == 1 + 2
+        )()
+        assert chained.get(timeout=60) == 1
+        first = app.backend.get_task_meta(chained.id)["parent_id"]  # the chain's collect
+        assert app.backend.get_task_meta(first)["parent_id"] in [r.id for r in chained.parent]
+        assert grouped.get(timeout=60) == [1, 1]
+        assert nested.get(timeout=60) == 1 + 2
+        no_chord_unlock(env)
         time.sleep(0.5)  # a second body would start within this
     assert len(labels(env, "callback:again")) == 2
     assert labels(env, "callback:outer") == ["callback:outer"]

@@ -27,6 +27,10 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
     def collect(results: list[Any]) -> int:
         return sum(results)
 
+    @made.task(name="t.echo", shared=False)
+    def echo(value: Any) -> Any:
+        return value
+
     @made.task(name="t.on_error", shared=False)
     def on_error(task_id: str) -> None:
         return None
@@ -319,3 +323,30 @@ def test_concurrent_streamed_parts_and_their_copies_fire_once_in_header_order(
     [sent] = messages(pg_url, schema, "t.collect")
     assert json.loads(sent["body"])[0] == [list(range(n))]
     assert q(pg_url, schema, "SELECT count(*) FROM {schema}.barrier_part") == [(n,)]
+
+
+def test_a_chain_body_is_sent_from_the_completing_part_without_chord_unlock(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    ids, body = arm(app, "g-chain", 2, body=app.signature("t.collect") | app.signature("t.echo"))
+    finish(app, "g-chain", body, ids[0], states.SUCCESS, 1)
+    assert messages(pg_url, schema, "t.collect") == []
+    finish(app, "g-chain", body, ids[1], states.SUCCESS, 2)
+    [first] = messages(pg_url, schema, "t.collect")
+    assert json.loads(first["body"])[0] == [[1, 2]]
+    # (Its parent is the worker's current task, the part: tests/acceptance/test_chords.py.)
+    assert json.loads(first["body"])[2]["chain"][0]["task"] == "t.echo"  # the rest follows
+    assert messages(pg_url, schema, "celery.chord_unlock") == []
+
+
+def test_a_failed_chord_fails_its_group_body_as_celery_does(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    body = group(app.signature("t.collect"), app.signature("t.collect"))
+    ids, body = arm(app, "g-group", 2, body=body)
+    finish(app, "g-group", body, ids[0], states.FAILURE, ValueError("no"))
+    assert messages(pg_url, schema, "t.collect") == []
+    for result in body.freeze().results:
+        meta = app.backend.get_task_meta(result.id, cache=False)
+        assert meta["status"] == states.FAILURE
+    assert messages(pg_url, schema, "celery.chord_unlock") == []
