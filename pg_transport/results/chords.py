@@ -28,11 +28,13 @@ fan-in. A generator header is streamed: armed with an unknown size (:data:`UNSIZ
 its parts placed by arrival with their group index, sized by ``set_chord_size``.
 ``add_to_chord`` adds a part after the header's while the chord is armed and sized.
 
+A body that is a chain, group or chord is sent by Celery's canvas, its messages joined to
+the completing part's transaction (``pg_transport.transaction``); its failure is Celery's
+``chord_error_from_stack``, after the commit.
+
 It needs the queue and the results in one database and schema (broker ``pgq://`` on the
-result backend's database and schema, the default) and a body that is one task's
-signature (``link`` and ``link_error`` allowed). Anything else (a chain or group as body,
-nested groups in a listed header, another broker) takes Celery's own way
-(``chord_unlock``).
+result backend's database and schema, the default). Anything else (nested groups in a
+listed header, another broker) takes Celery's own way (``chord_unlock``).
 """
 
 from __future__ import annotations
