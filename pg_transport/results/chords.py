@@ -346,7 +346,7 @@ class Chords:
         if not self._record(conn, request, "failed", repr(result)):
             return PartOutcome(recorded=False)
         return self._fail_chord(
-            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after
+            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after, cause=result
         )
 
     def _fail_chord(
@@ -356,8 +356,11 @@ class Chords:
         group_id: str,
         reason: str,
         after: list[Any],
+        cause: Any = None,
     ) -> PartOutcome:
-        """Flip the chord failed (once), store its body's ChordError, send its errbacks."""
+        """Flip the chord failed (once), store its body's ChordError, send its errbacks.
+        The part's exception is the error's ``__cause__``, as Celery sets it (a group body's
+        tasks fail with it)."""
         row = conn.execute(
             db.q["barrier_fail"], {"id": CHORD_PREFIX + group_id, "reason": reason}
         ).fetchone()
@@ -370,6 +373,8 @@ class Chords:
             raise ChordError(f"chord {group_id} failed but is gone")
         body = Signature.from_dict(json_loads(found[0]), app=self.app)
         error = ChordError(reason)
+        if isinstance(cause, Exception):
+            error.__cause__ = cause
         if not _plain_task(body):
             # Celery's own failure of a canvas body (each task of a group failed, a chain's
             # rest failed, their errbacks called), once the flip has committed.

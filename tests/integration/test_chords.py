@@ -349,4 +349,6 @@ def test_a_failed_chord_fails_its_group_body_as_celery_does(
     for result in body.freeze().results:
         meta = app.backend.get_task_meta(result.id, cache=False)
         assert meta["status"] == states.FAILURE
+        # As Celery fails a group body: with the part's own error, the ChordError's cause.
+        assert isinstance(meta["result"], ValueError) and str(meta["result"]) == "no"
     assert messages(pg_url, schema, "celery.chord_unlock") == []
