@@ -81,17 +81,23 @@ def task_message(
     args_prefix: Sequence[Any] = (),
     extra_kwargs: Mapping[str, Any] | None = None,
     headers: Mapping[str, Any] | None = None,
+    parent_id: str | None = None,
+    root_id: str | None = None,
 ) -> Outgoing:
     """The message ``sig.apply_async(args_prefix, extra_kwargs, headers=…)`` would send.
 
-    Routed like ``apply_async``: the signature's ``queue`` option, else
-    ``task_routes``, else the app's default queue (by queue name: the message is
-    inserted straight into that queue).
+    As Celery's ``apply_async``: an immutable signature (``.si()``) ignores
+    ``args_prefix`` (``extra_kwargs`` are transport bookkeeping, the barrier's marker,
+    and always added); ``parent_id``/``root_id`` are those of the task the message is
+    sent from, used where the signature names none of its own. Routed like
+    ``apply_async``: the signature's ``queue`` option, else ``task_routes``, else the
+    app's default queue (by queue name: the message is inserted straight into that
+    queue).
     """
     options = dict(sig.options)
     name = sig.task
     task_id = options.get("task_id") or uuid()
-    args = (*args_prefix, *sig.args)
+    args = tuple(sig.args) if sig.immutable else (*args_prefix, *sig.args)
     kwargs = {**sig.kwargs, **(extra_kwargs or {})}
     queue, route = _queue_name(app, options, name, args, kwargs)
 
@@ -111,8 +117,8 @@ def task_message(
         soft_time_limit=options.get("soft_time_limit"),
         shadow=options.get("shadow"),
         ignore_result=options.get("ignore_result"),
-        root_id=options.get("root_id"),
-        parent_id=options.get("parent_id"),
+        root_id=options.get("root_id") or root_id,
+        parent_id=options.get("parent_id") or parent_id,
     )
     message_headers = dict(message.headers)
     message_headers.update(options.get("headers") or {})

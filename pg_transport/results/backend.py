@@ -424,6 +424,21 @@ class PgqBackend(AsyncBackendMixin, Backend):
         self.chords.arm(group_id, results, body)
         return None
 
+    def set_chord_size(self, group_id: str, chord_size: int) -> None:
+        # Celery tells every chord's size before sending its header's last part; only a
+        # streamed (generator) header's fan-in is waiting for it.
+        if self.chords.usable():
+            self.chords.set_size(str(group_id), int(chord_size))
+
+    def add_to_chord(self, group_id: str, result: Any) -> None:
+        """``Task.add_to_chord``: the chord waits for ``result``'s task too, whose result
+        comes after the header's. A chord that fired, failed, is not native, or whose
+        generator header is still being sent refuses it with a ChordError naming why."""
+        if not self.chords.usable():
+            super().add_to_chord(group_id, result)
+            return
+        self.chords.add(str(group_id), str(result.id))
+
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> None:
         stored = self._deferred_metas().pop(str(request.id), None)
         if not getattr(request, "group", None) or not self.chords.usable():

@@ -19,10 +19,22 @@ broker's database:
   body's errbacks (``link_error``) in the same transaction; errbacks Celery calls in
   process (those taking ``request, exc, traceback``) are called once it committed.
 
+Messages are built as Celery's ``apply_async`` would: an immutable body or errback
+(``.si()``) gets no header results or body id; the body's parent is the part that
+completed the chord; errbacks sent as tasks are the failed body's child group.
+
+Each ``apply_chord`` is a run: a frozen chord applied again (same group id) resets its
+fan-in. A generator header is streamed: armed with an unknown size (:data:`UNSIZED`),
+its parts placed by arrival with their group index, sized by ``set_chord_size``.
+``add_to_chord`` adds a part after the header's while the chord is armed and sized.
+
+A body that is a chain, group or chord is sent by Celery's canvas, its messages joined to
+the completing part's transaction (``pg_transport.transaction``); its failure is Celery's
+``chord_error_from_stack``, after the commit.
+
 It needs the queue and the results in one database and schema (broker ``pgq://`` on the
-result backend's database and schema, the default) and a body that is one task's
-signature (``link`` and ``link_error`` allowed). Anything else (a chain or group as body,
-nested groups in the header, another broker) takes Celery's own way (``chord_unlock``).
+result backend's database and schema, the default). Anything else (nested groups in a
+listed header, another broker) takes Celery's own way (``chord_unlock``).
 """
 
 from __future__ import annotations
@@ -36,9 +48,12 @@ import psycopg
 from celery import states
 from celery.canvas import Signature, maybe_signature
 from celery.exceptions import ChordError
-from celery.result import AsyncResult
+from celery.result import AsyncResult, GroupResult
+from celery.utils import uuid
+from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
 
+import pg_transport
 from barrier.backend import Backend as BarrierDb
 from barrier.backend import backend_for, broker_url, uses_pgq
 from barrier.codec import dumps as json_dumps
@@ -51,7 +66,7 @@ from pg_transport.db.pool import url_to_conninfo
 if TYPE_CHECKING:
     from pg_transport.results.backend import PgqBackend
 
-__all__ = ["CHORD_PREFIX", "Chords", "PartOutcome"]
+__all__ = ["CHORD_PREFIX", "UNSIZED", "Chords", "PartOutcome"]
 
 logger = logging.getLogger("pg_transport.results")
 
@@ -59,6 +74,12 @@ CHORD_PREFIX = "celery-chord:"
 # A chord waits for its parts as long as their results live: the barrier sweep never
 # expires it (its result rows expire on their own).
 _FOREVER = float(MAX_SECONDS)
+#: The total of a streamed chord (a generator header) until ``set_chord_size`` tells its
+#: size: every part counts against it, none can take it to 0.
+UNSIZED = 2**31 - 1
+# Group ids of the streamed chords this process armed and has not sized yet: Celery sizes
+# every chord, in the process that applies it; only these need the round trip.
+_unsized_here: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -102,26 +123,100 @@ class Chords:
 
     def takes(self, results: Sequence[Any], body: Any) -> bool:
         """Whether a chord of ``results`` (the frozen header) and ``body`` is native."""
-        return (
-            self.usable()
-            and _plain_task(body)
-            and all(type(r) is AsyncResult or type(r) is self.app.AsyncResult for r in results)
-        )
+        if not (self.usable() and isinstance(body, Signature)):
+            return False
+        if isinstance(results, _regen):
+            # A generator header is streamed: nothing of it is read before its parts are
+            # sent (each part is checked as it returns, by its group index).
+            return True
+        return all(type(r) is AsyncResult or type(r) is self.app.AsyncResult for r in results)
 
     # -- arming -------------------------------------------------------------------------
-    def arm(self, group_id: str, results: Sequence[Any], body: Signature) -> None:
-        """Arm the chord's barrier (before its header is sent); arming twice does nothing."""
-        db = self.db
+    def arm(self, group_id: str, results: Sequence[Any], body: Signature) -> int:
+        """Arm the chord's fan-in (before its header is sent) for a new run: a chord
+        applied again (frozen, so under the same group id) starts over, as a chord of
+        Celery's Redis backend does. A generator header (``results`` lazy) is not read:
+        its size comes with :meth:`set_size`. Returns the run's number."""
+        backend = self.backend
+        streamed = isinstance(results, _regen)
+        metadata: dict[str, Any] = {"kind": "celery-chord"}
+        if streamed:
+            metadata.update(ids=[], streamed=True)
+        else:
+            metadata["ids"] = [r.id for r in results]
         params = {
             "id": CHORD_PREFIX + group_id,
-            "total": len(results),
+            "total": UNSIZED if streamed else len(results),
             "callback": json_dumps(dict(body)),
-            "errback": None,
-            "metadata": Jsonb({"kind": "celery-chord", "ids": [r.id for r in results]}),
+            "metadata": Jsonb(metadata),
             "ttl": _FOREVER,
             "stuck_timeout": _FOREVER,
         }
-        db.run(lambda conn: conn.execute(db.q["barrier_arm"], params))
+
+        def work(conn: psycopg.Connection[Any]) -> int:
+            with conn.transaction():
+                row = conn.execute(backend.q["chord_arm"], params).fetchone()
+                conn.execute(backend.q["chord_forget_parts"], {"id": params["id"]})
+            return int(row[0]) if row else 1
+
+        run: int = self.db.run(work)
+        if streamed:
+            _unsized_here.add(group_id)
+        return run
+
+    def set_size(self, group_id: str, size: int) -> None:
+        """A streamed chord's size, told before its header's last part is sent. Parts
+        that returned already counted; if they are all of them, the body fires now."""
+        if group_id not in _unsized_here:
+            return  # a listed header's size is known since it was armed
+        db = self.db
+        backend = self.backend
+        chord_id = CHORD_PREFIX + group_id
+        after: list[Any] = []
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            after.clear()
+            with conn.transaction():
+                row = conn.execute(
+                    backend.q["chord_set_size"],
+                    {"id": chord_id, "size": int(size), "unsized": UNSIZED},
+                ).fetchone()
+                if row is not None and int(row[0]) == 0:
+                    try:
+                        self._fire(db, conn, group_id, None)
+                    except _Unstored as exc:
+                        self._fail_chord(db, conn, group_id, str(exc), after)
+
+        db.run(work)
+        _unsized_here.discard(group_id)
+        for call in after:
+            call()
+
+    def add(self, group_id: str, task_id: str) -> None:
+        """``add_to_chord``: one more part, whose result comes after the header's."""
+        backend = self.backend
+        chord_id = CHORD_PREFIX + group_id
+        params = {"id": chord_id, "task_id": task_id, "unsized": UNSIZED}
+
+        def work(conn: psycopg.Connection[Any]) -> Any:
+            with conn.transaction():
+                if conn.execute(backend.q["chord_add"], params).fetchone() is not None:
+                    return None
+                return conn.execute(backend.q["chord_status"], params).fetchone()
+
+        refused = self.db.run(work)
+        if refused is None:
+            return
+        status, sized = refused if refused else (None, True)
+        if status is None:
+            why = "it is not a native chord of this backend (or its state is gone)"
+        elif status != "armed":
+            why = f"it is {status} already: a part can only be added before the body runs"
+        elif not sized:
+            why = "its header is a generator whose size is not known yet"
+        else:
+            why = f"task {task_id} was added to it already"
+        raise ChordError(f"cannot add task {task_id} to chord {group_id}: {why}")
 
     # -- a part's end ---------------------------------------------------------------------
     def part_returned(
@@ -134,7 +229,6 @@ class Chords:
         """Store the part's ``stored`` meta (if any), count the part, fire or fail the
         chord: one transaction. Idempotent, so retried on a dead connection."""
         db = self.db
-        group_id = str(request.group)
         task_id = str(request.id)
         after: list[Any] = []
 
@@ -144,54 +238,84 @@ class Chords:
                 if stored is not None:
                     self.backend.store_state_row(conn, task_id, dict(stored))
                 if state == states.SUCCESS:
-                    return self._succeeded(db, conn, group_id, task_id, after)
-                return self._failed(db, conn, group_id, task_id, result, after)
+                    return self._succeeded(db, conn, request, after)
+                return self._failed(db, conn, request, result, after)
 
         outcome: PartOutcome = db.run(work)
         for call in after:
             call()
         return outcome
 
-    def _record(
-        self, conn: psycopg.Connection[Any], group_id: str, task_id: str, outcome: str, note: Any
-    ) -> bool:
+    def _record(self, conn: psycopg.Connection[Any], request: Any, outcome: str, note: Any) -> bool:
+        index = getattr(request, "group_index", None)
         params = {
-            "id": CHORD_PREFIX + group_id,
-            "task_id": task_id,
+            "id": CHORD_PREFIX + str(request.group),
+            "task_id": str(request.id),
+            "index": index if isinstance(index, int) else None,
             "outcome": outcome,
             "result": json_dumps(note),
         }
-        return conn.execute(self.backend.q["chord_part_record"], params).fetchone() is not None
+        q = self.backend.q
+        if conn.execute(q["chord_part_record"], params).fetchone() is not None:
+            return True
+        # A part of a streamed header, placed under the chord's row lock.
+        if conn.execute(q["chord_lock_streamed"], params).fetchone() is None:
+            return False
+        return conn.execute(q["chord_part_record_streamed"], params).fetchone() is not None
 
     def _succeeded(
         self,
         db: BarrierDb,
         conn: psycopg.Connection[Any],
-        group_id: str,
-        task_id: str,
+        request: Any,
         after: list[Any],
     ) -> PartOutcome:
-        if not self._record(conn, group_id, task_id, "succeeded", None):
+        group_id = str(request.group)
+        if not self._record(conn, request, "succeeded", None):
             return PartOutcome(recorded=False)
         row = conn.execute(db.q["barrier_count_part"], {"id": CHORD_PREFIX + group_id}).fetchone()
         if row is None or int(row[0]) > 0:
             return PartOutcome(recorded=True)
         try:
-            values = self._header_values(conn, group_id)
+            self._fire(db, conn, group_id, request)
         except _Unstored as exc:
             # A part succeeded without storing its result (ignore_result): the body can
             # never get its arguments. The chord fails, as a join would, once.
             return self._fail_chord(db, conn, group_id, str(exc), after)
-        fired = conn.execute(db.q["barrier_fire"], {"id": CHORD_PREFIX + group_id}).fetchone()
+        return PartOutcome(recorded=True, fired=True)
+
+    def _fire(
+        self, db: BarrierDb, conn: psycopg.Connection[Any], group_id: str, request: Any
+    ) -> None:
+        """Send the body with the header's results, sent (as Celery sends it) from the
+        part that completed the chord: its parent, its root's child."""
+        values = self._header_values(conn, group_id)
+        fired = conn.execute(
+            self.backend.q["chord_fire"], {"id": CHORD_PREFIX + group_id}
+        ).fetchone()
         if fired is None:  # unreachable: we hold the row lock at remaining = 0, armed
             raise ChordError(f"chord {group_id} reached 0 but could not fire")
         if len(values) != int(fired[1]):
             # Never fire with a result missing: the whole completion rolls back.
             raise ChordError(f"chord {group_id} reached 0 with {len(values)} of {fired[1]} results")
         body = Signature.from_dict(json_loads(fired[0]), app=self.app)
-        out = task_message(self.app, body, args_prefix=(values,))
-        publish_outgoing(db, conn, out, "pgq-chord", group_id, "callback")
-        return PartOutcome(recorded=True, fired=True)
+        parent_id = getattr(request, "id", None)
+        root_id = getattr(request, "root_id", None) or parent_id
+        if not _plain_task(body):
+            # A chain, group or chord (or a task with a chain to follow): Celery's canvas
+            # sends it, as Celery's backends do (body.delay(results)), its messages
+            # joined to this transaction: they commit with the chord's flip, or not at all.
+            with pg_transport.transaction(conn):
+                body.apply_async((values,), parent_id=parent_id, root_id=root_id)
+            return
+        out = task_message(
+            self.app,
+            body,
+            args_prefix=(values,),
+            parent_id=parent_id,
+            root_id=root_id,
+        )
+        publish_outgoing(db, conn, out, "pgq-chord", group_id, str(fired[2]), "callback")
 
     def _header_values(self, conn: psycopg.Connection[Any], group_id: str) -> list[Any]:
         # A statement of its own, after the decrement's lock: under READ COMMITTED it sees
@@ -214,15 +338,15 @@ class Chords:
         self,
         db: BarrierDb,
         conn: psycopg.Connection[Any],
-        group_id: str,
-        task_id: str,
+        request: Any,
         result: Any,
         after: list[Any],
     ) -> PartOutcome:
-        if not self._record(conn, group_id, task_id, "failed", repr(result)):
+        group_id, task_id = str(request.group), str(request.id)
+        if not self._record(conn, request, "failed", repr(result)):
             return PartOutcome(recorded=False)
         return self._fail_chord(
-            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after
+            db, conn, group_id, f"Dependency {task_id} raised {result!r}", after, cause=result
         )
 
     def _fail_chord(
@@ -232,8 +356,11 @@ class Chords:
         group_id: str,
         reason: str,
         after: list[Any],
+        cause: Any = None,
     ) -> PartOutcome:
-        """Flip the chord failed (once), store its body's ChordError, send its errbacks."""
+        """Flip the chord failed (once), store its body's ChordError, send its errbacks.
+        The part's exception is the error's ``__cause__``, as Celery sets it (a group body's
+        tasks fail with it)."""
         row = conn.execute(
             db.q["barrier_fail"], {"id": CHORD_PREFIX + group_id, "reason": reason}
         ).fetchone()
@@ -246,11 +373,23 @@ class Chords:
             raise ChordError(f"chord {group_id} failed but is gone")
         body = Signature.from_dict(json_loads(found[0]), app=self.app)
         error = ChordError(reason)
+        if isinstance(cause, Exception):
+            error.__cause__ = cause
+        if not _plain_task(body):
+            # Celery's own failure of a canvas body (each task of a group failed, a chain's
+            # rest failed, their errbacks called), once the flip has committed.
+            after.append(lambda: _fail_canvas_body(self.backend, body, error))
+            return PartOutcome(recorded=True, failed=True)
+        sent = self._errbacks(db, conn, group_id, str(found[1]), body, error, after)
         body_id = body.id
         if body_id:
             meta = self.backend.failure_meta(body_id, error)
+            if sent:
+                # As Celery records it: the errbacks sent as tasks are one group, the
+                # failed body's child.
+                children = GroupResult(uuid(), [self.app.AsyncResult(i) for i in sent])
+                meta["children"] = [children.as_tuple()]
             self.backend.store_state_row(conn, body_id, meta)
-        self._errbacks(db, conn, group_id, body, error, after)
         return PartOutcome(recorded=True, failed=True)
 
     def _errbacks(
@@ -258,15 +397,18 @@ class Chords:
         db: BarrierDb,
         conn: psycopg.Connection[Any],
         group_id: str,
+        run: str,
         body: Signature,
         error: ChordError,
         after: list[Any],
-    ) -> None:
+    ) -> list[str]:
         """The body's errbacks, as Celery's chord_error_from_stack calls them: those
         taking (request, exc, traceback) in process, after commit; the others as task
-        messages with the body's id, inserted now."""
+        messages with the body's id (unless immutable), sent as from the body (their
+        parent and root), inserted now. Returns the ids of those sent."""
         backend = self.backend
         request = _fake_request(body)
+        sent: list[str] = []
         for n, errback in enumerate(body.options.get("link_error") or []):
             sig = maybe_signature(errback, app=self.app)
             if sig is None:
@@ -278,8 +420,12 @@ class Chords:
                 self.app,
                 sig.clone(),
                 args_prefix=(body.id,),
+                parent_id=body.id,
+                root_id=body.id,
             )
-            publish_outgoing(db, conn, out, "pgq-chord", group_id, f"errback-{n}")
+            publish_outgoing(db, conn, out, "pgq-chord", group_id, run, f"errback-{n}")
+            sent.append(out.task_id)
+        return sent
 
 
 class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped
@@ -299,6 +445,18 @@ def _fake_request(body: Signature) -> Any:
             "delivery_info": {},
         }
     )
+
+
+def _fail_canvas_body(backend: Any, body: Signature, error: ChordError) -> None:
+    try:
+        # Celery fails the body from the stack (its traceback): raised here, as the
+        # Redis backend calls it while handling the chord's error.
+        try:
+            raise error
+        except ChordError as exc:
+            backend.chord_error_from_stack(body, exc)
+    except Exception:  # as Celery's on_chord_part_return: logged, the chord stays failed
+        logger.exception("failing chord body %r raised", body.task)
 
 
 def _call_quietly(sig: Signature, request: Any, error: BaseException) -> None:

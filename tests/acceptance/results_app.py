@@ -117,3 +117,18 @@ def collect(self: Any, results: list[Any], label: str = "") -> int:
 @app.task(bind=True)
 def on_error(self: Any, *args: Any, label: str = "", **kwargs: Any) -> None:
     record(self.request.id, f"errback:{label}")
+
+
+@app.task(bind=True)
+def note(self: Any, label: str) -> str:
+    # No *args: an immutable signature of it (.si()) must get nothing more.
+    record(self.request.id, f"note:{label}")
+    return label
+
+
+@app.task(bind=True)
+def adder(self: Any, index: int, extra: int) -> int:
+    # Adds a part to the chord it is a part of (Task.add_to_chord).
+    record(self.request.id, f"part:{index}")
+    self.add_to_chord(part.s(extra))
+    return index

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from celery import Celery, chord, states
+from celery import Celery, chord, group, states
 from celery.exceptions import ChordError
 
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for, workers
@@ -120,3 +120,81 @@ def test_a_failing_part_fails_over_to_the_errbacks_once(
     # Once for the chord; with header errbacks allowed, Celery links the errback to
     # each header task too, and each failing part runs it.
     assert len(labels(env, "errback:")) == (3 if allow_header_errbacks else 1)
+
+
+def test_the_chord_shapes_celery_documents(env: Env) -> None:
+    """Immutable bodies and errbacks, a frozen chord applied again, a generator header,
+    the body's parent and the errbacks as its children, add_to_chord: one fleet."""
+    app = client(env)
+    sig = app.signature
+    with workers(env, "chord-shapes", app=APP, concurrency=4):
+        # chord(header)(body.si(...)): the body gets its own arguments only.
+        header = [sig(T + "part", args=[i]) for i in range(3)]
+        immutable = chord(header, app=app)(sig(T + "add", args=(2, 3), immutable=True))
+        assert immutable.get(timeout=60) == 5
+        # The body was sent by the part that completed the chord.
+        header_ids = [r.id for r in immutable.parent.results]
+        meta = app.backend.get_task_meta(immutable.id)
+        assert meta["parent_id"] in header_ids
+
+        # link_error(errback.si(...)): the errback gets no body id; it is the body's child.
+        failing = chord([sig(T + "failing_part", args=[0])], sig(T + "collect"), app=app)
+        failing.link_error(sig(T + "note", args=("si-errback",), immutable=True))
+        failed = failing.apply_async()
+        with pytest.raises(ChordError):
+            failed.get(timeout=60, follow_parents=False)
+        wait_for(lambda: labels(env, "note:"), 30, "the immutable errback")
+        [child] = app.AsyncResult(failed.id).children
+        [errback] = child.results
+        assert errback.get(timeout=30) == "si-errback"
+
+        # A frozen chord applied again is a new run: its body runs again.
+        again = chord(
+            [sig(T + "part", args=[i]) for i in range(2)],
+            sig(T + "collect", kwargs={"label": "again"}),
+            app=app,
+        )
+        again.freeze()
+        assert again.apply_async().get(timeout=60) == 1
+        again.apply_async()
+        wait_for(lambda: len(labels(env, "callback:again")) == 2, 60, "the second run")
+
+        # A generator header is streamed, its results in header order.
+        generated = chord(
+            (sig(T + "part", args=[i]) for i in range(5)),
+            sig(T + "collect", kwargs={"label": "gen"}),
+            app=app,
+        )()
+        assert generated.get(timeout=60) == 10
+
+        # add_to_chord: the body waits for the added task and gets its result last.
+        added = chord(
+            [sig(T + "adder", args=[0, 100]), sig(T + "part", args=[1])],
+            sig(T + "collect", kwargs={"label": "added"}),
+            app=app,
+        )()
+        assert added.get(timeout=60) == 101
+
+        # A chain, a group or a chord as body, a chord in the header: sent by Celery's
+        # canvas in the completing part's transaction, from that part.
+        two = [sig(T + "part", args=[i]) for i in range(2)]
+        chained = chord(two, sig(T + "collect") | sig(T + "echo"), app=app)()
+        grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)()
+        inner = chord(two, sig(T + "collect", kwargs={"label": "inner"}), app=app)
+        nested = chord(
+            [inner, sig(T + "part", args=[2])],
+            sig(T + "collect", kwargs={"label": "outer"}),
+            app=app,
+        )()
+        assert chained.get(timeout=60) == 1
+        first = app.backend.get_task_meta(chained.id)["parent_id"]  # the chain's collect
+        assert app.backend.get_task_meta(first)["parent_id"] in [r.id for r in chained.parent]
+        assert grouped.get(timeout=60) == [1, 1]
+        assert nested.get(timeout=60) == 1 + 2
+        no_chord_unlock(env)
+        time.sleep(0.5)  # a second body would start within this
+    assert len(labels(env, "callback:again")) == 2
+    assert labels(env, "callback:outer") == ["callback:outer"]
+    assert labels(env, "callback:gen") == ["callback:gen"]
+    assert labels(env, "callback:added") == ["callback:added"]
+    assert labels(env, "note:") == ["note:si-errback"]

@@ -230,6 +230,26 @@ def test_last_part_fires_with_results_in_part_order(
     assert callbacks[0]["kwargs"] == {TRANSPORT_MARKER: True}
 
 
+def test_immutable_callback_and_errback_get_no_results_or_failure(
+    app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
+) -> None:
+    # .si(): as Celery's apply_async, the barrier's arguments are not prepended.
+    Barrier(app).dispatch("b1", sigs(app, 1), app.signature("t.collect", args=[7], immutable=True))
+    Barrier(app).dispatch(
+        "b2",
+        sigs(app, 1),
+        app.signature("t.collect"),
+        errback=app.signature("t.err", args=["x"], immutable=True),
+    )
+    assert done(db, conn, "b1", 0) == st.FIRED
+    assert st.part_failed(db, conn, "b2", 0, "boom") == st.FAILED
+    [callback] = [m for m in messages(peek) if m["task"] == "t.collect"]
+    assert callback["args"] == [7]
+    assert callback["kwargs"] == {TRANSPORT_MARKER: True}  # the marker is bookkeeping
+    [errback] = [m for m in messages(peek) if m["task"] == "t.err"]
+    assert errback["args"] == ["x"]
+
+
 def test_a_redelivered_part_counts_once(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
 ) -> None:

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery, states
+from celery import Celery, chord, group, states
 from celery.app.task import Context
 from celery.exceptions import ChordError
+from celery.utils.functional import regen
 
 import barrier.backend
 from pg_transport.results.chords import CHORD_PREFIX
@@ -26,6 +27,10 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
     def collect(results: list[Any]) -> int:
         return sum(results)
 
+    @made.task(name="t.echo", shared=False)
+    def echo(value: Any) -> Any:
+        return value
+
     @made.task(name="t.on_error", shared=False)
     def on_error(task_id: str) -> None:
         return None
@@ -34,19 +39,29 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
     barrier.backend.forget(made)
 
 
-def arm(app: Celery, group_id: str, n: int, errback: bool = False) -> tuple[list[str], Any]:
+def arm(
+    app: Celery, group_id: str, n: int, errback: Any = False, body: Any = None
+) -> tuple[list[str], Any]:
     ids = [f"{group_id}-part-{i}" for i in range(n)]
-    body = app.signature("t.collect")
+    body = body if body is not None else app.signature("t.collect")
     body.freeze(group_id=group_id)
     if errback:
-        body.link_error(app.signature("t.on_error"))
+        body.link_error(app.signature("t.on_error") if errback is True else errback)
     app.backend.apply_chord((group_id, [app.AsyncResult(i) for i in ids]), body)
     return ids, body
 
 
-def finish(app: Celery, group_id: str, body: Any, task_id: str, state: str, value: Any) -> None:
+def finish(
+    app: Celery,
+    group_id: str,
+    body: Any,
+    task_id: str,
+    state: str,
+    value: Any,
+    **request: Any,
+) -> None:
     """What a worker's mark_as_done / mark_as_failure does for a chord part."""
-    request = Context({"id": task_id, "group": group_id, "chord": dict(body)})
+    request = Context({"id": task_id, "group": group_id, "chord": dict(body), **request})
     if state == states.SUCCESS:
         app.backend.mark_as_done(task_id, value, request=request)
     else:
@@ -57,7 +72,8 @@ def messages(pg_url: str, schema: str, task: str) -> list[Any]:
     rows = q(
         pg_url,
         schema,
-        "SELECT payload FROM {schema}.message WHERE payload -> 'headers' ->> 'task' = %s",
+        "SELECT payload FROM {schema}.message WHERE payload -> 'headers' ->> 'task' = %s"
+        " ORDER BY id",
         task,
     )
     return [row[0] for row in rows]
@@ -155,3 +171,184 @@ def test_a_part_that_stored_no_result_fails_the_chord_once(
     assert isinstance(meta["result"], ChordError)
     assert f"part {ids[1]} succeeded but its result is not stored" in str(meta["result"])
     assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+
+
+def test_an_immutable_body_and_errback_get_no_results_or_body_id(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    # chord(header)(body.si(...)) and link_error(cb.si()): as Celery, nothing is prepended.
+    body = app.signature("t.collect", args=([1, 2],), immutable=True)
+    ids, body = arm(app, "g-si", 2, body=body)
+    finish(app, "g-si", body, ids[0], states.SUCCESS, 10)
+    finish(app, "g-si", body, ids[1], states.SUCCESS, 20)
+    [sent] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent["body"])[0] == [[1, 2]]
+
+    errback = app.signature("t.on_error", args=("mine",), immutable=True)
+    ids, body = arm(app, "g-si-err", 2, errback=errback)
+    finish(app, "g-si-err", body, ids[0], states.FAILURE, ValueError("no"))
+    [sent] = messages(pg_url, schema, "t.on_error")
+    assert json.loads(sent["body"])[0] == ["mine"]
+
+
+def test_the_body_is_sent_from_the_part_that_completed_the_chord(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    ids, body = arm(app, "g-parent", 2)
+    finish(app, "g-parent", body, ids[1], states.SUCCESS, 1, root_id="the-root")
+    finish(app, "g-parent", body, ids[0], states.SUCCESS, 2, root_id="the-root")
+    [sent] = messages(pg_url, schema, "t.collect")
+    assert sent["headers"]["id"] == body.id
+    assert sent["headers"]["parent_id"] == ids[0]  # the last to return
+    assert sent["headers"]["root_id"] == "the-root"
+
+
+def test_a_failed_chord_records_its_errbacks_as_the_bodys_children(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    ids, body = arm(app, "g-children", 2, errback=True)
+    finish(app, "g-children", body, ids[0], states.FAILURE, ValueError("no"))
+    [sent] = messages(pg_url, schema, "t.on_error")
+    errback_id = sent["headers"]["id"]
+    assert sent["headers"]["parent_id"] == body.id
+    assert sent["headers"]["root_id"] == body.id
+    result = app.AsyncResult(body.id)
+    assert result.state == states.FAILURE
+    [child] = result.children
+    assert [r.id for r in child.results] == [errback_id]
+
+
+def test_a_chord_applied_again_is_a_new_run(app: Celery, pg_url: str, schema: str) -> None:
+    # A frozen chord applied twice: the same group id, header ids and body id.
+    for run in (1, 2):
+        ids, body = arm(app, "g-again", 2)
+        assert q(pg_url, schema, "SELECT status, remaining FROM {schema}.barrier") == [("armed", 2)]
+        finish(app, "g-again", body, ids[0], states.SUCCESS, run)
+        finish(app, "g-again", body, ids[1], states.SUCCESS, run)
+        assert len(messages(pg_url, schema, "t.collect")) == run
+    # A late copy of a part of the finished run fires nothing more.
+    finish(app, "g-again", body, ids[1], states.SUCCESS, 2)
+    assert len(messages(pg_url, schema, "t.collect")) == 2
+
+
+def test_a_generator_header_is_streamed(app: Celery, pg_url: str, schema: str) -> None:
+    n = 5
+    queued_when_read: list[int] = []
+    barrier.backend.backend_for(app)  # the schema, before the header is read
+
+    def header() -> Iterator[Any]:
+        for i in range(n):
+            queued_when_read.append(len(messages(pg_url, schema, "t.part")))
+            yield app.signature("t.part", args=(i,))
+
+    result = chord(header(), app=app)(app.signature("t.collect"))
+    # Header tasks were sent as the generator went (Celery reads a little ahead): the
+    # last ones were read after the first were queued, not all before any was.
+    assert queued_when_read[0] == 0 and queued_when_read[-1] > 0
+    sent = messages(pg_url, schema, "t.part")
+    assert len(sent) == n
+    # The parts return out of order, before and after the size is known.
+    for i in (3, 0, 4, 1, 2):
+        headers = sent[i]["headers"]
+        assert headers["group_index"] == i
+        body = json.loads(sent[i]["body"])[2]["chord"]
+        assert body["options"]["task_id"] == result.id
+        finish(app, headers["group"], body, headers["id"], states.SUCCESS, i * 10, group_index=i)
+        assert len(messages(pg_url, schema, "t.collect")) == (1 if i == 2 else 0)
+    [body] = messages(pg_url, schema, "t.collect")
+    assert json.loads(body["body"])[0] == [[0, 10, 20, 30, 40]]
+
+
+def test_add_to_chord_waits_for_the_added_task_too(app: Celery, pg_url: str, schema: str) -> None:
+    ids, body = arm(app, "g-add", 2)
+    finish(app, "g-add", body, ids[0], states.SUCCESS, 1)
+    app.backend.add_to_chord("g-add", app.AsyncResult("added"))
+    with pytest.raises(ChordError, match="was added to it already"):
+        app.backend.add_to_chord("g-add", app.AsyncResult("added"))
+    finish(app, "g-add", body, ids[1], states.SUCCESS, 2)
+    assert messages(pg_url, schema, "t.collect") == []
+    finish(app, "g-add", body, "added", states.SUCCESS, 3, group_index=0)
+    [sent] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent["body"])[0] == [[1, 2, 3]]
+    with pytest.raises(ChordError, match="fired already"):
+        app.backend.add_to_chord("g-add", app.AsyncResult("late"))
+
+
+def test_a_generator_header_may_hold_a_group(app: Celery, pg_url: str, schema: str) -> None:
+    barrier.backend.backend_for(app)
+
+    def header() -> Iterator[Any]:
+        # The group's tasks are numbered from 0 again: two parts share group index 1.
+        yield group(app.signature("t.part", args=(0,)), app.signature("t.part", args=(1,)))
+        yield app.signature("t.part", args=(2,))
+
+    chord(header(), app=app)(app.signature("t.collect"))
+    sent = messages(pg_url, schema, "t.part")
+    assert [m["headers"]["group_index"] for m in sent] == [0, 1, 1]
+    for value, m in enumerate(sent):
+        body = json.loads(m["body"])[2]["chord"]
+        headers = m["headers"]
+        request = {"group_index": headers["group_index"]}
+        finish(app, headers["group"], body, headers["id"], states.SUCCESS, value, **request)
+        finish(app, headers["group"], body, headers["id"], states.SUCCESS, value, **request)
+    [sent_body] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent_body["body"])[0] == [[0, 1, 2]]
+
+
+def test_concurrent_streamed_parts_and_their_copies_fire_once_in_header_order(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    n = 6
+    body = app.signature("t.collect")
+    body.freeze(group_id="g-stream")
+    app.backend.apply_chord(("g-stream", regen(iter(()))), body)
+    app.backend.set_chord_size("g-stream", n)
+    start = threading.Barrier(2 * n)
+    errors: list[BaseException] = []
+
+    def part(i: int) -> None:
+        try:
+            start.wait(10)
+            finish(app, "g-stream", body, f"s-{i}", states.SUCCESS, i, group_index=i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    # Every part twice at once: a redelivery racing the first delivery.
+    threads = [threading.Thread(target=part, args=(i % n,)) for i in range(2 * n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    [sent] = messages(pg_url, schema, "t.collect")
+    assert json.loads(sent["body"])[0] == [list(range(n))]
+    assert q(pg_url, schema, "SELECT count(*) FROM {schema}.barrier_part") == [(n,)]
+
+
+def test_a_chain_body_is_sent_from_the_completing_part_without_chord_unlock(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    ids, body = arm(app, "g-chain", 2, body=app.signature("t.collect") | app.signature("t.echo"))
+    finish(app, "g-chain", body, ids[0], states.SUCCESS, 1)
+    assert messages(pg_url, schema, "t.collect") == []
+    finish(app, "g-chain", body, ids[1], states.SUCCESS, 2)
+    [first] = messages(pg_url, schema, "t.collect")
+    assert json.loads(first["body"])[0] == [[1, 2]]
+    # (Its parent is the worker's current task, the part: tests/acceptance/test_chords.py.)
+    assert json.loads(first["body"])[2]["chain"][0]["task"] == "t.echo"  # the rest follows
+    assert messages(pg_url, schema, "celery.chord_unlock") == []
+
+
+def test_a_failed_chord_fails_its_group_body_as_celery_does(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    body = group(app.signature("t.collect"), app.signature("t.collect"))
+    ids, body = arm(app, "g-group", 2, body=body)
+    finish(app, "g-group", body, ids[0], states.FAILURE, ValueError("no"))
+    assert messages(pg_url, schema, "t.collect") == []
+    for result in body.freeze().results:
+        meta = app.backend.get_task_meta(result.id, cache=False)
+        assert meta["status"] == states.FAILURE
+        # As Celery fails a group body: with the part's own error, the ChordError's cause.
+        assert isinstance(meta["result"], ValueError) and str(meta["result"]) == "no"
+    assert messages(pg_url, schema, "celery.chord_unlock") == []
