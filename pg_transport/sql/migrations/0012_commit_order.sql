@@ -24,27 +24,23 @@ CREATE INDEX message_key_live_idx ON {schema}.message (queue, okey)
 CREATE FUNCTION {schema}.message_commit_place() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    place bigint;
-    mine xid;
-    seen bigint;
+    later bigint;
     counted bigint;
+    twin boolean;
 BEGIN
-    SELECT m.oseq, m.xmin INTO place, mine FROM {schema}.message AS m WHERE m.id = NEW.id;
-    IF NOT FOUND THEN
-        RETURN NULL;  -- gone already
-    END IF;
-    IF (SELECT 1 FROM {schema}.message AS o
-        WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq = place AND o.id <> NEW.id
-        LIMIT 1) IS NOT NULL THEN
-        RETURN NULL;  -- a retry in its original's place
-    END IF;
-    SELECT pg_catalog.count(*),
-           pg_catalog.count(*) FILTER (WHERE later.id < NEW.id OR NOT later.xmin = mine)
-    INTO seen, counted
-    FROM (SELECT o.id, o.xmin FROM {schema}.message AS o
-          WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq > place
-          ORDER BY o.oseq DESC LIMIT 64) AS later;
-    IF counted > 0 OR seen >= 64 THEN
+    -- One statement: the later places (latest first, at most 64), those that count, and
+    -- whether a retry's original holds this place. Nothing when the row is gone.
+    SELECT pg_catalog.count(l.id),
+           pg_catalog.count(l.id) FILTER (WHERE l.id < NEW.id OR NOT l.xmin = me.xmin),
+           (SELECT true FROM {schema}.message AS o
+            WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq = NEW.oseq
+              AND o.id <> NEW.id LIMIT 1)
+    INTO later, counted, twin
+    FROM (SELECT m.xmin FROM {schema}.message AS m WHERE m.id = NEW.id) AS me
+    LEFT JOIN LATERAL (SELECT o.id, o.xmin FROM {schema}.message AS o
+                       WHERE o.queue = NEW.queue AND o.okey = NEW.okey AND o.oseq > NEW.oseq
+                       ORDER BY o.oseq DESC LIMIT 64) AS l ON true;
+    IF twin IS NULL AND (counted > 0 OR later >= 64) THEN
         UPDATE {schema}.message
         SET oseq = pg_catalog.nextval('{schema}.message_oseq'::regclass)
         WHERE id = NEW.id;
