@@ -72,6 +72,14 @@ class Env:
             row = conn.execute(text, params).fetchone()
             return row[0] if row else None
 
+    def row(self, query: str, *params: Any) -> tuple[Any, ...]:
+        """The one row ``query`` returns (``{schema}`` is this schema); fails on none."""
+        with psycopg.connect(self.pg_url) as conn:
+            text = sql.SQL(query).format(schema=sql.Identifier(self.schema))
+            found = conn.execute(text, params).fetchone()
+        assert found is not None, f"no row from {query}"
+        return tuple(found)
+
 
 def prepare(pg_url: str, schema: str) -> Env:
     """Migrate the schema and add the table the test tasks record runs in."""
