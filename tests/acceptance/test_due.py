@@ -27,7 +27,7 @@ COUNTDOWNS = 20
 # Visibility timeouts of the claims a consumer makes before dying, counted from once the
 # worker runs: apart enough that each redelivery is timed alone.
 LEASES = (1.5, 2.2, 2.9)
-BASELINE = 5  # tasks published visible at once, to measure the worker's own latency
+BASELINE = 3  # tasks published visible at once, to measure the worker's own latency
 
 
 def baseline(env: Env) -> float:
