@@ -70,6 +70,24 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     yield
 
 
+#: The order the tiers run in: the quick ones first, so that a broken build fails in
+#: seconds rather than after the acceptance tests' worker processes.
+TIERS = ("unit", "integration", "conformance", "acceptance")
+
+
+def tier_of(item: pytest.Item) -> int:
+    parts = item.nodeid.split("::", 1)[0].split("/")
+    for n, tier in enumerate(TIERS):
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] == tier:
+            return n
+    return len(TIERS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Stable: each module's tests stay together and in order (module-scoped fixtures).
+    items.sort(key=tier_of)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     drop_session_database()  # (made at import by a settings module, with no test using it)
     if _meter is not None and _meter.peak > MAX_CONNECTIONS:

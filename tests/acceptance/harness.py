@@ -23,9 +23,9 @@ from tests.pg import to_broker_url
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.app"
 #: An idle worker notices a warm shutdown (SIGTERM) only when its wait for messages
-#: ends, at its next poll: up to polling_interval (1 s by default) after the signal.
-#: Modules that time nothing against the poll give their workers this (Env.extra), so
-#: that stopping them is quick.
+#: ends: at its next poll, up to polling_interval (1 s by default) after the signal, or
+#: at a wake-up (Worker.stop and stop_all send one). Modules that time nothing against
+#: the poll give their workers this too (Env.extra): their own SIGTERMs stop quickly.
 QUICK_STOP = {"PGQ_POLLING_INTERVAL": "0.2"}
 
 
@@ -72,6 +72,14 @@ class Env:
             row = conn.execute(text, params).fetchone()
             return row[0] if row else None
 
+    def row(self, query: str, *params: Any) -> tuple[Any, ...]:
+        """The one row ``query`` returns (``{schema}`` is this schema); fails on none."""
+        with psycopg.connect(self.pg_url) as conn:
+            text = sql.SQL(query).format(schema=sql.Identifier(self.schema))
+            found = conn.execute(text, params).fetchone()
+        assert found is not None, f"no row from {query}"
+        return tuple(found)
+
 
 def prepare(pg_url: str, schema: str) -> Env:
     """Migrate the schema and add the table the test tasks record runs in."""
@@ -96,6 +104,8 @@ class Worker:
     proc: subprocess.Popen[bytes]
     log: Path
     name: str
+    #: Where it consumes (start_worker sets it): :meth:`stop` wakes it there.
+    env: Env | None = None
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -104,15 +114,39 @@ class Worker:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = 30, *, woken: bool = False) -> int:
+        """Warm-shut it down (SIGTERM, and a wake-up unless ``woken``: one was sent)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
+            if not woken:
+                wake([self])
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return int(self.proc.returncode)
+
+
+def wake(started: list[Worker]) -> None:
+    """Wake the idle consumers of ``started``'s schemas, on every queue there.
+
+    An idle worker sees a warm shutdown (SIGTERM) only when its wait for messages ends:
+    at its next poll (polling_interval, 1 s by default), or at a wake-up like this one,
+    which costs it no more than that poll would (a claim of what it may take anyway).
+    Best effort: a schema or database already gone has no one to wake."""
+    from pg_transport.sql.loader import channel_prefix
+
+    for env in {(w.env.pg_url, w.env.schema): w.env for w in started if w.env}.values():
+        try:
+            with psycopg.connect(env.pg_url, autocommit=True, connect_timeout=10) as conn:
+                conn.execute(
+                    sql.SQL(
+                        "SELECT pg_notify({} || md5(convert_to(name, 'UTF8')), '') FROM {}.queue"
+                    ).format(sql.Literal(channel_prefix(env.schema)), sql.Identifier(env.schema))
+                )
+        except psycopg.Error:
+            continue
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
@@ -178,7 +212,7 @@ def start_worker(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    worker = Worker(proc, log, name)
+    worker = Worker(proc, log, name, env)
     if wait:
         wait_ready([worker], ready_timeout, may_exit=may_exit)
     return worker
@@ -202,8 +236,9 @@ def stop_all(started: list[Worker], timeout: float = 30) -> None:
     for worker in started:
         if worker.proc.poll() is None:
             os.killpg(worker.proc.pid, signal.SIGTERM)
+    wake(started)
     for worker in started:
-        worker.stop(timeout)
+        worker.stop(timeout, woken=True)
 
 
 @contextmanager

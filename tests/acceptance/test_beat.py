@@ -103,6 +103,15 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
     entries = {"slot": {"every": EVERY}}
     beats += start_beats(env, entries, {}, {}, {})
     wait_for(lambda: count_of(env, "slot") >= 3, 30, "three slots sent")
+    # How late the leader sent its slots so far (the first, due as it started, aside):
+    # the delay a loaded machine puts on a beat's wake-up at a tick, the takeover's too
+    # (at least the 0.25 s the test's own reading of the time after the kill takes).
+    [(late,)] = rows(
+        env,
+        "SELECT extract(epoch FROM max(sent_at - due_at))::float8 FROM {schema}.beat_slot"
+        " WHERE due_at > (SELECT min(due_at) FROM {schema}.beat_slot)",
+    )
+    slack = max(0.25, float(late))
     for _ in range(2):
         holder, term, _ = leader(env)
         pid = int(holder.split(":")[-2])
@@ -115,9 +124,9 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
             "another beat to take the lease",
         )
         assert new_holder != holder
-        # Two ticks, and a little for the test's own reading of the time after the kill.
+        # Two ticks, and the slack measured above.
         taken_after = (acquired_at - killed_at).total_seconds()
-        assert taken_after <= 2 * TICK + 0.25, taken_after
+        assert taken_after <= 2 * TICK + slack, (taken_after, slack)
         before = count_of(env, "slot")
         wait_for(lambda before=before: count_of(env, "slot") >= before + 3, 30, "sends to go on")
     stop_beats(beats)

@@ -73,7 +73,9 @@ def test_documented_result_behaviours(env: Env) -> None:
         started = time.monotonic()
         with pytest.raises(CeleryTimeout):
             slow.get(timeout=0.5)
-        assert time.monotonic() - started < 2.5
+        # Back at its timeout, not at the result: that exists 3 s after the task starts,
+        # which is after it was sent, however loaded the machine.
+        assert time.monotonic() - started < 3
         assert not slow.ready() and slow.state in (states.PENDING, states.STARTED)
         assert slow.get(timeout=20) == "late"
 

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.pg import new_database_name, with_database
+from tests.pg import database_prefix, with_database
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_the_session_database_is_its_own(pg_url: str) -> None:
         row = conn.execute("SELECT current_database()").fetchone()
     assert row is not None
     assert row[0] != "test"
-    assert str(row[0]).startswith(new_database_name()[:-12])
+    assert str(row[0]).startswith(database_prefix())
 
 
 def test_another_superuser_and_database_pass_and_leave_no_database(
