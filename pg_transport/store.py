@@ -113,9 +113,10 @@ class Store:
         the same statement and comes back with ``dead_letter_id`` set instead of being
         delivered. ``acks`` are acked by the same statement.
 
-        Not retried: a claim whose result was lost is indistinguishable from a
-        consumer that died, and the visibility timeout brings those rows back. The
-        caller still owns ``acks`` when this raises.
+        Not retried when its result was lost: that is indistinguishable from a
+        consumer that died, and the visibility timeout brings those rows back. Tried
+        again when the server rolled it back whole (a deadlock with an ack): nothing
+        was claimed or acked then. The caller still owns ``acks`` when this raises.
         """
         if limit <= 0 or not queues:
             self.ack(acks)
@@ -135,7 +136,8 @@ class Store:
                 prepare = conn.prepare_threshold is not None
                 return self.claim_statement.execute(conn, params, prepare=prepare)
 
-            batch = [decode_claimed(row) for row in self.relaxed.run(work, idempotent=False)]
+            found_rows = self.relaxed.run(work, idempotent=False, statement=True)
+            batch = [decode_claimed(row) for row in found_rows]
             acks = ()
             delivered = [c for c in batch if not c.held]
             found += delivered

@@ -51,6 +51,7 @@ from pg_transport.consume.session import Row, Session
 from pg_transport.consume.source import Handle, Source, Statements, Timers, Want
 from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
+from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
 from pg_transport.store import Store, claim_params
@@ -260,6 +261,17 @@ class Engine:
     def on_readable(self) -> None:
         try:
             reply = self.session.read()
+        except psycopg.Error as exc:
+            if not rolled_back(exc):
+                self._abandon_in_flight()
+                raise
+            # The server rolled the statement back whole (a deadlock with another
+            # session's ack, say): nothing was claimed, its acks did not land, and the
+            # session is still usable. Land the acks and claim again.
+            logger.info("pgq: a claim was rolled back by the server (%s); claiming again", exc)
+            self._abandon_in_flight()
+            self.kick()
+            return
         except BaseException:
             self._abandon_in_flight()
             raise

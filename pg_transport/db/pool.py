@@ -26,7 +26,15 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
-from pg_transport.db.retry import FENCED, ONCE, attempt, is_dead_connection, is_refusal
+from pg_transport.db.retry import (
+    FENCED,
+    ONCE,
+    ROLLED_BACK,
+    Policy,
+    attempt,
+    is_dead_connection,
+    is_refusal,
+)
 from pg_transport.db.url import mask_url, parse_url
 from pg_transport.errors import (
     BrokerRefused,
@@ -334,11 +342,17 @@ class Connector:
         *,
         idempotent: bool,
         fenced: bool = False,
+        statement: bool = False,
     ) -> T:
         """Run ``work`` on a pooled connection: idempotent work under the ``ONCE``
         policy, fenced work (ack, release, renew) under ``FENCED``
-        (:mod:`pg_transport.db.retry`), anything else once."""
-        policy = (FENCED if fenced else ONCE) if idempotent else None
+        (:mod:`pg_transport.db.retry`); other work that is one statement in a transaction
+        of its own (``statement``) again only when the server rolled it back whole
+        (``ROLLED_BACK``: a deadlock); anything else once."""
+        if idempotent:
+            policy: Policy | None = FENCED if fenced else ONCE
+        else:
+            policy = ROLLED_BACK if statement else None
 
         def once() -> T:
             with self.connection() as conn:

@@ -38,11 +38,13 @@ __all__ = [
     "CREATED_MEANWHILE",
     "FENCED",
     "ONCE",
+    "ROLLED_BACK",
     "TRANSIENT",
     "Policy",
     "attempt",
     "is_dead_connection",
     "is_refusal",
+    "rolled_back",
 ]
 
 T = TypeVar("T")
@@ -80,8 +82,19 @@ def is_refusal(exc: BaseException) -> bool:
     return "FATAL" in text and any(words in text for words in _REFUSALS)
 
 
+def rolled_back(exc: BaseException) -> bool:
+    """True when the server rolled the statement's transaction back whole (a deadlock
+    with another session, a serialization failure: SQLSTATE class 40): nothing of it
+    took effect and the session is still usable, so sending it again is safe."""
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
+
+
 def _dead_or_unreachable(exc: BaseException) -> bool:
-    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable)
+    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable) or rolled_back(exc)
+
+
+def _dead_or_rolled_back(exc: BaseException) -> bool:
+    return is_dead_connection(exc) or rolled_back(exc)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -99,9 +112,9 @@ class Policy:
 
 ONCE = Policy(
     "once",
-    is_dead_connection,
+    _dead_or_rolled_back,
     lambda: Retrying(
-        retry=retry_if_exception(is_dead_connection),
+        retry=retry_if_exception(_dead_or_rolled_back),
         stop=stop_after_attempt(1),
         reraise=True,
     ),
@@ -117,6 +130,19 @@ FENCED = Policy(
         retry=retry_if_exception(_dead_or_unreachable),
         wait=wait_exponential(multiplier=0.05, max=1.0),
         stop=stop_after_delay(FENCED_RETRY_SECONDS),
+        reraise=True,
+    ),
+)
+
+# A statement rolled back by a deadlock or a serialization failure (one transaction of
+# its own, so nothing of it took effect): tried again at once, a few times.
+ROLLED_BACK = Policy(
+    "rolled back",
+    rolled_back,
+    lambda: Retrying(
+        retry=retry_if_exception(rolled_back),
+        wait=wait_exponential(multiplier=0.01, max=0.2),
+        stop=stop_after_attempt(4),
         reraise=True,
     ),
 )
