@@ -79,11 +79,17 @@ class QueuesPage(Base):
         )
         latest = data["latest"]
         last_rates = data["rates"][-1] if data["rates"] else None
+        # Celery's own queues (remote-control mailboxes and replies, event receivers')
+        # hold no tasks: listed apart, folded away.
+        queues = [q for q in data["queues"] if status_report.celery_own(q.queue) is None]
+        own = [q for q in data["queues"] if status_report.celery_own(q.queue) is not None]
         self.page(
             "queues.html",
             window=window,
             windows=WINDOWS,
-            queues=data["queues"],
+            queues=queues,
+            own=own,
+            kind_of=status_report.celery_own,
             change=data["change"],
             sampled_at=latest.at,
             live=data["live"],

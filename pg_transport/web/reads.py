@@ -19,9 +19,50 @@ __all__ = [
     "Capabilities",
     "DeadRow",
     "MessageRow",
+    "ProcessRow",
     "Reads",
     "preview",
+    "process_kind",
 ]
+
+#: What the sessions named ``<program>:<pid>…`` are, by program.
+PROGRAMS = {
+    "pgq": "publisher",
+    "pgq-results": "result listener",
+    "pgq-beat": "beat",
+    "pgq-web": "console",
+    "pgq-metrics": "metrics exporter",
+    "pgq-barrier": "barrier",
+}
+
+
+def process_kind(application_name: str) -> tuple[str, str | None, str | None]:
+    """What a session's application_name says: its kind of process (``worker``,
+    ``publisher``, ``beat``, ``console``, …), its pid and its worker node name (None where
+    it does not say). Any text is accepted: a session may name itself anything."""
+    program, _, rest = application_name.partition(":")
+    pid, _, role = rest.partition(":")
+    kind = PROGRAMS.get(program, program)
+    node = None
+    if role.startswith("worker:"):
+        node = role.removeprefix("worker:") or None
+        kind = "worker" if program == "pgq" else f"worker's {kind}"
+    return kind, pid if pid.isdigit() else None, node
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    application_name: str
+    kind: str
+    pid: str | None
+    node: str | None
+    role: str | None
+    address: str | None
+    host: str | None
+    sessions: int
+    active: int
+    since: datetime
+
 
 #: Characters of a payload preview (arguments as JSON).
 PREVIEW_CHARS = 400
@@ -177,5 +218,8 @@ class Reads:
     def armed_barriers(self, limit: int = 50) -> list[Any]:
         return self._all("web_barriers_armed", {"limit": limit})
 
-    def processes(self) -> list[Any]:
-        return self._all("web_processes")
+    def processes(self) -> list[ProcessRow]:
+        return [
+            ProcessRow(str(r[0]), *process_kind(str(r[0])), *r[1:])
+            for r in self._all("web_processes")
+        ]

@@ -4,6 +4,7 @@ console process and real Celery workers."""
 from __future__ import annotations
 
 import re
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -116,6 +117,33 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
         worker = start_worker(env, "drain", queues="web.fill")
         try:
             wait_for(lambda: len(env.runs()) == 40, 60, "the worker to run all 40")
+            # The worker's sessions carry its node name and kind; its remote-control
+            # mailbox is listed apart from the task queues, folded away.
+            node = f"drain@{socket.gethostname()}"
+            showing(
+                browser,
+                console.url + "/processes",
+                lambda b: any(
+                    r.find_element("css selector", "td.kind").text == "worker"
+                    and r.find_element("css selector", "td.node").text == node
+                    for r in b.find_elements("css selector", "#processes tbody tr")
+                ),
+                "the worker's node on the processes page",
+            )
+            mailbox = f"{node}.celery.pidbox"
+            showing(
+                browser,
+                page,
+                lambda b: b.find_elements("css selector", f'tr[data-own-queue="{mailbox}"]'),
+                "the worker's mailbox among Celery's own queues",
+            )
+            assert not browser.find_elements("css selector", f'tr[data-queue="{mailbox}"]')
+            own = browser.find_element("id", "celery-queues")
+            assert own.get_attribute("open") is None  # folded away until asked for
+            assert not own.find_element("id", "own-queues").is_displayed()
+            own.find_element("tag name", "summary").click()
+            row = own.find_element("css selector", f'tr[data-own-queue="{mailbox}"]')
+            assert row.find_element("css selector", "td.kind").text == "control"
             showing(
                 browser,
                 page,
