@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 import tornado.web
@@ -210,18 +210,60 @@ class BarriersPage(Base):
         self.page("barriers.html", wanted=wanted, **data)
 
 
+#: A crontab's fields, in cron's order.
+CRON_FIELDS = ("minute", "hour", "day of month", "month", "day of week")
+
+
+def readable_schedule(entry: dict[str, Any], now: datetime, tz: tzinfo) -> dict[str, Any]:
+    """An entry's schedule as the page shows it: ``kind`` (``every``, ``crontab`` or
+    ``unreadable``), its ``fields`` (label, value) and its ``next`` run (None when it is
+    disabled or its schedule cannot be read)."""
+    from pg_transport.beat.entries import Cron, schedule_from_json
+
+    data = entry["schedule"]
+    try:
+        sched = schedule_from_json(data)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {"kind": "unreadable", "fields": [("stored", str(data))], "next": None}
+    if isinstance(sched, Cron):
+        fields = list(zip(CRON_FIELDS, sched.spec.split(), strict=True))
+        kind = "crontab"
+    else:
+        fields = [("seconds", f"{sched.seconds:g}")]
+        if sched.aligned:
+            fields.append(("aligned", "to the epoch"))
+        kind = "every"
+    upcoming = None
+    if entry["enabled"]:
+        anchor = entry["anchor"]
+        after = max(now, entry["last_due"] or anchor)
+        try:
+            upcoming = sched.next_slot(anchor, after, tz)
+        except ValueError:  # a crontab that never falls due
+            upcoming = None
+    return {"kind": kind, "fields": fields, "next": upcoming}
+
+
 class SchedulesPage(Base):
     async def get(self) -> None:
+        from celery import current_app
+
         from pg_transport.beat.store import BeatStore
 
         c = self.console
+        # The app given with --app (Celery's default app otherwise: UTC) says in which
+        # timezone a crontab's minutes are, as it does for its beat.
+        tz = current_app.timezone
 
         def read() -> dict[str, Any]:
             beat = BeatStore(c.connector, c.schema)
-            return {"entries": beat.listing(), "leader": beat.leader()}
+            entries = beat.listing()
+            now = c.reads.now()
+            shown = [readable_schedule(e, now, tz) for e in entries]
+            return {"entries": list(zip(entries, shown, strict=True)), "leader": beat.leader()}
 
         data = await self.db(read)
-        self.page("schedules.html", **data)
+        self.page("schedules.html", tz=str(tz), **data)
 
 
 class ProcessesPage(Base):

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from http.cookiejar import CookieJar
 from typing import Any
 
@@ -379,6 +380,14 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
             ).format(s),
             [hostile, hostile],
         )
+        # Schedules shown by their fields, with their next run, not as stored JSON.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.beat_entry (name, task, schedule, origin, enabled) VALUES"
+                " ('nightly', 'app.report', '{{\"crontab\": \"30 3 * * 1-5\"}}', 'command', true),"
+                " ('off', 'app.report', '{{\"every\": 90}}', 'command', false)"
+            ).format(s)
+        )
     quoted = urllib.parse.quote(hostile, safe="")
     with web.console(env) as console:
         for path in (
@@ -393,3 +402,15 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
             assert hostile in browser.find_element("tag name", "main").text, path
             for tag in ("img", "script"):
                 assert not browser.find_elements("tag name", tag), (path, tag)
+        # (the page last shown is /schedules)
+        nightly = browser.find_element("css selector", 'tr[data-entry="nightly"]')
+        shown = nightly.find_element("css selector", "td.schedule").text
+        assert shown == "crontab minute 30 hour 3 day of month * month * day of week 1-5"
+        upcoming = nightly.find_element("css selector", "td.next").text
+        when = datetime.strptime(upcoming, "%Y-%m-%d %H:%M:%SZ").replace(tzinfo=UTC)
+        assert (when.hour, when.minute, when.isoweekday() <= 5) == (3, 30, True)
+        assert timedelta(0) < when - datetime.now(UTC) <= timedelta(days=3, minutes=1)
+        off = browser.find_element("css selector", 'tr[data-entry="off"]')
+        assert off.find_element("css selector", "td.schedule").text == "every seconds 90"
+        assert off.find_element("css selector", "td.next").text == "disabled"
+        assert "{" not in browser.find_element("id", "entries").text
