@@ -189,10 +189,22 @@ class DeadOnePage(Base):
         self.page("dead_one.html", **data)
 
 
+#: The statuses the barriers list filters on (a barrier's status column).
+BARRIER_STATUSES = ("armed", "fired", "completed", "failed", "expired")
+
+
 class BarriersPage(Base):
     async def get(self) -> None:
         c = self.console
         wanted = (self.get_query_argument("id", "") or "").strip()
+        status = (self.get_query_argument("status", "") or "").strip() or None
+        if status is not None and status not in BARRIER_STATUSES:
+            raise tornado.web.HTTPError(
+                400, "bad status %r: one of %s", status, ", ".join(BARRIER_STATUSES)
+            )
+        before_at = checked_time(self.get_query_argument("before_at", "") or None, "before_at")
+        before_id = self.get_query_argument("before_id", "") or ""
+        before = None if before_at is None else (before_at, before_id)
 
         def read() -> dict[str, Any]:
             from barrier.inspect import show
@@ -202,12 +214,27 @@ class BarriersPage(Base):
             # Only a role that may read callbacks and parts gets one barrier's details.
             found = show(c.connector, c.schema, wanted) if wanted and caps.barrier_details else None
             armed = c.reads.armed_barriers()
-            return {"caps": caps, "counts": counts, "found": found, "armed": armed}
+            listed, after = c.reads.barriers_page(status, before)
+            return {
+                "caps": caps,
+                "counts": counts,
+                "found": found,
+                "armed": armed,
+                "listed": listed,
+                "after": after,
+            }
 
         data = await self.db(read)
         if wanted and data["caps"].barrier_details and data["found"] is None:
             raise tornado.web.HTTPError(404, "no barrier %r", wanted)
-        self.page("barriers.html", wanted=wanted, **data)
+        self.page(
+            "barriers.html",
+            wanted=wanted,
+            listing=status,
+            statuses=BARRIER_STATUSES,
+            paged=before is not None,
+            **data,
+        )
 
 
 #: A crontab's fields, in cron's order.

@@ -64,6 +64,9 @@ class ProcessRow:
     since: datetime
 
 
+#: Barriers on one page of the barriers list.
+BARRIERS_PAGE = 50
+
 #: Characters of a payload preview (arguments as JSON).
 PREVIEW_CHARS = 400
 
@@ -217,6 +220,29 @@ class Reads:
 
     def armed_barriers(self, limit: int = 50) -> list[Any]:
         return self._all("web_barriers_armed", {"limit": limit})
+
+    def barriers_page(
+        self,
+        status: str | None,
+        before: tuple[datetime, str] | None,
+        limit: int = BARRIERS_PAGE,
+    ) -> tuple[list[Any], tuple[datetime, str] | None]:
+        """A page of barriers newest first (of ``status``, or all), after ``before`` (the
+        previous page's last created_at and id); and the next page's ``before``, None
+        at the last page."""
+        rows = self._all(
+            "web_barriers_page",
+            {
+                "status": status,
+                "before_at": before[0] if before else None,
+                "before_id": before[1] if before else None,
+                "limit": limit,
+            },
+        )
+        if len(rows) <= limit:
+            return rows, None
+        rows = rows[:limit]
+        return rows, (rows[-1][4], str(rows[-1][0]))
 
     def processes(self) -> list[ProcessRow]:
         return [

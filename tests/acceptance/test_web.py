@@ -338,6 +338,8 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
             assert browser.find_element("id", "no-details")
             assert "rejected" not in browser.page_source and "app.t" not in browser.page_source
             assert len(browser.find_elements("css selector", "#dead tbody tr")) == 2
+            browser.get(console.url + "/barriers")  # the list reads columns it may read
+            assert browser.find_element("id", "barrier-list")
             browser.get(console.url + "/schedules")  # the schedule holds task arguments
             assert browser.find_element("id", "error-title").text == "Not allowed for this role"
             assert "permission denied" in browser.find_element("id", "error-detail").text
@@ -388,6 +390,18 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
                 " ('off', 'app.report', '{{\"every\": 90}}', 'command', false)"
             ).format(s)
         )
+        # Barriers to list by status, newest first, a page at a time: 52 expired, 3
+        # completed, one a minute apart.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.barrier (id, status, total, remaining, callback, created_at,"
+                " expires_at, stuck_timeout, finished_at) SELECT 'b' || i,"
+                " CASE WHEN i <= 52 THEN 'expired' ELSE 'completed' END, 3,"
+                " CASE WHEN i <= 52 THEN 1 ELSE 0 END, '{{}}', now() - i * interval '1 minute',"
+                " now() - interval '1 second', interval '1 minute', now()"
+                " FROM generate_series(1, 55) AS i"
+            ).format(s)
+        )
     quoted = urllib.parse.quote(hostile, safe="")
     with web.console(env) as console:
         for path in (
@@ -414,3 +428,28 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
         assert off.find_element("css selector", "td.schedule").text == "every seconds 90"
         assert off.find_element("css selector", "td.next").text == "disabled"
         assert "{" not in browser.find_element("id", "entries").text
+
+        def listed() -> list[tuple[str, str]]:
+            rows = browser.find_elements("css selector", "#barrier-list tbody tr[data-barrier]")
+            return [
+                (r.get_attribute("data-barrier"), r.find_element("css selector", "td.status").text)
+                for r in rows
+            ]
+
+        browser.get(console.url + "/barriers")
+        browser.find_element("link text", "expired").click()
+        element(browser, "barrier-list")
+        page = listed()
+        assert page == [(f"b{i}", "expired") for i in range(1, 51)]  # newest first
+        assert not browser.find_elements("id", "newest")
+        browser.find_element("id", "older").click()
+        element(browser, "newest")
+        assert listed() == [("b51", "expired"), ("b52", "expired")]
+        assert not browser.find_elements("id", "older")  # the last page
+        browser.get(console.url + "/barriers")  # all: the armed one (newest) first
+        everything = listed()
+        assert everything[0] == (hostile, "armed") and len(everything) == 50
+        browser.get(console.url + "/barriers?status=completed")
+        assert listed() == [("b53", "completed"), ("b54", "completed"), ("b55", "completed")]
+        browser.get(console.url + "/barriers?status=nonsense")
+        assert "bad status" in browser.find_element("id", "error-detail").text
