@@ -46,7 +46,9 @@ class QueuesPage(Base):
             queues = status_report.collect(c.store).queues if live else latest.queues
             change = {} if live else sampler.changes(c.connector, c.schema, latest)
             depths, rates = sampler.history(c.connector, c.schema, None, window)
+            consumers = c.consumers.seen() if c.consumers is not None else None
             return {
+                "consumers": consumers,
                 "latest": latest,
                 "queues": queues,
                 "live": live,
@@ -90,6 +92,7 @@ class QueuesPage(Base):
             queues=queues,
             own=own,
             kind_of=status_report.celery_own,
+            consumers=data["consumers"],
             change=data["change"],
             sampled_at=latest.at,
             live=data["live"],

@@ -145,6 +145,13 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
             own.find_element("tag name", "summary").click()
             row = own.find_element("css selector", f'tr[data-own-queue="{mailbox}"]')
             assert row.find_element("css selector", "td.kind").text == "control"
+            # Who consumes each queue: the workers' own answer to remote control.
+            showing(
+                browser,
+                page,
+                lambda b: cell(b, "web.fill", "consumers") == f"1 {node}",
+                "the worker among web.fill's consumers",
+            )
             showing(
                 browser,
                 page,

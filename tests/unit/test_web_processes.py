@@ -33,3 +33,15 @@ def test_a_worker_names_its_sessions_after_its_node(monkeypatch: pytest.MonkeyPa
     pool.set_process_role("worker", "w1@host")
     assert pool.process_name("pgq-results") == f"pgq-results:{os.getpid()}:worker:w1@host"
     assert process_kind(pool.process_name("pgq")) == ("worker", str(os.getpid()), "w1@host")
+
+
+def test_consumers_are_read_from_the_workers_answers_skipping_malformed_ones() -> None:
+    from pg_transport.web.consumers import invert
+
+    replies = {
+        "w1@h": [{"name": "celery"}, {"name": "jobs"}],
+        "w2@h": [{"name": "jobs"}, {"nom": "x"}, "jobs", {"name": 7}],
+        "w3@h": "not a list",
+    }
+    assert invert(replies) == {"celery": ["w1@h"], "jobs": ["w1@h", "w2@h"]}
+    assert invert(None) == {}
