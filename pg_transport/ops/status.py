@@ -75,7 +75,7 @@ class QueueStatus:
 class ClientProcess:
     """One pgq client process and its sessions."""
 
-    #: Its application_name: ``pgq:<pid>``.
+    #: Its application_name: ``pgq:<pid>`` (a worker's: ``pgq:<pid>:worker:<node>``).
     name: str
     #: Where it connects from (an address, a host name, or ``local`` for a unix socket).
     address: str

@@ -145,7 +145,7 @@ ORDER BY expires_at
 LIMIT %(limit)s
 
 -- name: web_processes
--- pgq's processes connected to this database: workers and publishers ('pgq:<pid>'), the
+-- pgq's processes connected to this database: workers ('pgq:<pid>:worker:<node>'), publishers ('pgq:<pid>'), the
 -- console, metrics exporters and beats ('pgq…'), with their sessions.
 SELECT a.application_name, a.usename::text, pg_catalog.host(a.client_addr), a.client_hostname,
        pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE a.state = 'active'),
