@@ -21,13 +21,8 @@ def _on_celeryd_init(sender: Any = None, **_: Any) -> None:
         set_process_role("worker", sender)
 
 
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    hostname = getattr(sender, "hostname", None)
-    if isinstance(hostname, str) and hostname:
-        set_process_role("worker", hostname)
-
-
 def connect() -> None:
     """Name the sessions of every worker this process starts (idempotent)."""
+    # celeryd_init, not worker_init: only a worker process started as one (`celery
+    # worker`), not a worker embedded in a test process, which goes on publishing after.
     signals.celeryd_init.connect(_on_celeryd_init, weak=False, dispatch_uid="pgq-process-node")
-    signals.worker_init.connect(_on_worker_init, weak=False, dispatch_uid="pgq-process-node-w")
