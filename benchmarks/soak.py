@@ -200,10 +200,10 @@ class Fleet:
         with psycopg.connect(self.env.pg_url, autocommit=True) as admin:
             row = admin.execute(
                 "WITH victims AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
-                " WHERE application_name = %s)"
+                " WHERE application_name = %s OR application_name LIKE %s)"
                 " SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000))"
                 " FROM victims",
-                [f"pgq:{worker.proc.pid}"],
+                [f"pgq:{worker.proc.pid}", f"pgq:{worker.proc.pid}:%"],
             ).fetchone()
         count = int(row[0]) if row else 0
         self.recorder.event("terminate", slot.name, worker.proc.pid, str(count))

@@ -13,6 +13,7 @@ from kombu.transport import TRANSPORT_ALIASES
 from pg_transport import hints as _hints
 from pg_transport import ordering as _ordering
 from pg_transport import preflight as _preflight
+from pg_transport import processes as _processes
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -36,6 +37,8 @@ from pg_transport.publish.joined import transaction
 _ordering.connect()
 # A worker or beat with a bad pgq setting stops with one line (pg_transport.preflight).
 _preflight.connect()
+# A worker's sessions carry its node name (application_name pgq:<pid>:worker:<node>).
+_processes.connect()
 
 try:
     # Installed (wheel or editable): the hook's module sits at the top of site-packages,

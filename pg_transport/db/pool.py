@@ -53,6 +53,8 @@ __all__ = [
     "is_own",
     "mask_url",
     "pooler_detected",
+    "process_name",
+    "set_process_role",
     "shared",
     "url_to_conninfo",
 ]
@@ -110,6 +112,26 @@ KEEPALIVES: dict[str, str] = {
 # sends a Terminate message that ends the parent's session. After fork we point
 # every inherited connection's descriptor at /dev/null, so whatever the child
 # does with those objects later cannot reach the server.
+#: What this process is to pgq (``worker:<node name>``), appended to the
+#: application_name of the sessions it opens from then on; None for a publisher.
+_process_role: str | None = None
+
+
+def set_process_role(role: str, node: str = "") -> None:
+    """Name this process's new sessions ``<name>:<pid>:<role>:<node>``, so that an
+    operator (the console's processes page) sees which worker node a session is of."""
+    global _process_role
+    _process_role = f"{role}:{node}" if node else role
+
+
+def process_name(name: str) -> str:
+    """The application_name of a session this process opens for ``name`` (``pgq``,
+    ``pgq-results``, …): ``<name>:<pid>``, then ``:<role>:<node>`` once set. Postgres
+    keeps 63 bytes of it and shows any other character than printable ASCII as ``?``."""
+    base = f"{name}:{os.getpid()}"
+    return f"{base}:{_process_role}" if _process_role else base
+
+
 _live: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 _inherited: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
 
@@ -212,7 +234,7 @@ class Connector:
             kwargs = dict(self._kwargs)
             if self._application_name:
                 # The pid tells an operator (and pg_terminate_backend) whose session it is.
-                kwargs["application_name"] = f"{self._application_name}:{os.getpid()}"
+                kwargs["application_name"] = process_name(self._application_name)
             conn = psycopg.connect(self.conninfo, autocommit=autocommit, **kwargs)
         except psycopg.Error as exc:
             if self.pin_search_path and _POOLER_REFUSAL in str(exc):

@@ -492,6 +492,7 @@ def web(
             interval=interval,
             allowed_hosts=allowed_hosts,
             announce=click.echo,
+            url=url or "pgq://",
         )
     except OSError as exc:
         raise click.ClickException(

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import FrameType
 from typing import Any
 
-from pg_transport.ops.status import Status
+from pg_transport.ops.status import Status, celery_own
 
 __all__ = [
     "CONTENT_TYPE",
@@ -107,7 +107,16 @@ class Family:
 
 def families(report: Status, collect_seconds: float | None = None) -> list[Family]:
     """The metric families of one status report, in a fixed order."""
-    queues = report.queues
+    # Celery's own queues (pidbox mailboxes and replies, event receivers') are no queue
+    # of tasks, and reply and event queues are named after a new id by each client that
+    # makes one: as labels they would add series without bound. Their waiting messages
+    # are summed by kind instead (a growing mailbox still shows: a worker not reading it).
+    queues = [q for q in report.queues if celery_own(q.queue) is None]
+    own: dict[str, float] = {"control": 0.0, "reply": 0.0, "events": 0.0}
+    for q in report.queues:
+        kind = celery_own(q.queue)
+        if kind is not None:
+            own[kind] += q.ready + q.in_flight + q.delayed
 
     def per_queue(name: str, help: str, value: Callable[[Any], float]) -> Family:
         return Family(name, help, "gauge", [({"queue": q.queue}, value(q)) for q in queues])
@@ -158,6 +167,14 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             "pgq_queue_following_messages",
             "Followers parked until the task they follow finishes or their wait runs out.",
             lambda q: q.following,
+        ),
+        Family(
+            "pgq_celery_queue_messages",
+            "Messages waiting in Celery's own queues (not per-queue series), by kind:"
+            " control (workers' remote-control mailboxes), reply (replies to inspect and"
+            " control calls), events (event receivers' queues).",
+            "gauge",
+            [({"kind": kind}, value) for kind, value in own.items()],
         ),
         Family(
             "pgq_client_processes",

@@ -25,8 +25,24 @@ __all__ = [
     "QueueStatus",
     "Status",
     "barrier_counts",
+    "celery_own",
     "collect",
 ]
+
+
+def celery_own(queue: str) -> str | None:
+    """Which of Celery's own queues ``queue`` is, or None for a queue of tasks.
+
+    ``control``: a worker's remote-control mailbox (``<node>.<namespace>.pidbox``);
+    ``reply``: the replies to one ``celery inspect``/``control`` call
+    (``<id>.reply.<namespace>.pidbox``); ``events``: one event receiver's queue
+    (``celeryev.<id>``, Celery's default ``event_queue_prefix``). None of them holds
+    tasks; reply and event queues come and go with each client."""
+    if queue.endswith(".pidbox"):
+        return "reply" if ".reply." in queue else "control"
+    if queue.startswith("celeryev."):
+        return "events"
+    return None
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class QueueStatus:
 class ClientProcess:
     """One pgq client process and its sessions."""
 
-    #: Its application_name: ``pgq:<pid>``.
+    #: Its application_name: ``pgq:<pid>`` (a worker's: ``pgq:<pid>:worker:<node>``).
     name: str
     #: Where it connects from (an address, a host name, or ``local`` for a unix socket).
     address: str

@@ -120,7 +120,7 @@ WHERE a.datname = pg_catalog.current_database()
 
 -- name: status_client_processes
 -- The sessions of each pgq client process (as status_clients counts them), most first:
--- its application_name ('pgq:<pid>'), where it connects from ('?' where this role may not
+-- its application_name ('pgq:<pid>', a worker's 'pgq:<pid>:worker:<node>'), where it connects from ('?' where this role may not
 -- see it), and how many of its sessions are running a statement now.
 SELECT a.application_name,
        CASE WHEN a.client_port = -1 THEN 'local'  -- a unix socket

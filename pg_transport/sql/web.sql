@@ -145,7 +145,7 @@ ORDER BY expires_at
 LIMIT %(limit)s
 
 -- name: web_processes
--- pgq's processes connected to this database: workers and publishers ('pgq:<pid>'), the
+-- pgq's processes connected to this database: workers ('pgq:<pid>:worker:<node>'), publishers ('pgq:<pid>'), the
 -- console, metrics exporters and beats ('pgq…'), with their sessions.
 SELECT a.application_name, a.usename::text, pg_catalog.host(a.client_addr), a.client_hostname,
        pg_catalog.count(*), pg_catalog.count(*) FILTER (WHERE a.state = 'active'),
@@ -176,3 +176,16 @@ SELECT pg_catalog.now()
 SELECT t.taken_at, s.queue, s.ready + s.in_flight + s.delayed
 FROM (SELECT at, taken_at FROM {schema}.console_tick ORDER BY at DESC OFFSET 1 LIMIT 1) AS t
 JOIN {schema}.console_sample AS s ON s.at = t.at
+
+-- name: web_barriers_page
+-- Barriers newest first, of one status or all, after a page's last (created_at, id):
+-- keyset paging. One more row than a page, to tell whether there is a next page. Only
+-- the columns a monitor may read.
+SELECT id, status, total, remaining, created_at, progressed_at, expires_at, fired_at,
+       finished_at
+FROM {schema}.barrier
+WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+  AND (%(before_at)s::timestamptz IS NULL
+       OR (created_at, id) < (%(before_at)s::timestamptz, %(before_id)s::text))
+ORDER BY created_at DESC, id DESC
+LIMIT %(limit)s + 1

@@ -32,6 +32,7 @@ from pg_transport.errors import PgqError
 from pg_transport.ops.cli_common import age, identity_text, one_line
 from pg_transport.store import Store
 from pg_transport.web.auth import Sessions, SignInLimit
+from pg_transport.web.consumers import Consumers
 from pg_transport.web.reads import Capabilities, Reads
 
 __all__ = ["MAX_IDS", "USER_COOKIE", "Base", "Console", "audit", "checked_time", "until", "utc"]
@@ -68,6 +69,8 @@ class Console:
     #: page of another site whose name was made to resolve to the console's address (DNS
     #: rebinding) sends its own name as Host, and gets nothing.
     allowed_hosts: frozenset[str] = frozenset()
+    #: The broker URL, to ask the workers which queues they consume (None: not asked).
+    url: str | None = None
     executor: ThreadPoolExecutor = field(init=False)
     sessions: Sessions = field(init=False)
     sign_ins: SignInLimit = field(init=False)
@@ -79,6 +82,11 @@ class Console:
         self.allowed_hosts = frozenset(h.lower() for h in self.allowed_hosts)
         self.reads = Reads(self.connector, self.schema)
         self.store = Store(self.connector, self.schema)
+        self.consumers = (
+            None
+            if self.url is None
+            else Consumers(self.url, self.schema, ttl=max(3 * self.interval, 5.0))
+        )
 
     @property
     def actions(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 import tornado.web
@@ -46,7 +46,9 @@ class QueuesPage(Base):
             queues = status_report.collect(c.store).queues if live else latest.queues
             change = {} if live else sampler.changes(c.connector, c.schema, latest)
             depths, rates = sampler.history(c.connector, c.schema, None, window)
+            consumers = c.consumers.seen() if c.consumers is not None else None
             return {
+                "consumers": consumers,
                 "latest": latest,
                 "queues": queues,
                 "live": live,
@@ -79,11 +81,18 @@ class QueuesPage(Base):
         )
         latest = data["latest"]
         last_rates = data["rates"][-1] if data["rates"] else None
+        # Celery's own queues (remote-control mailboxes and replies, event receivers')
+        # hold no tasks: listed apart, folded away.
+        queues = [q for q in data["queues"] if status_report.celery_own(q.queue) is None]
+        own = [q for q in data["queues"] if status_report.celery_own(q.queue) is not None]
         self.page(
             "queues.html",
             window=window,
             windows=WINDOWS,
-            queues=data["queues"],
+            queues=queues,
+            own=own,
+            kind_of=status_report.celery_own,
+            consumers=data["consumers"],
             change=data["change"],
             sampled_at=latest.at,
             live=data["live"],
@@ -183,10 +192,22 @@ class DeadOnePage(Base):
         self.page("dead_one.html", **data)
 
 
+#: The statuses the barriers list filters on (a barrier's status column).
+BARRIER_STATUSES = ("armed", "fired", "completed", "failed", "expired")
+
+
 class BarriersPage(Base):
     async def get(self) -> None:
         c = self.console
         wanted = (self.get_query_argument("id", "") or "").strip()
+        status = (self.get_query_argument("status", "") or "").strip() or None
+        if status is not None and status not in BARRIER_STATUSES:
+            raise tornado.web.HTTPError(
+                400, "bad status %r: one of %s", status, ", ".join(BARRIER_STATUSES)
+            )
+        before_at = checked_time(self.get_query_argument("before_at", "") or None, "before_at")
+        before_id = self.get_query_argument("before_id", "") or ""
+        before = None if before_at is None else (before_at, before_id)
 
         def read() -> dict[str, Any]:
             from barrier.inspect import show
@@ -196,26 +217,83 @@ class BarriersPage(Base):
             # Only a role that may read callbacks and parts gets one barrier's details.
             found = show(c.connector, c.schema, wanted) if wanted and caps.barrier_details else None
             armed = c.reads.armed_barriers()
-            return {"caps": caps, "counts": counts, "found": found, "armed": armed}
+            listed, after = c.reads.barriers_page(status, before)
+            return {
+                "caps": caps,
+                "counts": counts,
+                "found": found,
+                "armed": armed,
+                "listed": listed,
+                "after": after,
+            }
 
         data = await self.db(read)
         if wanted and data["caps"].barrier_details and data["found"] is None:
             raise tornado.web.HTTPError(404, "no barrier %r", wanted)
-        self.page("barriers.html", wanted=wanted, **data)
+        self.page(
+            "barriers.html",
+            wanted=wanted,
+            listing=status,
+            statuses=BARRIER_STATUSES,
+            paged=before is not None,
+            **data,
+        )
+
+
+#: A crontab's fields, in cron's order.
+CRON_FIELDS = ("minute", "hour", "day of month", "month", "day of week")
+
+
+def readable_schedule(entry: dict[str, Any], now: datetime, tz: tzinfo) -> dict[str, Any]:
+    """An entry's schedule as the page shows it: ``kind`` (``every``, ``crontab`` or
+    ``unreadable``), its ``fields`` (label, value) and its ``next`` run (None when it is
+    disabled or its schedule cannot be read)."""
+    from pg_transport.beat.entries import Cron, schedule_from_json
+
+    data = entry["schedule"]
+    try:
+        sched = schedule_from_json(data)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {"kind": "unreadable", "fields": [("stored", str(data))], "next": None}
+    if isinstance(sched, Cron):
+        fields = list(zip(CRON_FIELDS, sched.spec.split(), strict=True))
+        kind = "crontab"
+    else:
+        fields = [("seconds", f"{sched.seconds:g}")]
+        if sched.aligned:
+            fields.append(("aligned", "to the epoch"))
+        kind = "every"
+    upcoming = None
+    if entry["enabled"]:
+        anchor = entry["anchor"]
+        after = max(now, entry["last_due"] or anchor)
+        try:
+            upcoming = sched.next_slot(anchor, after, tz)
+        except ValueError:  # a crontab that never falls due
+            upcoming = None
+    return {"kind": kind, "fields": fields, "next": upcoming}
 
 
 class SchedulesPage(Base):
     async def get(self) -> None:
+        from celery import current_app
+
         from pg_transport.beat.store import BeatStore
 
         c = self.console
+        # The app given with --app (Celery's default app otherwise: UTC) says in which
+        # timezone a crontab's minutes are, as it does for its beat.
+        tz = current_app.timezone
 
         def read() -> dict[str, Any]:
             beat = BeatStore(c.connector, c.schema)
-            return {"entries": beat.listing(), "leader": beat.leader()}
+            entries = beat.listing()
+            now = c.reads.now()
+            shown = [readable_schedule(e, now, tz) for e in entries]
+            return {"entries": list(zip(entries, shown, strict=True)), "leader": beat.leader()}
 
         data = await self.db(read)
-        self.page("schedules.html", **data)
+        self.page("schedules.html", tz=str(tz), **data)
 
 
 class ProcessesPage(Base):

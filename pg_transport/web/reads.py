@@ -19,9 +19,53 @@ __all__ = [
     "Capabilities",
     "DeadRow",
     "MessageRow",
+    "ProcessRow",
     "Reads",
     "preview",
+    "process_kind",
 ]
+
+#: What the sessions named ``<program>:<pid>…`` are, by program.
+PROGRAMS = {
+    "pgq": "publisher",
+    "pgq-results": "result listener",
+    "pgq-beat": "beat",
+    "pgq-web": "console",
+    "pgq-metrics": "metrics exporter",
+    "pgq-barrier": "barrier",
+}
+
+
+def process_kind(application_name: str) -> tuple[str, str | None, str | None]:
+    """What a session's application_name says: its kind of process (``worker``,
+    ``publisher``, ``beat``, ``console``, …), its pid and its worker node name (None where
+    it does not say). Any text is accepted: a session may name itself anything."""
+    program, _, rest = application_name.partition(":")
+    pid, _, role = rest.partition(":")
+    kind = PROGRAMS.get(program, program)
+    node = None
+    if role.startswith("worker:"):
+        node = role.removeprefix("worker:") or None
+        kind = "worker" if program == "pgq" else f"worker's {kind}"
+    return kind, pid if pid.isdigit() else None, node
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    application_name: str
+    kind: str
+    pid: str | None
+    node: str | None
+    role: str | None
+    address: str | None
+    host: str | None
+    sessions: int
+    active: int
+    since: datetime
+
+
+#: Barriers on one page of the barriers list.
+BARRIERS_PAGE = 50
 
 #: Characters of a payload preview (arguments as JSON).
 PREVIEW_CHARS = 400
@@ -177,5 +221,31 @@ class Reads:
     def armed_barriers(self, limit: int = 50) -> list[Any]:
         return self._all("web_barriers_armed", {"limit": limit})
 
-    def processes(self) -> list[Any]:
-        return self._all("web_processes")
+    def barriers_page(
+        self,
+        status: str | None,
+        before: tuple[datetime, str] | None,
+        limit: int = BARRIERS_PAGE,
+    ) -> tuple[list[Any], tuple[datetime, str] | None]:
+        """A page of barriers newest first (of ``status``, or all), after ``before`` (the
+        previous page's last created_at and id); and the next page's ``before``, None
+        at the last page."""
+        rows = self._all(
+            "web_barriers_page",
+            {
+                "status": status,
+                "before_at": before[0] if before else None,
+                "before_id": before[1] if before else None,
+                "limit": limit,
+            },
+        )
+        if len(rows) <= limit:
+            return rows, None
+        rows = rows[:limit]
+        return rows, (rows[-1][4], str(rows[-1][0]))
+
+    def processes(self) -> list[ProcessRow]:
+        return [
+            ProcessRow(str(r[0]), *process_kind(str(r[0])), *r[1:])
+            for r in self._all("web_processes")
+        ]

@@ -51,6 +51,7 @@ def serve(
     interval: float,
     allowed_hosts: tuple[str, ...] = (),
     announce: object = print,
+    url: str | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM, sampling every ``interval`` seconds meanwhile.
 
@@ -74,6 +75,7 @@ def serve(
         interval=interval,
         where=connector.display_url,
         allowed_hosts=frozenset((*named, *allowed_hosts)),
+        url=url,
     )
     sampler = Sampler(connector, schema, interval)
 

@@ -262,8 +262,8 @@ def terminate_backends_of(env: Env, worker: Worker) -> int:
         row = admin.execute(
             # Filter first (AND does not fix evaluation order), then terminate.
             "WITH victims AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
-            " WHERE application_name = %s)"
+            " WHERE application_name = %s OR application_name LIKE %s)"
             " SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM victims",
-            [f"pgq:{worker.proc.pid}"],
+            [f"pgq:{worker.proc.pid}", f"pgq:{worker.proc.pid}:%"],
         ).fetchone()
     return int(row[0]) if row else 0

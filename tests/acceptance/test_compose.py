@@ -379,7 +379,8 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
     pids = {f"pgq:{w.proc.pid}" for w in running}
     connected = sessions_by_role(env)
     assert set(connected) == {local.role("pgq_worker")}, connected
-    assert pids <= connected[local.role("pgq_worker")]
+    # (a worker's sessions are named pgq:<pid>:worker:<node>)
+    assert pids <= {":".join(a.split(":")[:2]) for a in connected[local.role("pgq_worker")]}
 
     def heartbeat_fresh(name: str) -> bool:
         return health.check(tmp_path / f"{name}.heartbeat", STALE).healthy

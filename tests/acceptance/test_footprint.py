@@ -67,7 +67,7 @@ class Sampler:
         rows = conn.execute(
             "SELECT split_part(application_name, ':', 2)::int, count(*)"
             " FROM pg_stat_activity WHERE datname = current_database()"
-            " AND application_name ~ '^pgq[a-z-]*:[0-9]+$' GROUP BY 1"
+            " AND application_name ~ '^pgq[a-z-]*:[0-9]+(:|$)' GROUP BY 1"
         ).fetchall()
         return Counter({int(pid): int(n) for pid, n in rows})
 

@@ -4,10 +4,12 @@ console process and real Celery workers."""
 from __future__ import annotations
 
 import re
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from http.cookiejar import CookieJar
 from typing import Any
 
@@ -116,6 +118,40 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
         worker = start_worker(env, "drain", queues="web.fill")
         try:
             wait_for(lambda: len(env.runs()) == 40, 60, "the worker to run all 40")
+            # The worker's sessions carry its node name and kind; its remote-control
+            # mailbox is listed apart from the task queues, folded away.
+            node = f"drain@{socket.gethostname()}"
+            showing(
+                browser,
+                console.url + "/processes",
+                lambda b: any(
+                    r.find_element("css selector", "td.kind").text == "worker"
+                    and r.find_element("css selector", "td.node").text == node
+                    for r in b.find_elements("css selector", "#processes tbody tr")
+                ),
+                "the worker's node on the processes page",
+            )
+            mailbox = f"{node}.celery.pidbox"
+            showing(
+                browser,
+                page,
+                lambda b: b.find_elements("css selector", f'tr[data-own-queue="{mailbox}"]'),
+                "the worker's mailbox among Celery's own queues",
+            )
+            assert not browser.find_elements("css selector", f'tr[data-queue="{mailbox}"]')
+            own = browser.find_element("id", "celery-queues")
+            assert own.get_attribute("open") is None  # folded away until asked for
+            assert not own.find_element("id", "own-queues").is_displayed()
+            own.find_element("tag name", "summary").click()
+            row = own.find_element("css selector", f'tr[data-own-queue="{mailbox}"]')
+            assert row.find_element("css selector", "td.kind").text == "control"
+            # Who consumes each queue: the workers' own answer to remote control.
+            showing(
+                browser,
+                page,
+                lambda b: cell(b, "web.fill", "consumers") == f"1 {node}",
+                "the worker among web.fill's consumers",
+            )
             showing(
                 browser,
                 page,
@@ -309,6 +345,8 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
             assert browser.find_element("id", "no-details")
             assert "rejected" not in browser.page_source and "app.t" not in browser.page_source
             assert len(browser.find_elements("css selector", "#dead tbody tr")) == 2
+            browser.get(console.url + "/barriers")  # the list reads columns it may read
+            assert browser.find_element("id", "barrier-list")
             browser.get(console.url + "/schedules")  # the schedule holds task arguments
             assert browser.find_element("id", "error-title").text == "Not allowed for this role"
             assert "permission denied" in browser.find_element("id", "error-detail").text
@@ -351,6 +389,26 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
             ).format(s),
             [hostile, hostile],
         )
+        # Schedules shown by their fields, with their next run, not as stored JSON.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.beat_entry (name, task, schedule, origin, enabled) VALUES"
+                " ('nightly', 'app.report', '{{\"crontab\": \"30 3 * * 1-5\"}}', 'command', true),"
+                " ('off', 'app.report', '{{\"every\": 90}}', 'command', false)"
+            ).format(s)
+        )
+        # Barriers to list by status, newest first, a page at a time: 52 expired, 3
+        # completed, one a minute apart.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.barrier (id, status, total, remaining, callback, created_at,"
+                " expires_at, stuck_timeout, finished_at) SELECT 'b' || i,"
+                " CASE WHEN i <= 52 THEN 'expired' ELSE 'completed' END, 3,"
+                " CASE WHEN i <= 52 THEN 1 ELSE 0 END, '{{}}', now() - i * interval '1 minute',"
+                " now() - interval '1 second', interval '1 minute', now()"
+                " FROM generate_series(1, 55) AS i"
+            ).format(s)
+        )
     quoted = urllib.parse.quote(hostile, safe="")
     with web.console(env) as console:
         for path in (
@@ -365,3 +423,40 @@ def test_row_content_is_shown_as_text_never_as_markup(env: Env, browser: Any) ->
             assert hostile in browser.find_element("tag name", "main").text, path
             for tag in ("img", "script"):
                 assert not browser.find_elements("tag name", tag), (path, tag)
+        # (the page last shown is /schedules)
+        nightly = browser.find_element("css selector", 'tr[data-entry="nightly"]')
+        shown = nightly.find_element("css selector", "td.schedule").text
+        assert shown == "crontab minute 30 hour 3 day of month * month * day of week 1-5"
+        upcoming = nightly.find_element("css selector", "td.next").text
+        when = datetime.strptime(upcoming, "%Y-%m-%d %H:%M:%SZ").replace(tzinfo=UTC)
+        assert (when.hour, when.minute, when.isoweekday() <= 5) == (3, 30, True)
+        assert timedelta(0) < when - datetime.now(UTC) <= timedelta(days=3, minutes=1)
+        off = browser.find_element("css selector", 'tr[data-entry="off"]')
+        assert off.find_element("css selector", "td.schedule").text == "every seconds 90"
+        assert off.find_element("css selector", "td.next").text == "disabled"
+        assert "{" not in browser.find_element("id", "entries").text
+
+        def listed() -> list[tuple[str, str]]:
+            rows = browser.find_elements("css selector", "#barrier-list tbody tr[data-barrier]")
+            return [
+                (r.get_attribute("data-barrier"), r.find_element("css selector", "td.status").text)
+                for r in rows
+            ]
+
+        browser.get(console.url + "/barriers")
+        browser.find_element("link text", "expired").click()
+        element(browser, "barrier-list")
+        page = listed()
+        assert page == [(f"b{i}", "expired") for i in range(1, 51)]  # newest first
+        assert not browser.find_elements("id", "newest")
+        browser.find_element("id", "older").click()
+        element(browser, "newest")
+        assert listed() == [("b51", "expired"), ("b52", "expired")]
+        assert not browser.find_elements("id", "older")  # the last page
+        browser.get(console.url + "/barriers")  # all: the armed one (newest) first
+        everything = listed()
+        assert everything[0] == (hostile, "armed") and len(everything) == 50
+        browser.get(console.url + "/barriers?status=completed")
+        assert listed() == [("b53", "completed"), ("b54", "completed"), ("b55", "completed")]
+        browser.get(console.url + "/barriers?status=nonsense")
+        assert "bad status" in browser.find_element("id", "error-detail").text

@@ -131,6 +131,26 @@ def test_every_family_has_help_and_type_even_without_samples() -> None:
     assert all(p.help and p.type == "gauge" for p in parsed.values())
 
 
+def test_celery_own_queues_are_summed_by_kind_not_labelled() -> None:
+    names = {
+        "celery": 1,
+        "w1@host.celery.pidbox": 2,
+        "w2@host.celery.pidbox": 3,
+        "3f2a.reply.celery.pidbox": 4,
+        "celeryev.5c1e": 5,
+    }
+    report = Status(
+        "pgq", [QueueStatus(q, n, 1, 0, 0, None) for q, n in names.items()], Clients(0, 0)
+    )
+    parsed = parse_exposition(metrics.render(report))
+    assert by_queue(parsed, "pgq_queue_ready_messages") == {"celery": 1}
+    assert {dict(k)["kind"]: v for k, v in parsed["pgq_celery_queue_messages"].samples.items()} == {
+        "control": 2 + 1 + 3 + 1,
+        "reply": 4 + 1,
+        "events": 5 + 1,
+    }
+
+
 # -- against Postgres -----------------------------------------------------------------
 
 
