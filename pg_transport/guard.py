@@ -24,6 +24,7 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.worker import state
 
+from pg_transport import backoff
 from pg_transport.qos import QoS
 
 __all__ = ["DeliveryGuard", "connect", "guard"]
@@ -119,6 +120,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     if ours:
         sender.app.steps["consumer"].add(DeliveryGuard)
+        # A worker the broker refuses backs off (not the pool's children, nor clients).
+        backoff.enable()
 
 
 def connect() -> None:

@@ -36,7 +36,14 @@ def lease_of(message: Any) -> Lease:
     """The fencing token of a delivered kombu message."""
     info = message.delivery_info
     ident, lease = info[TOKEN]
-    return Lease(int(ident), int(lease), str(info["pgq_queue"]))
+    headers = getattr(message, "headers", None)
+    task = headers.get("id") if isinstance(headers, dict) else None
+    if not isinstance(task, str):
+        props = getattr(message, "properties", None)
+        task = props.get("correlation_id") if isinstance(props, dict) else None
+    return Lease(
+        int(ident), int(lease), str(info["pgq_queue"]), task if isinstance(task, str) else None
+    )
 
 
 class Message(virtual.Message):
@@ -112,8 +119,12 @@ class QoS(virtual.QoS):
                 token = held[0]
                 transport = self.channel.connection
                 # Rides on the consumer's next claim (woken by _forget below); once
-                # the consumer has stopped, the ack is landed here and now.
-                if transport is None or not transport.engine.acks.add(token):
+                # the consumer has stopped, the ack is landed here and now. After a lost
+                # connection it is landed off this thread (Celery's, reconnecting): it
+                # may keep trying for as long as a failover takes.
+                if transport is not None and transport.lost:
+                    transport.engine.land_acks([token], background=True)
+                elif transport is None or not transport.engine.acks.add(token):
                     self.channel.store.ack([token])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)

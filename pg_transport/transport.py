@@ -38,6 +38,7 @@ import psycopg
 from kombu.transport import virtual
 
 from pg_transport import failover, guard
+from pg_transport.backoff import BACKOFF
 from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options, warn_unknown_environment
@@ -54,6 +55,7 @@ from pg_transport.db.pool import Connector, mask_url, url_to_conninfo
 from pg_transport.db.pool import shared as shared_connector
 from pg_transport.db.url import first_port, seal, unseal
 from pg_transport.errors import (
+    BrokerRefused,
     BrokerUnavailable,
     BrokerUnreachable,
     SchemaError,
@@ -173,6 +175,7 @@ class Transport(virtual.Transport):
             max_message_bytes=self.options.max_message_bytes,
             follows_timeout=self.options.follows_timeout,
             follows_retention=self.options.follows_retention,
+            fenced_window=self.options.fenced_window,
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
@@ -229,12 +232,21 @@ class Transport(virtual.Transport):
         return url if include_password else mask_url(url)
 
     def establish_connection(self) -> Any:
-        ensure_schema(self.connector, self.options.schema, auto_migrate=self.options.auto_migrate)
-        # Prove the server answers now, so a bad URL fails at connect, not later.
-        with self.connector.connection() as conn:
-            conn.execute("SELECT 1")
-            if self.client is not None:  # with several hosts, the one that answered
-                self.client.port = int(conn.info.port)
+        # In a worker, a refusal before this one makes it wait first (backoff.py).
+        BACKOFF.wait()
+        try:
+            ensure_schema(
+                self.connector, self.options.schema, auto_migrate=self.options.auto_migrate
+            )
+            # Prove the server answers now, so a bad URL fails at connect, not later.
+            with self.connector.connection() as conn:
+                conn.execute("SELECT 1")
+                if self.client is not None:  # with several hosts, the one that answered
+                    self.client.port = int(conn.info.port)
+        except BrokerRefused as exc:
+            BACKOFF.refused(exc)
+            raise
+        BACKOFF.connected()
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
-from pg_transport.db.retry import FENCED, ONCE, attempt, is_dead_connection, is_refusal
+from pg_transport.db.retry import ONCE, Policy, attempt, is_dead_connection, is_refusal
 from pg_transport.db.url import mask_url, parse_url
 from pg_transport.errors import (
     BrokerRefused,
@@ -333,12 +333,12 @@ class Connector:
         work: Callable[[psycopg.Connection[Any]], T],
         *,
         idempotent: bool,
-        fenced: bool = False,
+        retry: Policy | None = None,
     ) -> T:
-        """Run ``work`` on a pooled connection: idempotent work under the ``ONCE``
-        policy, fenced work (ack, release, renew) under ``FENCED``
-        (:mod:`pg_transport.db.retry`), anything else once."""
-        policy = (FENCED if fenced else ONCE) if idempotent else None
+        """Run ``work`` on a pooled connection: idempotent work under ``retry`` (default:
+        the ``ONCE`` policy; fenced work, ack, release and renew, under its ``fenced``
+        policy: :mod:`pg_transport.db.retry`), anything else once."""
+        policy = (retry or ONCE) if idempotent else None
 
         def once() -> T:
             with self.connection() as conn:
