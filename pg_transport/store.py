@@ -225,8 +225,12 @@ class Store:
         """Push the visibility timeout of held messages to now + their vt; how many were
         still held. The leases the fencing refused (lapsed: the message was delivered
         again) are reported."""
+        return len(held) - len(self.renew_lost(held))
+
+    def renew_lost(self, held: Sequence[tuple[Lease, float]]) -> list[Lease]:
+        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported)."""
         if not held:
-            return 0
+            return []
         tokens = [t for t, _ in held]
         params = {**_lease_params(tokens), "vts": [vt for _, vt in held]}
 
@@ -234,8 +238,9 @@ class Store:
             return [row[0] for row in conn.execute(self.q["renew"], params).fetchall()]
 
         landed = self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
-        fencing.refused("renewal", fencing.refused_of(tokens, landed))
-        return len(landed)
+        lost = fencing.refused_of(tokens, landed)
+        fencing.refused("renewal", lost)
+        return lost
 
     def _fenced(self, name: str, tokens: Sequence[Lease]) -> list[int]:
         """Run the fenced statement ``name`` (RETURNING the ids it touched) on ``tokens``."""

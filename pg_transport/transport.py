@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from time import monotonic
 from typing import Any
 from urllib.parse import quote
@@ -372,7 +373,7 @@ class Transport(virtual.Transport):
             self._renewer = Housekeeper(
                 flush_acks=self.engine.flush_acks,
                 held=self.held,
-                renew=self.store.renew if self.options.lease_renewal else None,
+                renew=self.renew if self.options.lease_renewal else None,
                 maintain=self.maintain,
                 default_vt=self.options.visibility_timeout,
             )
@@ -394,6 +395,17 @@ class Transport(virtual.Transport):
         if monotonic() - self._results_reaped_at >= REAP_INTERVAL:
             self._results_reaped_at = monotonic()
             reap_expired(self.connector, self.options.schema)
+
+    def renew(self, held: Sequence[tuple[Lease, float]]) -> None:
+        """Renew ``held``; each channel's QoS learns which leases now run longer and
+        which are lost (a delivery whose lease lapsed is not started: guard.py)."""
+        sent = monotonic()
+        lost = {t.id for t in self.store.renew_lost(held)}
+        landed = {t.id for t, _ in held} - lost
+        for channel in list(self.channels):
+            qos = channel._qos
+            if qos is not None:
+                qos.renewed(landed, lost, sent)
 
     def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or

@@ -40,6 +40,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from time import monotonic
 
 import psycopg
 
@@ -77,6 +78,7 @@ class _InFlight:
     acks: list[Lease] = field(default_factory=list)
     queues: Sequence[str] = ()
     limit: int = 0
+    sent: float = 0.0
 
 
 class Engine:
@@ -120,6 +122,9 @@ class Engine:
         self._channels: dict[str, str] = {}
         # Delivered messages of an ordering key (ids): their acks ride on a claim.
         self._keyed: set[int] = set()
+        #: When the claim whose rows are being delivered was sent (monotonic): their
+        #: leases began no earlier (kombu's QoS counts their lapse from it).
+        self.claim_sent = monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -349,7 +354,7 @@ class Engine:
             self._keyed.discard(token.id)
         if want is not None:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
-            self._in_flight = _InFlight("claim", acks, queues, limit)
+            self._in_flight = _InFlight("claim", acks, queues, limit, sent=monotonic())
             session.send(
                 "claim",
                 claim_params(
@@ -440,6 +445,7 @@ class Engine:
             batch = [c for c in batch if not c.held]
         leased = flight.kind == "claim"
         if leased:
+            self.claim_sent = flight.sent
             self.track(batch)
         self.deliver_all(batch, leased=leased)
 
