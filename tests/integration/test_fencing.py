@@ -154,3 +154,30 @@ def test_pgq_health_shows_the_refusals_the_worker_counted(tmp_path: Path) -> Non
     found = health.check(path, 60)
     assert found.healthy
     assert "3 ack(s)" in found.message and "1 renewal(s)" in found.message
+
+
+def test_an_ack_after_a_lost_connection_waits_on_no_caller_and_lands_after_the_outage(
+    proxied_url: str, proxy: CuttingProxy, rows: Peek, schema: str
+) -> None:
+    with Connection(proxied_url, transport_options={"schema": schema}) as conn:
+        queue = conn.SimpleQueue("after-loss")
+        queue.put({"n": 1})
+        message = queue.get(timeout=10)
+        transport = conn.transport
+        proxy.crash()
+        # Celery collects a lost connection (and reconnects, on the thread that acks
+        # with the prefork pool): the ack must not hold that thread for the window.
+        transport._collect(conn.connection)
+        started = time.monotonic()
+        message.ack()
+        returned = time.monotonic() - started
+        assert returned < 1.0, f"the ack held its caller {returned:.1f}s"
+        # It keeps trying meanwhile, on a thread of its own: it lands once the server is back.
+        deadline = time.monotonic() + 30
+        while not proxy.refused:
+            assert time.monotonic() < deadline, "the ack never tried"
+            time.sleep(0.01)
+        proxy.recover()
+        while rows("SELECT count(*) FROM {schema}.message") != [(0,)]:
+            assert time.monotonic() < deadline, "the ack did not land after the outage"
+            time.sleep(0.05)
