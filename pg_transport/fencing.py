@@ -22,11 +22,11 @@ __all__ = ["counts", "refused", "refused_of"]
 logger = logging.getLogger("pg_transport.fencing")
 
 _lock = threading.Lock()
-_counts: dict[str, int] = {"ack": 0, "renewal": 0, "release": 0}
+_counts: dict[str, int] = {"ack": 0, "renewal": 0}
 
 
 def refused(what: str, tokens: Iterable[Lease]) -> int:
-    """Log and count the ``what`` (ack, renewal, release) of each of ``tokens``, which the
+    """Log and count the ``what`` (ack, renewal) of each of ``tokens``, which the
     fencing refused; how many there were."""
     n = 0
     for token in tokens:
@@ -46,7 +46,7 @@ def refused(what: str, tokens: Iterable[Lease]) -> int:
 
 
 def counts() -> dict[str, int]:
-    """Refusals in this process so far, by kind (ack, renewal, release)."""
+    """Refusals in this process so far, by kind (ack, renewal)."""
     with _lock:
         return dict(_counts)
 
