@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pg_transport.db.retry import FENCED_RETRY_SECONDS
 from pg_transport.errors import ConfigurationError
 from pg_transport.ordering import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 
@@ -235,6 +236,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "pool_idle_timeout": _seconds,
     "follows_timeout": _interval,
     "follows_retention": _seconds,
+    "fenced_retry_window": _seconds,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
@@ -274,6 +276,9 @@ class Options:
     follows_timeout: float = DEFAULT_FOLLOWS_TIMEOUT
     #: Seconds the end of a followed task is remembered for followers published later.
     follows_retention: float = DEFAULT_FOLLOWS_RETENTION
+    #: Seconds an ack, release or renewal keeps trying through an outage (a failover);
+    #: never less than the visibility timeouts (docs/high-availability.md).
+    fenced_retry_window: float = FENCED_RETRY_SECONDS
     #: Per queue, what a failure does to the rest of an ordering key: strict or relaxed.
     #: A queue not named keeps what the database says (strict unless set).
     queue_ordering: Mapping[str, str] = field(default_factory=dict)
@@ -281,6 +286,17 @@ class Options:
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
     env_queue_ordering: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def fenced_window(self) -> float:
+        """How long fenced statements retry: the option, and at least every lease (a
+        promotion within the lease then never costs a duplicate run)."""
+        vts = [
+            self.visibility_timeout,
+            *self.queue_visibility_timeouts.values(),
+            *self.env_queue_visibility_timeouts.values(),
+        ]
+        return max(self.fenced_retry_window, *vts)
 
     @classmethod
     def from_sources(

@@ -13,6 +13,10 @@ before Celery sees them. This module is the guarantee for the rest: a consumer b
 added to every worker whose broker is pgq, runs each hand-over under a guard. A raise
 gives the pool slot back and dead-letters the message with the exception as the reason;
 the worker goes on.
+
+The same guard does not start a task whose lease lapsed while it waited for the pool
+(a prefetched task of a worker cut off from Postgres: its renewals did not land, and
+another worker may be running it): it is dropped here, unacked.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from typing import Any
 from celery import bootsteps, signals
 from celery.worker import state
 
+from pg_transport import backoff
 from pg_transport.qos import QoS
 
-__all__ = ["DeliveryGuard", "connect", "guard"]
+__all__ = ["DeliveryGuard", "connect", "drop", "guard", "lapsed"]
 
 logger = logging.getLogger("pg_transport.guard")
 
@@ -49,6 +54,12 @@ def guard(consumer: Any) -> None:
         sem_run: Callable[[Any], Any] = run
 
         def guarded_run(request: Any) -> None:
+            if lapsed(request):
+                try:
+                    drop(request)
+                finally:
+                    semaphore.release()
+                return
             try:
                 sem_run(request)
             except Exception as exc:  # any raise: the task cannot run here
@@ -63,6 +74,9 @@ def guard(consumer: Any) -> None:
     else:
 
         def on_task_request(request: Any) -> Any:
+            if lapsed(request):
+                drop(request)
+                return None
             try:
                 return process(request)
             except Exception as exc:  # any raise: the task cannot run here
@@ -70,6 +84,40 @@ def guard(consumer: Any) -> None:
                 return None
 
     consumer.on_task_request = on_task_request
+
+
+def _qos_of(request: Any) -> QoS | None:
+    qos = getattr(getattr(getattr(request, "message", None), "channel", None), "qos", None)
+    return qos if isinstance(qos, QoS) else None
+
+
+def lapsed(request: Any) -> bool:
+    """Whether ``request``'s lease lapsed while it waited to start (no renewal landed in
+    time: the worker was cut off from Postgres, or one was refused). Never raises."""
+    try:
+        qos = _qos_of(request)
+        return qos is not None and qos.lapsed(request.message.delivery_tag)
+    except Exception:  # a bug here must not keep a task from running
+        logger.exception("pgq: could not check the lease of a task")
+        return False
+
+
+def drop(request: Any) -> None:
+    """Do not start ``request``: its message is no longer this worker's (another may be
+    running it). No ack: its row is left to whoever holds the lease now."""
+    logger.warning(
+        "pgq: task %s[%s] not started: its lease on message %s of queue %r lapsed while it "
+        "waited (no renewal landed: cut off from Postgres?); the message is delivered again",
+        getattr(request, "name", "?"),
+        getattr(request, "id", "?"),
+        request.message.delivery_tag,
+        request.message.delivery_info.get("pgq_queue"),
+    )
+    state.task_ready(request)
+    qos = _qos_of(request)
+    if qos is not None:
+        qos.drop(request.message.delivery_tag)
+    request.acknowledged = True  # (Celery's own mark: nothing more to ack)
 
 
 def refuse(request: Any, exc: BaseException) -> None:
@@ -119,6 +167,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         return
     if ours:
         sender.app.steps["consumer"].add(DeliveryGuard)
+        # A worker the broker refuses backs off (not the pool's children, nor clients).
+        backoff.enable()
 
 
 def connect() -> None:

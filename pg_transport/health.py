@@ -50,6 +50,8 @@ from typing import Any
 
 from celery import bootsteps
 
+from pg_transport import fencing
+
 __all__ = [
     "DEFAULT_STALE_SECONDS",
     "FILE_ENV",
@@ -191,6 +193,28 @@ class Heartbeat:
             self._info.update(stuck_since=since, waiting=waiting)
         self.start()
 
+    def broker_refused(self, since: float | None, why: str | None) -> None:
+        """Say in the file that the broker has refused this worker since ``since`` (wall
+        clock), for ``why`` (None: it is not refused). Written when it changes."""
+        if since == self._info.get("refused_since"):
+            return
+        if since is None:
+            self._info.pop("refused_since", None)
+            self._info.pop("refused_why", None)
+        else:
+            self._info.update(refused_since=since, refused_why=(why or "")[:500])
+        self.start()
+
+    def refused(self, counts: Mapping[str, int]) -> None:
+        """Say in the file how many acks and renewals the fencing refused in this process
+        (each a task that runs twice: :mod:`pg_transport.fencing`). Written when it
+        changes."""
+        found = {k: int(v) for k, v in counts.items() if v}
+        if found == (self._info.get("refused") or {}):
+            return
+        self._info["refused"] = found
+        self.start()
+
     def _write(self, text: str) -> tuple[int, int]:
         """Replace the file with ``text``; the (device, inode) of the file written.
 
@@ -314,6 +338,7 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.heartbeat = Heartbeat(heartbeat_path(os.environ))
+        _current[:] = [(os.getpid(), self.heartbeat)]
         self._timer: Any = None
         self._stuck = Stuck()
 
@@ -323,6 +348,7 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if found is not None:
             since = self._stuck.observe(*found, now=time.time())
             self.heartbeat.stuck(since, found[0])
+        self.heartbeat.refused(fencing.counts())
         self.heartbeat.beat()
 
     def start(self, c: Any) -> None:
@@ -358,6 +384,18 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def shutdown(self, c: Any) -> None:
         self.stop(c)
         self.heartbeat.clear()
+
+
+# The heartbeat of this process's worker (pid, heartbeat), once its step is built.
+_current: list[tuple[int, Heartbeat]] = []
+
+
+def broker_refused(since: float | None, why: str | None) -> None:
+    """The broker refuses this worker since ``since`` (None: no more): its heartbeat file
+    says so, and ``pgq health`` fails while it does (:mod:`pg_transport.backoff`)."""
+    for pid, heartbeat in list(_current):
+        if pid == os.getpid():
+            heartbeat.broker_refused(since, why)
 
 
 def install(app: Any) -> None:
@@ -397,6 +435,15 @@ def check(path: Path, stale_after: float, *, now: float | None = None) -> Health
     info = _info(path)
     who = _who(info)
     stuck = _stuck_for(info, now)
+    refused = info.get("refused_since")
+    if isinstance(refused, (int, float)) and not isinstance(refused, bool):
+        return Health(
+            False,
+            f"worker{who} has been refused by the broker for "
+            f"{max(0.0, now - float(refused)):.1f}s: {str(info.get('refused_why'))[:500]} "
+            f"(heartbeat {path})",
+            age,
+        )
     if stuck is not None and stuck > stale_after:
         return Health(
             False,
@@ -412,7 +459,26 @@ def check(path: Path, stale_after: float, *, now: float | None = None) -> Health
             f"heartbeat {path})",
             age,
         )
-    return Health(True, f"worker{who} consumed {age:.1f}s ago (stale after {stale_after:g}s)", age)
+    return Health(
+        True,
+        f"worker{who} consumed {age:.1f}s ago (stale after {stale_after:g}s){_refused(info)}",
+        age,
+    )
+
+
+def _refused(info: dict[str, Any]) -> str:
+    """What the heartbeat file says the fencing refused (each a task run twice)."""
+    found = info.get("refused")
+    if not isinstance(found, dict):
+        return ""
+    parts = [
+        f"{n} {what}(s)"
+        for what, n in sorted(found.items())
+        if what in ("ack", "renewal") and isinstance(n, int) and not isinstance(n, bool) and n > 0
+    ]
+    if not parts:
+        return ""
+    return f"; refused by the fencing (lease lapsed, task run again): {', '.join(parts)}"
 
 
 def _info(path: Path) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from time import monotonic
 from typing import Any
 
 import psycopg
@@ -36,7 +37,14 @@ def lease_of(message: Any) -> Lease:
     """The fencing token of a delivered kombu message."""
     info = message.delivery_info
     ident, lease = info[TOKEN]
-    return Lease(int(ident), int(lease), str(info["pgq_queue"]))
+    headers = getattr(message, "headers", None)
+    task = headers.get("id") if isinstance(headers, dict) else None
+    if not isinstance(task, str):
+        props = getattr(message, "properties", None)
+        task = props.get("correlation_id") if isinstance(props, dict) else None
+    return Lease(
+        int(ident), int(lease), str(info["pgq_queue"]), task if isinstance(task, str) else None
+    )
 
 
 class Message(virtual.Message):
@@ -66,18 +74,48 @@ class QoS(virtual.QoS):
     def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
         self._held: dict[str, tuple[Lease, float]] = {}
+        # When each held lease lapses, as far as this process knows (monotonic clock):
+        # the claim's time + vt, pushed on by every renewal that landed; -inf once a
+        # renewal was refused (the message is someone else's now).
+        self._expires: dict[str, float] = {}
         self._held_lock = threading.Lock()
 
     def append(self, message: Any, delivery_tag: str) -> None:
         token = lease_of(message)
         vt = self.channel.visibility_timeout(token.queue)
+        transport = self.channel.connection
+        claimed_at = transport.engine.claim_sent if transport is not None else monotonic()
         with self._held_lock:
             self._held[delivery_tag] = (token, vt)
+            self._expires[delivery_tag] = claimed_at + vt
         super().append(message, delivery_tag)
+
+    def renewed(self, landed: Collection[int], lost: Collection[int], sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` landed for the row ids ``landed`` (their leases
+        now run until ``sent_at`` + vt) and was refused for ``lost``."""
+        with self._held_lock:
+            for tag, (token, vt) in self._held.items():
+                if token.id in lost:
+                    self._expires[tag] = float("-inf")
+                elif token.id in landed:
+                    self._expires[tag] = max(self._expires.get(tag, 0.0), sent_at + vt)
+
+    def lapsed(self, delivery_tag: str) -> bool:
+        """Whether the lease of a held delivery has lapsed, as far as this process knows
+        (no renewal landed in time, or one was refused): another worker may run it."""
+        with self._held_lock:
+            expires = self._expires.get(delivery_tag)
+        return expires is not None and monotonic() >= expires
+
+    def drop(self, delivery_tag: str) -> None:
+        """Forget a delivery whose lease lapsed, without acking it (it is not ours any
+        more); its prefetch slot is free again."""
+        self._forget(delivery_tag)
 
     def _forget(self, delivery_tag: str) -> None:
         with self._held_lock:
             self._held.pop(delivery_tag, None)
+            self._expires.pop(delivery_tag, None)
         self._quick_ack(delivery_tag)
         transport = self.channel.connection
         if transport is not None:
@@ -112,8 +150,12 @@ class QoS(virtual.QoS):
                 token = held[0]
                 transport = self.channel.connection
                 # Rides on the consumer's next claim (woken by _forget below); once
-                # the consumer has stopped, the ack is landed here and now.
-                if transport is None or not transport.engine.acks.add(token):
+                # the consumer has stopped, the ack is landed here and now. After a lost
+                # connection it is landed off this thread (Celery's, reconnecting): it
+                # may keep trying for as long as a failover takes.
+                if transport is not None and transport.lost:
+                    transport.engine.land_acks([token], background=True)
+                elif transport is None or not transport.engine.acks.add(token):
                     self.channel.store.ack([token])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)
@@ -212,6 +254,7 @@ class QoS(virtual.QoS):
         self._flush()
         with self._held_lock:
             held, self._held = self._held, {}
+            self._expires.clear()
         self._delivered.clear()
         tokens = [h[0] for h in held.values()]
         try:

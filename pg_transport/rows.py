@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
     "FOLLOWS_MISSING",
     "HELD",
+    "REFUSED",
     "Claimed",
     "Lease",
     "decode_claimed",
@@ -26,16 +27,20 @@ __all__ = [
 
 #: The claim's notes (its ninth column).
 HELD = "held"
+#: An ack the claim carried that the fencing refused (not a delivery).
+REFUSED = "refused"
 FOLLOWS_MISSING = "follows-missing"
 
 
 @dataclass(frozen=True)
 class Lease:
-    """The fencing token of one delivery: row id, grant and queue."""
+    """The fencing token of one delivery: row id, grant and queue (and, known only to
+    the consumer that holds it, the task id of its message, for what it logs)."""
 
     id: int
     lease: int
     queue: str
+    task: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,11 @@ class Claimed:
     def held(self) -> bool:
         """Held back by the claim (ordering): not a delivery, nothing to ack."""
         return self.note == HELD
+
+    @property
+    def refused(self) -> bool:
+        """An ack the claim carried and the fencing refused: no delivery, a report."""
+        return self.note == REFUSED
 
     @property
     def token(self) -> Lease:

@@ -5,8 +5,9 @@ acks, releases, renews and dead-letters (the consumer's statements), declares qu
 exchanges and bindings, and counts and purges; publishing is its :attr:`Store.publisher`'s
 (:mod:`pg_transport.publish.publisher`). Statements that are safe to repeat (ack,
 release, renew, dead-lettering) are retried on a fresh connection after a
-dead-connection error (ack, release and renew through a short outage: see
-:data:`~pg_transport.db.retry.FENCED`).
+dead-connection error (ack, release and renew through an outage as long as a failover:
+see :func:`~pg_transport.db.retry.fenced`). An ack or renewal the fencing refused is
+reported (:mod:`pg_transport.fencing`).
 
 A delivered message's fencing token is its :class:`~pg_transport.rows.Lease`: the row
 id, the grant it was delivered under (the ``lease`` column, bumped by every claim and
@@ -25,8 +26,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport import ordering
+from pg_transport import fencing, ordering
 from pg_transport.db.pool import Connector
+from pg_transport.db.retry import FENCED_RETRY_SECONDS, fenced
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
 from pg_transport.publish.publisher import DEFAULT_MAX_MESSAGE_BYTES, Publisher
@@ -65,6 +67,7 @@ class Store:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
         follows_retention: float = ordering.DEFAULT_FOLLOWS_RETENTION,
+        fenced_window: float = FENCED_RETRY_SECONDS,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
@@ -73,8 +76,11 @@ class Store:
         flush (``durable_publish``). ``max_message_bytes`` bounds a published message's
         JSON text and the payload a claim brings at once. ``follows_timeout`` is how long
         a follower published here waits unless it says; ``follows_retention`` how long
-        housekeeping keeps the end of a followed task (docs/ordering.md)."""
+        housekeeping keeps the end of a followed task (docs/ordering.md).
+        ``fenced_window``: how long an ack, release or renewal keeps trying through an
+        outage (docs/high-availability.md)."""
         self.connector = connector
+        self.fenced_window = fenced_window
         self.relaxed = relaxed or connector
         self.max_message_bytes = max_message_bytes
         self.follows_retention = follows_retention
@@ -91,6 +97,16 @@ class Store:
         )
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])
+
+    @property
+    def fenced_window(self) -> float:
+        """Seconds an ack, release or renewal keeps trying through an outage."""
+        return self._fenced_window
+
+    @fenced_window.setter
+    def fenced_window(self, seconds: float) -> None:
+        self._fenced_window = seconds
+        self._fenced_policy = fenced(seconds)
 
     def channel(self, queue: str) -> str:
         """The wake-up channel of ``queue``."""
@@ -138,6 +154,10 @@ class Store:
 
             found_rows = self.relaxed.run(work, idempotent=False, statement=True)
             batch = [decode_claimed(row) for row in found_rows]
+            if acks:
+                refused = {c.id for c in batch if c.refused}
+                fencing.refused("ack", [t for t in acks if t.id in refused])
+                batch = [c for c in batch if not c.refused]
             acks = ()
             delivered = [c for c in batch if not c.held]
             found += delivered
@@ -180,35 +200,60 @@ class Store:
         )
 
     def ack(self, tokens: Sequence[Lease]) -> int:
-        """Delete delivered messages still held under ``tokens``; how many were."""
-        return self._fenced("ack", tokens)
+        """Delete delivered messages still held under ``tokens``; how many were. Those
+        no longer held (the fencing refused their ack) are reported."""
+        landed = self._fenced("ack", tokens)
+        fencing.refused("ack", fencing.refused_of(tokens, landed))
+        return len(landed)
 
     def release(self, tokens: Sequence[Lease], *, failed: bool = False) -> int:
         """Make held messages visible now (requeue); how many were still held. ``failed``
         (a reject with requeue): in a relaxed queue, a message of an ordering key goes to
         the back of its key."""
-        return self._fenced("release", tokens, channel_prefix=self.channel_prefix, failed=failed)
-
-    def renew(self, held: Sequence[tuple[Lease, float]]) -> int:
-        """Push the visibility timeout of held messages to now + their vt."""
-        if not held:
-            return 0
-        params = {**_lease_params([t for t, _ in held]), "vts": [vt for _, vt in held]}
-
-        def work(conn: psycopg.Connection[Any]) -> int:
-            return conn.execute(self.q["renew"], params).rowcount
-
-        return self.relaxed.run(work, idempotent=True, fenced=True)
-
-    def _fenced(self, name: str, tokens: Sequence[Lease], **extra: Any) -> int:
+        params = {
+            **_lease_params(tokens),
+            "channel_prefix": self.channel_prefix,
+            "failed": failed,
+        }
         if not tokens:
             return 0
-        params = {**_lease_params(tokens), **extra}
 
         def work(conn: psycopg.Connection[Any]) -> int:
-            return conn.execute(self.q[name], params).rowcount
+            return conn.execute(self.q["release"], params).rowcount
 
-        return self.relaxed.run(work, idempotent=True, fenced=True)
+        return self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
+
+    def renew(self, held: Sequence[tuple[Lease, float]]) -> int:
+        """Push the visibility timeout of held messages to now + their vt; how many were
+        still held. The leases the fencing refused (lapsed: the message was delivered
+        again) are reported."""
+        return len(held) - len(self.renew_lost(held))
+
+    def renew_lost(self, held: Sequence[tuple[Lease, float]]) -> list[Lease]:
+        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported)."""
+        if not held:
+            return []
+        tokens = [t for t, _ in held]
+        params = {**_lease_params(tokens), "vts": [vt for _, vt in held]}
+
+        def work(conn: psycopg.Connection[Any]) -> list[int]:
+            return [row[0] for row in conn.execute(self.q["renew"], params).fetchall()]
+
+        landed = self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
+        lost = fencing.refused_of(tokens, landed)
+        fencing.refused("renewal", lost)
+        return lost
+
+    def _fenced(self, name: str, tokens: Sequence[Lease]) -> list[int]:
+        """Run the fenced statement ``name`` (RETURNING the ids it touched) on ``tokens``."""
+        if not tokens:
+            return []
+        params = _lease_params(tokens)
+
+        def work(conn: psycopg.Connection[Any]) -> list[int]:
+            return [row[0] for row in conn.execute(self.q[name], params).fetchall()]
+
+        return self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
 
     def dead_letter(self, token: Lease, reason: str) -> int | None:
         """Move a held message to dead_letter; the dead-letter id, or None if not held."""

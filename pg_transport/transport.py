@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from time import monotonic
 from typing import Any
 from urllib.parse import quote
@@ -38,6 +39,7 @@ import psycopg
 from kombu.transport import virtual
 
 from pg_transport import failover, guard
+from pg_transport.backoff import BACKOFF
 from pg_transport.channel import EXCHANGE_TYPES, PUBLISH_ID
 from pg_transport.channel import Channel as PgChannel
 from pg_transport.config import Options, warn_unknown_environment
@@ -54,6 +56,7 @@ from pg_transport.db.pool import Connector, mask_url, url_to_conninfo
 from pg_transport.db.pool import shared as shared_connector
 from pg_transport.db.url import first_port, seal, unseal
 from pg_transport.errors import (
+    BrokerRefused,
     BrokerUnavailable,
     BrokerUnreachable,
     SchemaError,
@@ -173,6 +176,7 @@ class Transport(virtual.Transport):
             max_message_bytes=self.options.max_message_bytes,
             follows_timeout=self.options.follows_timeout,
             follows_retention=self.options.follows_retention,
+            fenced_window=self.options.fenced_window,
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
@@ -229,12 +233,21 @@ class Transport(virtual.Transport):
         return url if include_password else mask_url(url)
 
     def establish_connection(self) -> Any:
-        ensure_schema(self.connector, self.options.schema, auto_migrate=self.options.auto_migrate)
-        # Prove the server answers now, so a bad URL fails at connect, not later.
-        with self.connector.connection() as conn:
-            conn.execute("SELECT 1")
-            if self.client is not None:  # with several hosts, the one that answered
-                self.client.port = int(conn.info.port)
+        # In a worker, a refusal before this one makes it wait first (backoff.py).
+        BACKOFF.wait()
+        try:
+            ensure_schema(
+                self.connector, self.options.schema, auto_migrate=self.options.auto_migrate
+            )
+            # Prove the server answers now, so a bad URL fails at connect, not later.
+            with self.connector.connection() as conn:
+                conn.execute("SELECT 1")
+                if self.client is not None:  # with several hosts, the one that answered
+                    self.client.port = int(conn.info.port)
+        except BrokerRefused as exc:
+            BACKOFF.refused(exc)
+            raise
+        BACKOFF.connected()
         return super().establish_connection()
 
     def close_connection(self, connection: Any) -> None:
@@ -360,7 +373,7 @@ class Transport(virtual.Transport):
             self._renewer = Housekeeper(
                 flush_acks=self.engine.flush_acks,
                 held=self.held,
-                renew=self.store.renew if self.options.lease_renewal else None,
+                renew=self.renew if self.options.lease_renewal else None,
                 maintain=self.maintain,
                 default_vt=self.options.visibility_timeout,
             )
@@ -382,6 +395,17 @@ class Transport(virtual.Transport):
         if monotonic() - self._results_reaped_at >= REAP_INTERVAL:
             self._results_reaped_at = monotonic()
             reap_expired(self.connector, self.options.schema)
+
+    def renew(self, held: Sequence[tuple[Lease, float]]) -> None:
+        """Renew ``held``; each channel's QoS learns which leases now run longer and
+        which are lost (a delivery whose lease lapsed is not started: guard.py)."""
+        sent = monotonic()
+        lost = {t.id for t in self.store.renew_lost(held)}
+        landed = {t.id for t, _ in held} - lost
+        for channel in list(self.channels):
+            qos = channel._qos
+            if qos is not None:
+                qos.renewed(landed, lost, sent)
 
     def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or

@@ -11,6 +11,9 @@ ambiguous commit, made on demand. Use it with ``sslmode=disable`` (it reads the 
 :meth:`CuttingProxy.pause` holds every byte in both directions (a network partition:
 what a standby streaming through it has not received yet, it will not have);
 :meth:`CuttingProxy.resume` lets them through again, :meth:`CuttingProxy.close` drops them.
+:meth:`CuttingProxy.crash` is a server that went away: every connection through the
+proxy is closed and new ones are closed at once (each refusal's time is kept in
+:attr:`CuttingProxy.refused`) until :meth:`CuttingProxy.recover`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from types import TracebackType
 
 __all__ = ["CuttingProxy"]
@@ -42,6 +46,9 @@ class CuttingProxy:
         self._closed = False
         self._flowing = threading.Event()
         self._flowing.set()
+        self._down = False
+        #: When each connection attempt was refused during a crash (time.monotonic).
+        self.refused: list[float] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self, n: int = 1) -> None:
@@ -56,12 +63,30 @@ class CuttingProxy:
     def resume(self) -> None:
         self._flowing.set()
 
+    def crash(self) -> None:
+        """Close every connection through the proxy; refuse new ones until recover()."""
+        self._down = True
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def recover(self) -> None:
+        self._down = False
+
     def _accept(self) -> None:
         while True:
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._down:
+                with self._lock:
+                    self.refused.append(time.monotonic())
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream)
             except OSError:

@@ -40,10 +40,11 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from time import monotonic
 
 import psycopg
 
-from pg_transport import ordering
+from pg_transport import fencing, ordering
 from pg_transport.consume import envelope
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.listener import Listener
@@ -78,6 +79,7 @@ class _InFlight:
     acks: list[Lease] = field(default_factory=list)
     queues: Sequence[str] = ()
     limit: int = 0
+    sent: float = 0.0
 
 
 class Engine:
@@ -121,6 +123,9 @@ class Engine:
         self._channels: dict[str, str] = {}
         # Delivered messages of an ordering key (ids): their acks ride on a claim.
         self._keyed: set[int] = set()
+        #: When the claim whose rows are being delivered was sent (monotonic): their
+        #: leases began no earlier (kombu's QoS counts their lapse from it).
+        self.claim_sent = monotonic()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -156,10 +161,12 @@ class Engine:
         if flight is not None:
             reply = self.session.finish(timeout=RETIRE_TIMEOUT)
             if reply is not None and reply.rows is not None:
-                flight.acks = []  # landed with the statement
                 if flight.kind == "claim":
-                    claimed = [decode_claimed(row) for row in reply.rows]
+                    claimed = self._landed(flight, [decode_claimed(r) for r in reply.rows])
                     self.release([c for c in claimed if not c.held])
+                elif flight.kind == "ack":
+                    self._acked(flight, reply.rows)
+                flight.acks = []  # landed with the statement
         self._abandon_in_flight()
         self.session.close()
 
@@ -169,7 +176,9 @@ class Engine:
         self.stop()
         if self.listener is not None:
             self.listener.close()
-        self.land_acks(self.acks.close())
+        # Off this thread (Celery's, reconnecting): through a failover these acks keep
+        # trying for the fenced window; the close below waits for them a moment only.
+        self.land_acks(self.acks.close(), background=True)
         self.undeliverable.close()
         self.pipe.close()
 
@@ -357,7 +366,7 @@ class Engine:
             self._keyed.discard(token.id)
         if want is not None:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
-            self._in_flight = _InFlight("claim", acks, queues, limit)
+            self._in_flight = _InFlight("claim", acks, queues, limit, sent=monotonic())
             session.send(
                 "claim",
                 claim_params(
@@ -430,13 +439,15 @@ class Engine:
     # -- what came back ----------------------------------------------------------------
     def _finished(self, rows: list[Row]) -> None:
         flight, self._in_flight = self._in_flight, None
+        if flight is not None and flight.kind == "ack":
+            self._acked(flight, rows)
         if flight is None or flight.kind in ("listen", "ack"):
             return
         if flight.kind == "next_due":
             due = rows[0][0] if rows else None
             self._arm_due(None if due is None else float(due))
             return
-        batch = [decode_claimed(row) for row in rows]
+        batch = self._landed(flight, [decode_claimed(row) for row in rows])
         # Rows an ordered queue held back count: a claim they filled is not short.
         if len(batch) < flight.limit:
             self.exhausted.update(flight.queues)
@@ -446,8 +457,25 @@ class Engine:
             batch = [c for c in batch if not c.held]
         leased = flight.kind == "claim"
         if leased:
+            self.claim_sent = flight.sent
             self.track(batch)
         self.deliver_all(batch, leased=leased)
+
+    @staticmethod
+    def _landed(flight: _InFlight, batch: list[Claimed]) -> list[Claimed]:
+        """A claim's rows but the acks it carried that the fencing refused (reported)."""
+        if not flight.acks:
+            return batch
+        refused = {c.id for c in batch if c.refused}
+        if refused:
+            fencing.refused("ack", [t for t in flight.acks if t.id in refused])
+        return [c for c in batch if not c.refused]
+
+    @staticmethod
+    def _acked(flight: _InFlight, rows: list[Row]) -> None:
+        """Acks sent alone: those missing from the ids deleted were refused (reported)."""
+        landed = [int(row[0]) for row in rows if row[0] is not None]
+        fencing.refused("ack", fencing.refused_of(flight.acks, landed))
 
     def track(self, batch: Sequence[Claimed]) -> None:
         """Lease a claimed batch until kombu takes each message (see :meth:`held`)."""
@@ -520,8 +548,17 @@ class Engine:
         """Land every buffered ack now (housekeeping: the driver may be busy)."""
         self.land_acks(self.acks.take())
 
-    def land_acks(self, tokens: list[Lease]) -> None:
+    def land_acks(self, tokens: list[Lease], *, background: bool = False) -> None:
+        """Ack ``tokens`` on a connection of their own. Through an outage that keeps
+        trying for the fenced window (as long as a failover may take): from the driver's
+        thread (``background``, or called on it) the undeliverable thread does it, so the
+        loop, and Celery's reconnect, never wait for it."""
         if not tokens:
+            return
+        if background or self.on_loop_thread():
+            self.undeliverable.later(
+                f"ack of {len(tokens)} messages", lambda: self.store.ack(tokens)
+            )
             return
         try:
             self.store.ack(tokens)
@@ -536,4 +573,5 @@ class Engine:
     def _abandon_in_flight(self) -> None:
         flight, self._in_flight = self._in_flight, None
         if flight is not None and flight.acks:
-            self.land_acks(self.acks.put_back(flight.acks))
+            # Called where the session died: on the driver's thread, which must not wait.
+            self.land_acks(self.acks.put_back(flight.acks), background=True)

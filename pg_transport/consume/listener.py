@@ -12,7 +12,9 @@ A notification is a hint, never data (as on the consumer's own session, see
 
 When the connection is lost the consumer goes on polling, with a warning; the listener
 connects again (every :data:`RECONNECT_INTERVAL` seconds) and, once it listens again,
-marks every channel as notified: what was published meanwhile is claimed at once.
+marks every channel as notified: what was published meanwhile is claimed at once. A
+refusal (``listen_url`` leading to a pooler, a wrong password) is said at every try, with
+what is wrong, and the tries back off (doubling, at most :data:`MAX_REFUSED_INTERVAL`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import psycopg
 from pg_transport.consume.session import Notifications
 from pg_transport.db import waits
 from pg_transport.db.pool import Connector
-from pg_transport.errors import PgqError
+from pg_transport.errors import BrokerRefused, PgqError, PoolerDetected
 from pg_transport.sql import compose_channel, load_queries
 
 __all__ = ["RECONNECT_INTERVAL", "Listener"]
@@ -37,6 +39,13 @@ logger = logging.getLogger("pg_transport.consume")
 
 #: Seconds between two attempts to open the listening connection again.
 RECONNECT_INTERVAL = 2.0
+#: The longest wait between two attempts after refusals (doubling from RECONNECT_INTERVAL).
+MAX_REFUSED_INTERVAL = 60.0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class Listener:
@@ -57,6 +66,8 @@ class Listener:
         self.listening = False
         #: Times the connection was lost (or could not be opened) since the start.
         self.losses = 0
+        #: Refusals in a row (a pooler, a password): each doubles the wait.
+        self.refusals = 0
 
     def want(self, channels: set[str]) -> None:
         """Listen on ``channels`` too (from the driver's thread: never waits)."""
@@ -98,9 +109,9 @@ class Listener:
             try:
                 conn = self.connector.connect()
             except (psycopg.Error, PgqError) as exc:
-                self._lost(exc)
-                self._stop.wait(RECONNECT_INTERVAL)
+                self._stop.wait(self._lost(exc))
                 continue
+            self.refusals = 0
             try:
                 self._serve(conn, announce=not first)
             except psycopg.Error as exc:
@@ -111,14 +122,37 @@ class Listener:
             first = False
             self._stop.wait(RECONNECT_INTERVAL)
 
-    def _lost(self, exc: BaseException) -> None:
+    def _lost(self, exc: BaseException) -> float:
+        """Say what happened (when it is news); the seconds to wait before the next try."""
         self.losses += 1
+        if isinstance(exc, BrokerRefused):
+            # The same answer every time (a pooler, a password): back off, one line a step.
+            self.refusals += 1
+            delay = float(min(RECONNECT_INTERVAL * 2 ** (self.refusals - 1), MAX_REFUSED_INTERVAL))
+            if isinstance(exc, PoolerDetected):
+                why = (
+                    f"listen_url {self.connector.display_url} leads to a connection pooler, "
+                    "not to Postgres itself: LISTEN needs a session of its own. Point "
+                    "listen_url at Postgres directly (use_notify=false stays right for the "
+                    "other connections)"
+                )
+            else:
+                why = f"listen_url refused: {_first_line(exc)}"
+            logger.warning(
+                "pgq: %s; idle consumers poll every polling_interval meanwhile; next try in "
+                "%gs (refused %d times in a row)",
+                why,
+                delay,
+                self.refusals,
+            )
+            return delay
         if self.losses == 1 or self.listening:
             logger.warning(
                 "pgq: the listening connection (listen_url) is lost (%s): idle consumers "
                 "poll every polling_interval until it is back",
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                _first_line(exc),
             )
+        return RECONNECT_INTERVAL
 
     def _serve(self, conn: psycopg.Connection[Any], *, announce: bool) -> None:
         notes = Notifications()

@@ -27,7 +27,6 @@ import psycopg
 from psycopg import conninfo as pg_conninfo
 
 from pg_transport.db.retry import (
-    FENCED,
     ONCE,
     ROLLED_BACK,
     Policy,
@@ -363,16 +362,16 @@ class Connector:
         work: Callable[[psycopg.Connection[Any]], T],
         *,
         idempotent: bool,
-        fenced: bool = False,
+        retry: Policy | None = None,
         statement: bool = False,
     ) -> T:
-        """Run ``work`` on a pooled connection: idempotent work under the ``ONCE``
-        policy, fenced work (ack, release, renew) under ``FENCED``
-        (:mod:`pg_transport.db.retry`); other work that is one statement in a transaction
-        of its own (``statement``) again only when the server rolled it back whole
-        (``ROLLED_BACK``: a deadlock); anything else once."""
+        """Run ``work`` on a pooled connection: idempotent work under ``retry`` (default:
+        the ``ONCE`` policy; fenced work, ack, release and renew, under its ``fenced``
+        policy: :mod:`pg_transport.db.retry`); other work that is one statement in a
+        transaction of its own (``statement``) again only when the server rolled it back
+        whole (``ROLLED_BACK``: a deadlock); anything else once."""
         if idempotent:
-            policy: Policy | None = FENCED if fenced else ONCE
+            policy: Policy | None = retry or ONCE
         else:
             policy = ROLLED_BACK if statement else None
 

@@ -9,8 +9,10 @@ tenacity ``Retrying`` factory, and :func:`attempt` is the one way to run work un
 
 - :data:`ONCE`: idempotent work (or work a key makes so), once more on a fresh
   connection after a dead one.
-- :data:`FENCED`: ack, release and renew, through a short outage: they are safe to land
-  late (the lease fences them), and an ack given up on is a duplicate run later.
+- :func:`fenced` (:data:`FENCED` with the default window): ack, release and renew,
+  through an outage as long as a failover: they are safe to land late (the lease fences
+  them), and an ack given up on is a duplicate run later. The window follows the
+  deployment (the ``fenced_retry_window`` option, never shorter than the leases).
 - :data:`TRANSIENT`: work in a worker's hooks (a barrier's), which has no caller to
   report to: with backoff, for a while.
 - :data:`CREATED_MEANWHILE`: creating the schema, which another process created first
@@ -37,11 +39,13 @@ from pg_transport.errors import BrokerUnavailable, BrokerUnreachable
 __all__ = [
     "CREATED_MEANWHILE",
     "FENCED",
+    "FENCED_RETRY_SECONDS",
     "ONCE",
     "ROLLED_BACK",
     "TRANSIENT",
     "Policy",
     "attempt",
+    "fenced",
     "is_dead_connection",
     "is_refusal",
     "rolled_back",
@@ -120,19 +124,31 @@ ONCE = Policy(
     ),
 )
 
-# A server restart refuses connections for well under a second ("the database system
-# is shutting down", then "connection refused"); these retries span it.
-FENCED_RETRY_SECONDS = 5.0
-FENCED = Policy(
-    "fenced",
-    _dead_or_unreachable,
-    lambda: Retrying(
-        retry=retry_if_exception(_dead_or_unreachable),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        stop=stop_after_delay(FENCED_RETRY_SECONDS),
-        reraise=True,
-    ),
-)
+# How long an ack, release or renewal keeps trying through an outage, by default. A
+# restart is over in well under a second; a failover is not: a failover manager promotes
+# a standby only once the primary's leader key expired and it next looked (Patroni's
+# defaults, ttl 30 s and loop_wait 10 s: up to about 40 s after the crash). A fenced
+# statement landing late is safe (its lease fences it); one given up on is a duplicate
+# run. The transport never uses less than its visibility timeout (the lease): a
+# promotion within the lease never costs a duplicate.
+FENCED_RETRY_SECONDS = 60.0
+
+
+def fenced(seconds: float = FENCED_RETRY_SECONDS) -> Policy:
+    """The policy of fenced statements, retrying dead connections for ``seconds``."""
+    return Policy(
+        f"fenced-{seconds:g}s",
+        _dead_or_unreachable,
+        lambda: Retrying(
+            retry=retry_if_exception(_dead_or_unreachable),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(seconds),
+            reraise=True,
+        ),
+    )
+
+
+FENCED = fenced()
 
 # A statement rolled back by a deadlock or a serialization failure (one transaction of
 # its own, so nothing of it took effect): tried again at once, a few times.

@@ -341,6 +341,15 @@ FROM (
     SELECT held.id, held.queue, held.priority, held.read_ct, 0, NULL::json, NULL::bigint,
            NULL::text, 'held', 1, held.visible_at
     FROM held
+    UNION ALL
+    -- Acks this statement carried that deleted nothing: refused by the fencing (the
+    -- lease lapsed and the message was claimed again, or released).
+    SELECT a.id, a.queue, 0, 0, a.lease, NULL::json, NULL::bigint, NULL::text, 'refused',
+           2, NULL::timestamptz
+    FROM ROWS FROM (pg_catalog.unnest(%(ack_ids)s::bigint[]),
+                    pg_catalog.unnest(%(ack_leases)s::integer[]),
+                    pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
+    WHERE a.id <> ALL(ARRAY(SELECT id FROM acked))
 ) AS r
 ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 
@@ -429,12 +438,14 @@ FROM popped JOIN picked ON picked.id = popped.id LEFT JOIN dead ON dead.message_
 ORDER BY picked.priority DESC, picked.visible_at, picked.id
 
 -- name: ack
--- Delete delivered messages, fenced by the lease each was granted with and its queue.
+-- Delete delivered messages, fenced by the lease each was granted with and its queue;
+-- the ids deleted (an ack missing from them was refused: its lease had lapsed).
 DELETE FROM {schema}.message AS m
 USING ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
                  pg_catalog.unnest(%(leases)s::integer[]),
                  pg_catalog.unnest(%(queues)s::text[])) AS a(id, lease, queue)
 WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+RETURNING m.id
 
 -- name: release
 -- Make claimed messages visible again now (requeue), fenced by lease and queue, and
@@ -465,7 +476,8 @@ SELECT pg_catalog.pg_notify(
 FROM (SELECT DISTINCT queue FROM released) AS q
 
 -- name: renew
--- Extend the visibility timeout of messages this consumer still holds (lease, queue).
+-- Extend the visibility timeout of messages this consumer still holds (lease, queue);
+-- the ids renewed (one missing was refused: its lease had lapsed).
 UPDATE {schema}.message AS m
 SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => a.vt)
 FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
@@ -473,6 +485,7 @@ FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
                 pg_catalog.unnest(%(queues)s::text[]),
                 pg_catalog.unnest(%(vts)s::float8[])) AS a(id, lease, queue, vt)
 WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+RETURNING m.id
 
 -- name: dead_letter
 -- Move one claimed message to dead_letter with a reason, fenced by lease and queue.

@@ -146,3 +146,27 @@ def test_listen_url_is_for_use_notify_off(broker_url: str, schema: str) -> None:
         Connection(
             broker_url, transport_options={"schema": schema, "listen_url": broker_url}
         ).connect()
+
+
+def test_listen_url_pointed_at_the_pooler_says_so_and_backs_off(
+    bouncer: Bouncer, schema: str, rows: Peek, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pg_transport.consume")
+    options = {"schema": schema, "use_notify": False, "listen_url": bouncer.url("pgq")}
+    queue = Queue("misdirected", Exchange("misdirected"), "r")
+    with consuming(bouncer.url("pgq"), options, queue):
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "listen_url" in r.getMessage()]
+
+        # Two refusals: 2 s apart (the first back-off step), then a wait twice as long.
+        deadline = time.monotonic() + 30
+        while len(said()) < 2:
+            assert time.monotonic() < deadline, said()
+            time.sleep(0.05)
+    first, second = said()[:2]
+    for line in (first, second):
+        # What is wrong (the URL leads to a pooler), not the setting already made.
+        assert "leads to a connection pooler" in line and "Postgres directly" in line, line
+        assert "Set the transport option use_notify=false" not in line, line
+    assert "next try in 2s" in first and "next try in 4s" in second, (first, second)

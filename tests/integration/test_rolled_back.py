@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from pg_transport.db.pool import Connector
-from pg_transport.db.retry import rolled_back
+from pg_transport.db.retry import fenced, rolled_back
 
 DEADLOCK = (
     "DO $$ BEGIN RAISE EXCEPTION 'deadlock detected (test)' "
@@ -41,13 +41,13 @@ def flaky(fail_with: str, failures: int, calls: list[int]) -> Any:
     "kind",
     [
         {"idempotent": True},
-        {"idempotent": True, "fenced": True},
+        {"idempotent": True, "retry": fenced(5.0)},
         {"idempotent": False, "statement": True},
     ],
     ids=["idempotent", "fenced", "statement"],
 )
 def test_work_rolled_back_whole_is_sent_again(
-    pg_url: str, error: str, kind: dict[str, bool]
+    pg_url: str, error: str, kind: dict[str, Any]
 ) -> None:
     connector = Connector(pg_url)
     calls: list[int] = []

@@ -125,13 +125,11 @@ def test_unacked_messages_are_released_when_the_channel_closes(
 def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
     conn: Connection, rows: Peek, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import pg_transport.db.retry as connection_module
-
-    monkeypatch.setattr(connection_module, "FENCED_RETRY_SECONDS", 0.3)
     queue = conn.SimpleQueue("unackable")
     queue.put({"n": 1})
     message = queue.get(timeout=5)
     transport = conn.transport
+    monkeypatch.setattr(transport.store, "fenced_window", 0.3)
     assert transport.held()  # leased and renewed while held
     # Postgres goes out of reach for this consumer's acks (a real refused port).
     monkeypatch.setattr(transport.relaxed, "conninfo", "postgresql://postgres@127.0.0.1:1/x")
