@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class _InFlight:
     acks: list[Lease] = field(default_factory=list)
     queues: Sequence[str] = ()
     limit: int = 0
+    #: Most candidates a claim took of each queue (a queue that gave fewer is empty).
+    per_queue: int = 0
 
 
 class Engine:
@@ -116,10 +119,16 @@ class Engine:
         # Claimed, not yet handed to kombu: id -> (lease, vt). Renewed too.
         self._undelivered: dict[int, tuple[Lease, float]] = {}
         self._undelivered_lock = threading.Lock()
-        # Wake-up channel -> queue, for every queue consumed so far.
+        # Wake-up channel -> queue and queue -> channel, for every queue consumed so far.
         self._channels: dict[str, str] = {}
+        self._queue_channels: dict[str, str] = {}
         # Delivered messages of an ordering key (ids): their acks ride on a claim.
         self._keyed: set[int] = set()
+        # Where the next claim over more queues than it may name starts (a rotation).
+        self._turn = 0
+        # The queues of the last wants seen, and their wake-up channels (see kick).
+        self._wanted: list[tuple[Sequence[str], Sequence[str]]] = []
+        self._wanted_channels: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -294,11 +303,11 @@ class Engine:
     def _send_next(self) -> None:
         session = self.session
         wants = self.source.wants()
+        channels = self._wake_channels(wants)
         if self.listener is not None:
-            self.listener.want({self.channel(q) for w in wants for q in (*w.acked, *w.unacked)})
+            self.listener.want(channels)
         if session.listen:
-            missing = {self.channel(q) for w in wants for q in (*w.acked, *w.unacked)}
-            missing -= session.listening
+            missing = channels - session.listening
             if missing:
                 self._in_flight = _InFlight("listen")
                 session.send_listen(missing)
@@ -331,7 +340,7 @@ class Engine:
         acks = self.acks.take()
         queues: list[str] = []
         if want is not None:
-            queues = [q for q in want.acked if q not in self.exhausted]
+            queues = self._claimable(want)
         elif acks and self._keyed:
             # An ack ending a message of an ordering key: the claim carrying it takes the
             # key's next message (the claim query's hand-off), even from a queue a claim
@@ -345,7 +354,9 @@ class Engine:
             self._keyed.discard(token.id)
         if want is not None:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
-            self._in_flight = _InFlight("claim", acks, queues, limit)
+            queues = queues[: max(limit, 1)]
+            per_queue = -(-limit // max(len(queues), 1))
+            self._in_flight = _InFlight("claim", acks, queues, limit, per_queue)
             session.send(
                 "claim",
                 claim_params(
@@ -355,6 +366,7 @@ class Engine:
                     [self.source.max_attempts(q) for q in queues],
                     acks,
                     max_bytes=self.max_message_bytes,
+                    per_queue=per_queue,
                 ),
             )
             self.statements.claim += 1
@@ -384,6 +396,28 @@ class Engine:
                 session.send("next_due", {"queues": queues})
                 self.statements.next_due += 1
 
+    def _wake_channels(self, wants: list[Want]) -> set[str]:
+        """The wake-up channels of every queue consumed: worked out again only when the
+        queues consumed change (a kick compares lists, at C speed, instead of hashing a
+        name per queue)."""
+        wanted = [(w.acked, w.unacked) for w in wants]
+        if wanted != self._wanted:
+            self._wanted_channels = {self.channel(q) for a, u in wanted for q in (*a, *u)}
+            self._wanted = wanted
+        return self._wanted_channels
+
+    def _claimable(self, want: Want) -> list[str]:
+        """The queues of ``want`` a claim may find work in (not known to be empty), from
+        where the last claim over more queues than it could name left off: a claim names
+        at most as many queues as it has room for (see the kick), and the rest take
+        their turn."""
+        ready = [q for q in want.acked if q not in self.exhausted]
+        if len(ready) > 1:
+            start = self._turn % len(ready)
+            ready = ready[start:] + ready[:start]
+            self._turn = start + min(len(ready), max(want.room or UNLIMITED_BATCH, 1))
+        return ready
+
     def _worth_claiming(self, want: Want) -> bool:
         """Claim now, or let more slots free up first (up to REFILL_DELAY)?
 
@@ -407,12 +441,12 @@ class Engine:
         self.kick()
 
     def channel(self, queue: str) -> str:
-        """The wake-up channel of ``queue`` (remembered, to map notifications back)."""
-        for channel, known in self._channels.items():
-            if known == queue:
-                return channel
-        channel = self.store.channel(queue)
-        self._channels[channel] = queue
+        """The wake-up channel of ``queue`` (remembered both ways: a kick asks it of every
+        queue consumed, and notifications map back to queues)."""
+        channel = self._queue_channels.get(queue)
+        if channel is None:
+            channel = self._queue_channels[queue] = self.store.channel(queue)
+            self._channels[channel] = queue
         return channel
 
     # -- what came back ----------------------------------------------------------------
@@ -425,9 +459,15 @@ class Engine:
             self._arm_due(None if due is None else float(due))
             return
         batch = [decode_claimed(row) for row in rows]
-        # Rows an ordered queue held back count: a claim they filled is not short.
+        # Rows an ordered queue held back count: a claim they filled is not short. A
+        # short claim took every candidate it found: a queue that gave fewer than its
+        # share has no more (one that gave its share may have).
         if len(batch) < flight.limit:
-            self.exhausted.update(flight.queues)
+            if not 0 < flight.per_queue < flight.limit:  # (a pop: no share)
+                self.exhausted.update(flight.queues)
+            else:
+                given = Counter(c.queue for c in batch)
+                self.exhausted.update(q for q in flight.queues if given[q] < flight.per_queue)
             self._due_stale = True
         if any(c.held for c in batch):
             self.statements.held += sum(c.held for c in batch)
