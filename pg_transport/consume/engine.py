@@ -15,11 +15,13 @@ Three things keep it cheap:
 
 * Acks ride on claims: a finished task's ack waits in an
   :class:`~pg_transport.consume.acks.AckBuffer` and the next claim deletes it.
-* Queues known to be empty are not asked again: a claim that comes back short marks its
-  queues exhausted until a notification names them (a publish) or the poll (delayed
-  messages falling due and lapsed leases send none). LISTEN comes before a queue's first
-  claim, and a notification read with a claim's answer is taken after it, so no wake-up
-  is lost.
+* Queues known to be empty are not asked again: a claim that comes back short marks the
+  queues that gave less than their share exhausted until a notification names them (a
+  publish) or the poll (delayed messages falling due and lapsed leases send none). Over
+  many queues a claim names at most as many as it has room for, asking each for a share
+  (:meth:`Engine._claimable`): it locks about as many rows as it takes. LISTEN comes
+  before a queue's first claim, and a notification read with a claim's answer is taken
+  after it, so no wake-up is lost.
 * An idle consumer knows when it next has work without a notification: after a claim
   comes back short (and at every poll) it asks when the first message of its queues that
   is not visible yet — a delayed one, or one whose lease runs out — becomes visible

@@ -117,6 +117,16 @@ def test_a_claim_names_no_more_queues_than_it_has_room_for(
         # Each queue named about once: the rotation goes on where the last claim stopped.
         named = sum(len(c) for c in counting.claims)
         assert named <= 2 * len(queues)
+        # Kicks after the first do not look up a wake-up channel per queue consumed.
+        engine = consumer.transport.engine
+        looked_up: list[str] = []
+        lookup = engine.channel
+        engine.channel = lambda q: looked_up.append(q) or lookup(q)
+        claims = len(counting.claims)
+        producer.publish({"q": queues[7]}, routing_key=queues[7])
+        drain(consumer, got, len(queues) + 1)
+        assert len(counting.claims) > claims
+        assert looked_up == []
 
 
 def test_a_claim_takes_a_share_of_each_queue_and_says_which_are_empty(store: Store) -> None:
