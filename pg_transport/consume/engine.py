@@ -39,6 +39,7 @@ which dead-letters it and sends ``message_poisoned`` on a thread of its own.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -126,8 +127,10 @@ class Engine:
         self._queue_channels: dict[str, str] = {}
         # Delivered messages of an ordering key (ids): their acks ride on a claim.
         self._keyed: set[int] = set()
-        # Where the next claim over more queues than it may name starts (a rotation).
+        # Where the next claim over more queues than it may name starts (a rotation),
+        # and whether the last claim came back full (see _claimable).
         self._turn = 0
+        self._deep = False
         # The queues of the last wants seen, and their wake-up channels (see kick).
         self._wanted: list[tuple[Sequence[str], Sequence[str]]] = []
         self._wanted_channels: set[str] = set()
@@ -409,15 +412,19 @@ class Engine:
         return self._wanted_channels
 
     def _claimable(self, want: Want) -> list[str]:
-        """The queues of ``want`` a claim may find work in (not known to be empty), from
-        where the last claim over more queues than it could name left off: a claim names
-        at most as many queues as it has room for (see the kick), and the rest take
-        their turn."""
+        """The queues of ``want`` the next claim names: of those that may hold work (not
+        known to be empty), at most as many as it has room for, going on where the last
+        claim over more queues than it could name stopped. Each queue named costs the
+        claim index descents whatever it gives: after a claim came back full (its queues
+        deep) the next names fewer (the square root of its room, each for a larger
+        share); after a short one (queues shallow), as many as it has room for."""
         ready = [q for q in want.acked if q not in self.exhausted]
-        if len(ready) > 1:
+        room = max(want.room or UNLIMITED_BATCH, 1)
+        cap = max(math.isqrt(room), 1) if self._deep else room
+        if len(ready) > cap:
             start = self._turn % len(ready)
-            ready = ready[start:] + ready[:start]
-            self._turn = start + min(len(ready), max(want.room or UNLIMITED_BATCH, 1))
+            ready = (ready[start:] + ready[:start])[:cap]
+            self._turn = start + cap
         return ready
 
     def _worth_claiming(self, want: Want) -> bool:
@@ -464,6 +471,8 @@ class Engine:
         # Rows an ordered queue held back count: a claim they filled is not short. A
         # short claim took every candidate it found: a queue that gave fewer than its
         # share has no more (one that gave its share may have).
+        if flight.kind == "claim":
+            self._deep = len(batch) >= flight.limit
         if len(batch) < flight.limit:
             if not 0 < flight.per_queue < flight.limit:  # (a pop: no share)
                 self.exhausted.update(flight.queues)
