@@ -166,3 +166,32 @@ def test_a_claim_over_100_full_queues_locks_about_its_limit_of_rows(
     plan = generic_plan(store, "claim", params, analyze=True)
     assert locked_rows(plan) <= len(queues)
     assert plan["Actual Rows"] == 10
+
+
+def test_over_deep_queues_a_claim_names_fewer_of_them(
+    broker_url: str, schema: str, conn: Connection, rows: Peek
+) -> None:
+    # 20 queues of 10 messages each: the first claim (PREFETCH queues, one of each)
+    # comes back full; the next ones name the square root of their room, each for a
+    # larger share, and still drain every message once.
+    queues = [f"deep{n:02d}" for n in range(20)]
+    for q in queues:
+        Queue(q, routing_key=q)(conn.default_channel).declare()
+    rows(
+        "INSERT INTO {schema}.message (queue, payload)"
+        " SELECT q, json_build_object('body', '{{}}', 'content-type', 'application/json',"
+        " 'content-encoding', 'utf-8', 'headers', '{{}}'::json, 'properties',"
+        " json_build_object('delivery_tag', gen_random_uuid()::text, 'body_encoding',"
+        " NULL, 'delivery_info', '{{}}'::json))"
+        " FROM unnest(%s::text[]) AS q, generate_series(1, 10)",
+        queues,
+    )
+    got: list[Any] = []
+    with consumer_of(broker_url, schema, queues, got) as consumer:
+        counting = Counting(consumer.transport.engine)
+        drain(consumer, got, 200)
+        until_waiting(consumer)
+        assert len(got) == 200
+        assert len(counting.claims[0]) == PREFETCH
+        assert max(len(c) for c in counting.claims[1:5]) <= 2  # isqrt(PREFETCH)
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
