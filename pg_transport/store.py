@@ -121,8 +121,10 @@ class Store:
         max_attempts: Sequence[int] | None = None,
         *,
         acks: Sequence[Lease] = (),
+        per_queue: int | None = None,
     ) -> list[Claimed]:
-        """Claim up to ``limit`` visible messages over ``queues``, best first.
+        """Claim up to ``limit`` visible messages over ``queues``, best first (at most
+        ``per_queue`` of each queue and priority; default ``limit``).
 
         A message already delivered ``max_attempts`` times (per queue; unlimited when not
         given), larger than ``max_message_bytes`` or not a JSON object is dead-lettered by
@@ -146,6 +148,7 @@ class Store:
                 max_attempts,
                 acks,
                 max_bytes=self.max_message_bytes,
+                per_queue=per_queue,
             )
 
             def work(conn: psycopg.Connection[Any], params: dict[str, Any] = params) -> list[Row]:
@@ -452,14 +455,17 @@ def claim_params(
     acks: Sequence[Lease],
     *,
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    per_queue: int | None = None,
 ) -> dict[str, Any]:
-    """Parameters of the ``claim`` query."""
+    """Parameters of the ``claim`` query: up to ``limit`` messages in all, and up to
+    ``per_queue`` (default ``limit``) candidates of each queue and priority."""
     attempts = list(max_attempts) if max_attempts is not None else [_NO_LIMIT] * len(queues)
     return {
         "queues": list(queues),
         "vts": list(vts),
         "max_attempts": attempts,
         "limit": limit,
+        "per_queue": limit if per_queue is None else min(max(per_queue, 1), limit),
         "ack_ids": [t.id for t in acks],
         "ack_leases": [t.lease for t in acks],
         "ack_queues": [t.queue for t in acks],

@@ -15,11 +15,13 @@ Three things keep it cheap:
 
 * Acks ride on claims: a finished task's ack waits in an
   :class:`~pg_transport.consume.acks.AckBuffer` and the next claim deletes it.
-* Queues known to be empty are not asked again: a claim that comes back short marks its
-  queues exhausted until a notification names them (a publish) or the poll (delayed
-  messages falling due and lapsed leases send none). LISTEN comes before a queue's first
-  claim, and a notification read with a claim's answer is taken after it, so no wake-up
-  is lost.
+* Queues known to be empty are not asked again: a claim that comes back short marks the
+  queues that gave less than their share exhausted until a notification names them (a
+  publish) or the poll (delayed messages falling due and lapsed leases send none). Over
+  many queues a claim names at most as many as it has room for, asking each for a share
+  (:meth:`Engine._claimable`): it locks about as many rows as it takes. LISTEN comes
+  before a queue's first claim, and a notification read with a claim's answer is taken
+  after it, so no wake-up is lost.
 * An idle consumer knows when it next has work without a notification: after a claim
   comes back short (and at every poll) it asks when the first message of its queues that
   is not visible yet — a delayed one, or one whose lease runs out — becomes visible
@@ -37,7 +39,9 @@ which dead-letters it and sends ``message_poisoned`` on a thread of its own.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from time import monotonic
@@ -80,6 +84,8 @@ class _InFlight:
     queues: Sequence[str] = ()
     limit: int = 0
     sent: float = 0.0
+    #: Most candidates a claim took of each queue (a queue that gave fewer is empty).
+    per_queue: int = 0
 
 
 class Engine:
@@ -119,13 +125,21 @@ class Engine:
         # Claimed, not yet handed to kombu: id -> (lease, vt). Renewed too.
         self._undelivered: dict[int, tuple[Lease, float]] = {}
         self._undelivered_lock = threading.Lock()
-        # Wake-up channel -> queue, for every queue consumed so far.
+        # Wake-up channel -> queue and queue -> channel, for every queue consumed so far.
         self._channels: dict[str, str] = {}
+        self._queue_channels: dict[str, str] = {}
         # Delivered messages of an ordering key (ids): their acks ride on a claim.
         self._keyed: set[int] = set()
         #: When the claim whose rows are being delivered was sent (monotonic): their
         #: leases began no earlier (kombu's QoS counts their lapse from it).
         self.claim_sent = monotonic()
+        # Where the next claim over more queues than it may name starts (a rotation),
+        # and whether the last claim came back full (see _claimable).
+        self._turn = 0
+        self._deep = False
+        # The queues of the last wants seen, and their wake-up channels (see kick).
+        self._wanted: list[tuple[Sequence[str], Sequence[str]]] = []
+        self._wanted_channels: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -315,11 +329,11 @@ class Engine:
     def _send_next(self) -> None:
         session = self.session
         wants = self.source.wants()
+        channels = self._wake_channels(wants)
         if self.listener is not None:
-            self.listener.want({self.channel(q) for w in wants for q in (*w.acked, *w.unacked)})
+            self.listener.want(channels)
         if session.listen:
-            missing = {self.channel(q) for w in wants for q in (*w.acked, *w.unacked)}
-            missing -= session.listening
+            missing = channels - session.listening
             if missing:
                 self._in_flight = _InFlight("listen")
                 session.send_listen(missing)
@@ -352,7 +366,7 @@ class Engine:
         acks = self.acks.take()
         queues: list[str] = []
         if want is not None:
-            queues = [q for q in want.acked if q not in self.exhausted]
+            queues = self._claimable(want)
         elif acks and self._keyed:
             # An ack ending a message of an ordering key: the claim carrying it takes the
             # key's next message (the claim query's hand-off), even from a queue a claim
@@ -366,7 +380,11 @@ class Engine:
             self._keyed.discard(token.id)
         if want is not None:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
-            self._in_flight = _InFlight("claim", acks, queues, limit, sent=monotonic())
+            queues = queues[: max(limit, 1)]
+            per_queue = -(-limit // max(len(queues), 1))
+            self._in_flight = _InFlight(
+                "claim", acks, queues, limit, sent=monotonic(), per_queue=per_queue
+            )
             session.send(
                 "claim",
                 claim_params(
@@ -376,6 +394,7 @@ class Engine:
                     [self.source.max_attempts(q) for q in queues],
                     acks,
                     max_bytes=self.max_message_bytes,
+                    per_queue=per_queue,
                 ),
             )
             self.statements.claim += 1
@@ -405,6 +424,32 @@ class Engine:
                 session.send("next_due", {"queues": queues})
                 self.statements.next_due += 1
 
+    def _wake_channels(self, wants: list[Want]) -> set[str]:
+        """The wake-up channels of every queue consumed: worked out again only when the
+        queues consumed change (a kick compares lists, at C speed, instead of hashing a
+        name per queue)."""
+        wanted = [(w.acked, w.unacked) for w in wants]
+        if wanted != self._wanted:
+            self._wanted_channels = {self.channel(q) for a, u in wanted for q in (*a, *u)}
+            self._wanted = wanted
+        return self._wanted_channels
+
+    def _claimable(self, want: Want) -> list[str]:
+        """The queues of ``want`` the next claim names: of those that may hold work (not
+        known to be empty), at most as many as it has room for, going on where the last
+        claim over more queues than it could name stopped. Each queue named costs the
+        claim index descents whatever it gives: after a claim came back full (its queues
+        deep) the next names fewer (the square root of its room, each for a larger
+        share); after a short one (queues shallow), as many as it has room for."""
+        ready = [q for q in want.acked if q not in self.exhausted]
+        room = max(want.room or UNLIMITED_BATCH, 1)
+        cap = max(math.isqrt(room), 1) if self._deep else room
+        if len(ready) > cap:
+            start = self._turn % len(ready)
+            ready = (ready[start:] + ready[:start])[:cap]
+            self._turn = start + cap
+        return ready
+
     def _worth_claiming(self, want: Want) -> bool:
         """Claim now, or let more slots free up first (up to REFILL_DELAY)?
 
@@ -428,12 +473,12 @@ class Engine:
         self.kick()
 
     def channel(self, queue: str) -> str:
-        """The wake-up channel of ``queue`` (remembered, to map notifications back)."""
-        for channel, known in self._channels.items():
-            if known == queue:
-                return channel
-        channel = self.store.channel(queue)
-        self._channels[channel] = queue
+        """The wake-up channel of ``queue`` (remembered both ways: a kick asks it of every
+        queue consumed, and notifications map back to queues)."""
+        channel = self._queue_channels.get(queue)
+        if channel is None:
+            channel = self._queue_channels[queue] = self.store.channel(queue)
+            self._channels[channel] = queue
         return channel
 
     # -- what came back ----------------------------------------------------------------
@@ -448,9 +493,17 @@ class Engine:
             self._arm_due(None if due is None else float(due))
             return
         batch = self._landed(flight, [decode_claimed(row) for row in rows])
-        # Rows an ordered queue held back count: a claim they filled is not short.
+        # Rows an ordered queue held back count: a claim they filled is not short. A
+        # short claim took every candidate it found: a queue that gave fewer than its
+        # share has no more (one that gave its share may have).
+        if flight.kind == "claim":
+            self._deep = len(batch) >= flight.limit
         if len(batch) < flight.limit:
-            self.exhausted.update(flight.queues)
+            if not 0 < flight.per_queue < flight.limit:  # (a pop: no share)
+                self.exhausted.update(flight.queues)
+            else:
+                given = Counter(c.queue for c in batch)
+                self.exhausted.update(q for q in flight.queues if given[q] < flight.per_queue)
             self._due_stale = True
         if any(c.held for c in batch):
             self.statements.held += sum(c.held for c in batch)

@@ -99,6 +99,11 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 -- caller must not take a short answer for an empty queue) but are not delivered.
 -- (The checks without a lock are scalar subqueries with LIMIT 1, not EXISTS: the
 -- planner may turn an EXISTS into a hash of every row it could match.)
+-- Each queue gives at most per_queue candidates (per priority present), each locked:
+-- over many queues a consumer asks a few of each (limit divided among them) rather
+-- than limit of each, so a claim locks about limit rows whatever the number of queues.
+-- A short answer then says which queues are empty: those that gave fewer than
+-- per_queue (held rows counted).
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
@@ -168,7 +173,7 @@ WITH wanted AS (
           AND (m.expires_at IS NULL OR m.expires_at > pg_catalog.now())
           AND m.id <> ALL(%(ack_ids)s::bigint[])
         ORDER BY m.visible_at, m.id
-        LIMIT %(limit)s::integer
+        LIMIT %(per_queue)s::integer
         FOR NO KEY UPDATE SKIP LOCKED
     ) AS c
     ORDER BY c.priority DESC, c.visible_at, c.id
