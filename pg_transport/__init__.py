@@ -29,6 +29,7 @@ from pg_transport.errors import (
     SchemaError,
     TransactionRefused,
 )
+from pg_transport.ordering import OrderingError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
 
@@ -58,6 +59,7 @@ __all__ = [
     "NotPermitted",
     "NotYetCommitted",
     "Options",
+    "OrderingError",
     "PgqError",
     "PoolerDetected",
     "SchemaError",

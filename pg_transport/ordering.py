@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pg_transport.errors import PgqError
 from pg_transport.rows import Claimed
 
 __all__ = [
@@ -84,7 +85,7 @@ MAX_FOLLOWS_TIMEOUT = 365 * 24 * 3600.0
 MAX_KEY_HOLD = 24 * 3600.0
 
 
-class OrderingError(ValueError):
+class OrderingError(PgqError, ValueError):
     """A message asks for ordering in a way pgq cannot honour; it was not published."""
 
 
