@@ -58,6 +58,19 @@ def _results_listeners() -> Iterator[None]:
     stop_listeners()
 
 
+@pytest.fixture(autouse=True)
+def _idle_shared_sessions() -> Iterator[None]:
+    """The idle sessions a test left in this process's shared pools close with it: left
+    for their idle timeout (30 s), they count against the next tests' session budget."""
+    yield
+    from pg_transport.db import pool
+
+    with pool._shared_lock:
+        connectors = list(pool._shared.values())
+    for connector in connectors:
+        connector.discard_idle()
+
+
 @pytest.fixture
 def broker_url(pg_url: str) -> str:
     return to_broker_url(pg_url)
