@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -14,6 +15,7 @@ from tests.pg import (
     session_database,
     to_broker_url,
 )
+from tests.proxy import CuttingProxy
 
 # The most sessions the suite may hold on its database at once (PGQ_TEST_MAX_CONNECTIONS):
 # a server with max_connections=100 is shared with whatever else runs there.
@@ -69,6 +71,22 @@ def _idle_shared_sessions() -> Iterator[None]:
         connectors = list(pool._shared.values())
     for connector in connectors:
         connector.discard_idle()
+
+
+@pytest.fixture
+def proxy(pg_url: str) -> Iterator[CuttingProxy]:
+    """A TCP proxy in front of the test server (tests/proxy.py)."""
+    parts = urlsplit(pg_url)
+    with CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 5432)) as p:
+        yield p
+
+
+@pytest.fixture
+def proxied_url(pg_url: str, proxy: CuttingProxy) -> str:
+    """A pgq URL of the test database through :func:`proxy` (it reads the bytes: no TLS)."""
+    parts = urlsplit(pg_url)
+    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+    return f"pgq://{auth}127.0.0.1:{proxy.port}{parts.path}?sslmode=disable"
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import psycopg
@@ -19,13 +18,6 @@ APP = "tests.acceptance.lapse_app"
 GATED = "tests.acceptance.lapse_app.gated"
 MARK = "tests.acceptance.app.mark"
 NOT_STARTED = "not started: its lease on message"
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[CuttingProxy]:
-    parts = urlsplit(pg_url)
-    with CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 5432)) as p:
-        yield p
 
 
 def test_a_cut_off_worker_does_not_start_prefetched_tasks_whose_leases_lapsed(

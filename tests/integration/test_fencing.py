@@ -10,9 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from kombu import Connection
@@ -27,20 +25,6 @@ from tests.proxy import CuttingProxy
 
 # The fenced window pgq had before it followed the deployment.
 OLD_WINDOW = 5.0
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[CuttingProxy]:
-    parts = urlsplit(pg_url)
-    with CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 5432)) as p:
-        yield p
-
-
-@pytest.fixture
-def proxied_url(pg_url: str, proxy: CuttingProxy) -> str:
-    parts = urlsplit(pg_url)
-    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-    return f"pgq://{auth}127.0.0.1:{proxy.port}{parts.path}?sslmode=disable"
 
 
 def test_the_fenced_window_covers_patronis_defaults_and_every_lease() -> None:

@@ -13,7 +13,6 @@ import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery
@@ -24,20 +23,6 @@ from tests.integration.conftest import Peek
 from tests.proxy import CuttingProxy
 
 RETRY = {"max_retries": 3, "interval_start": 0, "interval_step": 0.05, "interval_max": 0.1}
-
-
-@pytest.fixture
-def proxy(pg_url: str) -> Iterator[CuttingProxy]:
-    parts = urlsplit(pg_url)
-    with CuttingProxy((parts.hostname or "127.0.0.1", parts.port or 5432)) as p:
-        yield p
-
-
-@pytest.fixture
-def proxied_url(pg_url: str, proxy: CuttingProxy) -> str:
-    parts = urlsplit(pg_url)
-    auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-    return f"pgq://{auth}127.0.0.1:{proxy.port}{parts.path}?sslmode=disable"
 
 
 @pytest.fixture
