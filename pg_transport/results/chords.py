@@ -1,6 +1,6 @@
 """Native chords: the header's parts are counted in Postgres, no ``chord_unlock`` task.
 
-A chord is a fan-in barrier (``barrier`` and ``barrier_part``, :mod:`barrier.state`'s
+A chord is a fan-in barrier (``barrier`` and ``barrier_part``, :mod:`pg_transport.fanin.state`'s
 tables and counting statements) named ``celery-chord:<group id>``, armed by
 ``apply_chord`` before the header is sent, with the chord's body as its callback and the
 header's task ids in its metadata. Each header task's end is one transaction on the
@@ -54,14 +54,14 @@ from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
 
 import pg_transport
-from barrier.backend import Backend as BarrierDb
-from barrier.backend import backend_for, broker_url, uses_pgq
-from barrier.codec import dumps as json_dumps
-from barrier.codec import loads as json_loads
-from barrier.messages import task_message
-from barrier.state import publish_outgoing
 from pg_transport.config import MAX_SECONDS
 from pg_transport.db.pool import url_to_conninfo
+from pg_transport.fanin.backend import Backend as FaninDb
+from pg_transport.fanin.backend import backend_for, broker_url, uses_pgq
+from pg_transport.fanin.codec import dumps as json_dumps
+from pg_transport.fanin.codec import loads as json_loads
+from pg_transport.fanin.messages import task_message
+from pg_transport.fanin.state import publish_outgoing
 
 if TYPE_CHECKING:
     from pg_transport.results.backend import PgqBackend
@@ -118,7 +118,7 @@ class Chords:
         return self._usable
 
     @property
-    def db(self) -> BarrierDb:
+    def db(self) -> FaninDb:
         return backend_for(self.app)
 
     def takes(self, results: Sequence[Any], body: Any) -> bool:
@@ -265,7 +265,7 @@ class Chords:
 
     def _succeeded(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         request: Any,
         after: list[Any],
@@ -285,7 +285,7 @@ class Chords:
         return PartOutcome(recorded=True, fired=True)
 
     def _fire(
-        self, db: BarrierDb, conn: psycopg.Connection[Any], group_id: str, request: Any
+        self, db: FaninDb, conn: psycopg.Connection[Any], group_id: str, request: Any
     ) -> None:
         """Send the body with the header's results, sent (as Celery sends it) from the
         part that completed the chord: its parent, its root's child."""
@@ -336,7 +336,7 @@ class Chords:
 
     def _failed(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         request: Any,
         result: Any,
@@ -351,7 +351,7 @@ class Chords:
 
     def _fail_chord(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         group_id: str,
         reason: str,
@@ -394,7 +394,7 @@ class Chords:
 
     def _errbacks(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         group_id: str,
         run: str,
