@@ -177,7 +177,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         )
         self.q = load_named("results.sql", self.schema, "pg_transport.results")
         self._checked = False
-        self.chords = Chords(self)
+        self.chords = Chords(
+            self, enabled=self.options.native_chords, conninfo=self.connector.conninfo
+        )
         # Chord parts' metas, stored with their count (see on_chord_part_return).
         self._deferred = threading.local()
         self.result_consumer = self.ResultConsumer(

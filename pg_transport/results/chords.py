@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from celery import states
@@ -63,10 +63,7 @@ from pg_transport.fanin.codec import loads as json_loads
 from pg_transport.fanin.messages import task_message
 from pg_transport.fanin.state import publish_outgoing
 
-if TYPE_CHECKING:
-    from pg_transport.results.backend import PgqBackend
-
-__all__ = ["CHORD_PREFIX", "UNSIZED", "Chords", "PartOutcome"]
+__all__ = ["CHORD_PREFIX", "UNSIZED", "ChordHost", "Chords", "PartOutcome"]
 
 logger = logging.getLogger("pg_transport.results")
 
@@ -97,12 +94,45 @@ def _plain_task(body: Any) -> bool:
     return not any(body.options.get(k) for k in ("chain", "chord", "group_id_chord"))
 
 
-class Chords:
-    """The native chords of one :class:`~pg_transport.results.backend.PgqBackend`."""
+class ChordHost(Protocol):
+    """What native chords use of the result backend that owns them, and nothing else of
+    it: its app, schema and queries (``results.sql``), and how it stores, reads and fails
+    a result row. The backend drives chords through :class:`Chords`' public methods; the
+    chords reach back only through this, so neither reads the other's internals."""
 
-    def __init__(self, backend: PgqBackend) -> None:
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def schema(self) -> str: ...
+
+    @property
+    def q(self) -> Mapping[str, str]: ...
+
+    def store_state_row(
+        self, conn: psycopg.Connection[Any], task_id: str, meta: dict[str, Any]
+    ) -> None: ...
+
+    def decode_row(
+        self, content_type: str, content_encoding: str, meta: bytes
+    ) -> dict[str, Any]: ...
+
+    def failure_meta(self, task_id: str, exc: BaseException) -> dict[str, Any]: ...
+
+    def errback_is_in_process(self, sig: Any) -> bool: ...
+
+    def chord_error_from_stack(self, callback: Any, exc: BaseException | None = None) -> Any: ...
+
+
+class Chords:
+    """The native chords of one result backend (a :class:`ChordHost`) whose sessions go
+    to ``conninfo``; ``enabled`` is its ``native_chords`` option."""
+
+    def __init__(self, backend: ChordHost, *, enabled: bool, conninfo: str) -> None:
         self.backend = backend
         self.app = backend.app
+        self._enabled = enabled
+        self._conninfo = conninfo
         self._usable: bool | None = None
 
     # -- can this app use them ----------------------------------------------------------
@@ -110,9 +140,9 @@ class Chords:
         """The broker is pgq on the result backend's database and schema."""
         if self._usable is None:
             self._usable = (
-                self.backend.options.native_chords
+                self._enabled
                 and uses_pgq(self.app)
-                and url_to_conninfo(broker_url(self.app)) == self.backend.connector.conninfo
+                and url_to_conninfo(broker_url(self.app)) == self._conninfo
                 and self.db.schema == self.backend.schema
             )
         return self._usable
@@ -447,7 +477,7 @@ def _fake_request(body: Signature) -> Any:
     )
 
 
-def _fail_canvas_body(backend: Any, body: Signature, error: ChordError) -> None:
+def _fail_canvas_body(backend: ChordHost, body: Signature, error: ChordError) -> None:
     try:
         # Celery fails the body from the stack (its traceback): raised here, as the
         # Redis backend calls it while handling the chord's error.
