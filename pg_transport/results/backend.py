@@ -8,8 +8,8 @@ two are pipelined); callers wait through the process's one listening session
 (:mod:`pg_transport.results.listener`), as Celery's Redis backend waits on pub/sub.
 
 Options: ``result_backend_transport_options`` (:mod:`pg_transport.results.options`).
-Expired results (``result_expires``) are deleted by pgq workers' housekeeping and by
-Celery's ``backend_cleanup``.
+Expired results (``result_expires``) are deleted by the workers using this backend
+(:mod:`pg_transport.results.hooks`) and by Celery's ``backend_cleanup``.
 """
 
 from __future__ import annotations
