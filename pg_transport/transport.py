@@ -62,8 +62,6 @@ from pg_transport.errors import (
     SchemaError,
 )
 from pg_transport.qos import TOKEN
-from pg_transport.results import deadletters
-from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 
@@ -180,7 +178,6 @@ class Transport(virtual.Transport):
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
-        self._results_reaped_at = float("-inf")
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
         self._vts: dict[str, float] = {}
@@ -391,10 +388,6 @@ class Transport(virtual.Transport):
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())
         self.store.maintain(queues)
-        # Results past result_expires (the pgq result backend's, in this schema).
-        if monotonic() - self._results_reaped_at >= REAP_INTERVAL:
-            self._results_reaped_at = monotonic()
-            reap_expired(self.connector, self.options.schema)
 
     def renew(self, held: Sequence[tuple[Lease, float]]) -> None:
         """Renew ``held``; each channel's QoS learns which leases now run longer and
@@ -428,8 +421,6 @@ def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]
     }[durable_acks]
 
 
-# A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).
-deadletters.connect()
 # A task a worker on pgq took but cannot run gives its pool slot and message back.
 guard.connect()
 
