@@ -38,25 +38,26 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)
 
 -- name: publish_many
 -- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
--- statement: one array a column, one element a message, inserted in array order (their
+-- statement: one array a column (sent in binary: nothing to escape), one element a
+-- message, inserted in array order (their
 -- ids, and so their order in an ordering key, follow the publishes). Each is what
 -- publish_plain inserts for it (a retried publish key inserts nothing, the same expiry);
 -- the listeners of each queue of the batch are woken once, at the commit, if any of its
 -- messages was inserted (RETURNING names no column: a publisher may not read messages).
 WITH given AS (
     SELECT g.*
-    FROM ROWS FROM (pg_catalog.unnest(%(queue)s::text[]),
-                    pg_catalog.unnest(%(priority)s::int[]),
-                    pg_catalog.unnest(%(delay)s::float8[]),
-                    pg_catalog.unnest(%(publish_key)s::text[]),
-                    pg_catalog.unnest(%(payload)s::text[]),
-                    pg_catalog.unnest(%(ttl)s::float8[]),
-                    pg_catalog.unnest(%(okey)s::text[]),
-                    pg_catalog.unnest(%(task_id)s::text[]),
-                    pg_catalog.unnest(%(follows)s::text[]),
-                    pg_catalog.unnest(%(follow_wait)s::float8[]),
-                    pg_catalog.unnest(%(followable)s::boolean[]),
-                    pg_catalog.unnest(%(channel)s::text[]))
+    FROM ROWS FROM (pg_catalog.unnest(%(queue)b::text[]),
+                    pg_catalog.unnest(%(priority)b::int[]),
+                    pg_catalog.unnest(%(delay)b::float8[]),
+                    pg_catalog.unnest(%(publish_key)b::text[]),
+                    pg_catalog.unnest(%(payload)b::text[]),
+                    pg_catalog.unnest(%(ttl)b::float8[]),
+                    pg_catalog.unnest(%(okey)b::text[]),
+                    pg_catalog.unnest(%(task_id)b::text[]),
+                    pg_catalog.unnest(%(follows)b::text[]),
+                    pg_catalog.unnest(%(follow_wait)b::float8[]),
+                    pg_catalog.unnest(%(followable)b::boolean[]),
+                    pg_catalog.unnest(%(channel)b::text[]))
          WITH ORDINALITY AS g(queue, priority, delay, publish_key, payload, ttl, okey,
                               task_id, follows, follow_wait, followable, channel, n)
 ), inserted AS (
