@@ -183,8 +183,6 @@ class Transport(virtual.Transport):
         self._results_reaped_at = float("-inf")
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
-        self._vts: dict[str, float] = {}
-        self._attempts: dict[str, int] = {}
         session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
         #: The consumer, one for every way of driving it.
         self.engine = Engine(
@@ -340,16 +338,10 @@ class Transport(virtual.Transport):
             raise
 
     def visibility_timeout(self, queue: str) -> float:
-        vt = self._vts.get(queue)
-        if vt is None:
-            vt = self._vts[queue] = self.options.visibility_timeout_for(queue)
-        return vt
+        return self.options.visibility_timeout_for(queue)  # (cached there, per queue)
 
     def max_attempts(self, queue: str) -> int:
-        attempts = self._attempts.get(queue)
-        if attempts is None:
-            attempts = self._attempts[queue] = self.options.max_attempts_for(queue)
-        return attempts
+        return self.options.max_attempts_for(queue)
 
     def consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
