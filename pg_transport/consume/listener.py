@@ -63,6 +63,8 @@ class Listener(ListenThread):
         self._lock = threading.Lock()
         self._wanted: set[str] = set()
         self._notified: set[str] = set()
+        # Channels notified since the driver last called want() (handed out again then).
+        self._recent: set[str] = set()
         #: Whether the session is up and listening on every channel wanted.
         self.listening = False
         #: Times the connection was lost (or could not be opened) since the start.
@@ -71,13 +73,26 @@ class Listener(ListenThread):
         self.refusals = 0
 
     def want(self, channels: set[str]) -> None:
-        """Listen on ``channels`` too (from the driver's thread: never waits)."""
+        """Listen on ``channels`` too (from the driver's thread, each time it decides
+        what to send next: never waits).
+
+        The channels notified since the driver's previous call are handed to it once
+        more (:meth:`take` after a wake-up): the driver may have taken them while a
+        claim was out, whose answer, read after, marked their queues empty although its
+        snapshot predates the publish; now that the answer is in they bring a claim.
+        Without this the consumer would wait for its poll (the consumer's own session
+        reads a notification with the statement's answer, and takes it after the answer:
+        no such race)."""
         with self._lock:
-            if channels <= self._wanted:
-                return
+            again, self._recent = self._recent, set()
+            self._notified |= again
+            new = not channels <= self._wanted
             self._wanted |= channels
-        self._ensure_thread()
-        self._poke()  # LISTEN now, not at the thread's next look
+        if again:
+            self.wake()
+        if new:
+            self._ensure_thread()
+            self._poke()  # LISTEN now, not at the thread's next look
 
     def take(self) -> set[str]:
         """The channels notified since the last call."""
@@ -93,6 +108,7 @@ class Listener(ListenThread):
             return
         with self._lock:
             self._notified |= channels
+            self._recent |= channels
         self.wake()
 
     def _run(self) -> None:

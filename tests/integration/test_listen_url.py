@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
+from pg_transport.db import waits
 from pg_transport.errors import ConfigurationError
 from tests.bouncer import Bouncer, BouncerUnavailable, pgbouncer
 from tests.integration.conftest import Peek
@@ -170,3 +171,58 @@ def test_listen_url_pointed_at_the_pooler_says_so_and_backs_off(
         assert "leads to a connection pooler" in line and "Postgres directly" in line, line
         assert "Set the transport option use_notify=false" not in line, line
     assert "next try in 2s" in first and "next try in 4s" in second, (first, second)
+
+
+def test_a_notification_landing_while_a_claim_is_out_wakes_another_claim(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    """The listener's notification for a message published while the consumer's claim is
+    on the wire (its snapshot taken before the commit: it comes back empty) is not lost
+    when the driver reads the wake-up before the claim's empty answer: that answer marks
+    the queue empty, and the notification, taken already, must still bring a claim,
+    not the poll 30 s later. The order is forced, not hoped for: the claim's answer is
+    waiting on the session's socket before the publish, the listener's wake-up is waiting
+    on the pipe before the driver looks, and the blocking driver takes a wake-up before
+    an answer when both are ready."""
+    options = {
+        "schema": schema,
+        "use_notify": False,
+        "listen_url": broker_url,
+        "polling_interval": 30,  # only a wake-up brings the message within the test
+    }
+    queue = Queue("racing", Exchange("racing"), "r")
+    got: list[Any] = []
+    with Connection(broker_url, transport_options=options) as conn:
+        consumer = Consumer(
+            conn,
+            [queue],
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+        )
+        consumer.consume()
+        engine = conn.transport.engine
+        deadline = time.monotonic() + 10
+        while not (engine.waiting and engine.listener.listening):  # idle, and listened
+            assert time.monotonic() < deadline, "the consumer never came to wait"
+            with suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
+        engine.pipe.clear()  # (wake-ups of the start, taken already)
+
+        # A claim out (sent from here, as the driver would on an ack's wake-up), and its
+        # empty answer arrived, not read: its snapshot cannot see what comes next.
+        engine.exhausted.discard(queue.name)
+        engine.kick()
+        assert engine.busy, "no claim was sent"
+        session_socket = engine.session.fileno()
+        assert waits.readable([session_socket], 10), "the claim's answer never came"
+
+        publish(broker_url, schema, queue)
+        # The listener heard it and woke the driver's pipe (nobody reads it yet).
+        assert waits.readable([engine.pipe.fileno()], 10), "the listener never woke the driver"
+        assert waits.readable([session_socket], 0), "the claim's answer was read"
+
+        started = time.monotonic()
+        conn.drain_events(timeout=10)  # TimeoutError: the wake-up was lost (poll: 30 s)
+        assert got == [{"n": 1}]
+        assert time.monotonic() - started < 10
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
