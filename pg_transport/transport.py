@@ -71,6 +71,10 @@ __all__ = ["Transport"]
 
 logger = logging.getLogger("pg_transport.transport")
 
+# Longest a close waits for a housekeeping thread's cycle under way (a statement or two;
+# through an outage an ack's retries may take longer: that thread then ends on its own).
+HOUSEKEEPING_STOP_WAIT = 5.0
+
 
 class Transport(virtual.Transport):
     """kombu transport for ``pgq://`` URLs."""
@@ -254,7 +258,7 @@ class Transport(virtual.Transport):
         finally:
             self.hub.unregister()
             self.engine.close()
-            self._stop_housekeeping()
+            self._stop_housekeeping(wait=HOUSEKEEPING_STOP_WAIT)
             # The pools are the process's (shared): their idle sessions close after
             # pool_idle_timeout, or when another user finds them dead.
 
@@ -375,10 +379,15 @@ class Transport(virtual.Transport):
             self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
             self._vacuumer.start()
 
-    def _stop_housekeeping(self) -> None:
+    def _stop_housekeeping(self, wait: float = 0.0) -> None:
+        """Stop the background threads; with ``wait`` (a close), wait that long at most
+        for each to end: once the close returns, none of them sends a statement."""
         for thread in (self._renewer, self._vacuumer):
             if thread is not None:
                 thread.stop()
+        for thread in (self._renewer, self._vacuumer):
+            if thread is not None:
+                thread.stop(wait)
 
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())
