@@ -23,7 +23,8 @@ Measured on 2026-11-28 (psycopg_pool 3.3.3, psycopg 3.3.9, a loaded 2-core machi
   process holds several pools (publishing, housekeeping, results, the barrier) and a
   prefork worker has one process per child: here one reaper thread serves every pool
   of a process, and sleeps while none keeps an idle session;
-* a checkout and return of an idle connection took 94 us there against 59 us here;
+* a checkout and return of an idle connection took 1.6-1.7 times as long there
+  (benchmarks/results/2026-11-28-pool-choice.md);
 * what pgq needs of a session would be callbacks around it anyway: whose session it
   is (:func:`is_own`), the pinned ``search_path`` checked at connect (a pooler in the
   way: :func:`pooler_detected`), a foreign prepared statement seen as a pooler,
