@@ -27,6 +27,7 @@ from pg_transport.consume import envelope, poison
 from pg_transport.errors import InvalidMessage
 from pg_transport.eta import eta_delay
 from pg_transport.producer_batch import PublishBatch
+from pg_transport.publish.publisher import Publisher
 from pg_transport.qos import Message, QoS, lease_of
 from pg_transport.store import Claimed, Lease, Store
 
@@ -107,6 +108,7 @@ class Channel(virtual.Channel):
         self._attempts_cache: dict[str, int] = {}
         # Kept past close: acks of tasks that outlive a lost connection still land.
         self.store: Store = connection.store
+        self.publisher: Publisher = connection.publisher
         # Queues consumed with no_ack: their messages are deleted as they are taken.
         self._noack_queues: set[str] = set()
 
@@ -179,7 +181,7 @@ class Channel(virtual.Channel):
         tag = publish_id(props)
         # The same key the routed publish computes in SQL: md5(id || queue).
         key = md5(f"{tag}{queue}".encode()).hexdigest()
-        self.store.publisher.publish(
+        self.publisher.publish(
             queue,
             message,
             priority=self._get_message_priority(message),
@@ -277,7 +279,7 @@ class Channel(virtual.Channel):
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
-        kind, matched = self.store.publisher.publish_routed(
+        kind, matched = self.publisher.publish_routed(
             exchange,
             routing_key or "",
             message,
@@ -302,7 +304,7 @@ class Channel(virtual.Channel):
             # Broadcasts with no listener and replies to a client that left.
             logger.debug("no queue bound for %s: dropped", what)
             return
-        dead_id = self.store.publisher.dead_letter_unroutable(
+        dead_id = self.publisher.dead_letter_unroutable(
             check_queue_name(routing_key),
             message,
             priority=self._get_message_priority(message),

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pg_transport.config import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 from pg_transport.errors import PgqError
 from pg_transport.rows import Claimed
 
@@ -70,10 +71,6 @@ OPTIONS = {
 # with no error for the caller); the publish refuses the message instead (placement).
 DEFAULT_REFUSED = "pgq-ordering-refused"
 
-#: Seconds a follower waits for its predecessor when neither it nor the transport says.
-DEFAULT_FOLLOWS_TIMEOUT = 300.0
-#: Seconds the end of a followed task is remembered, unless the transport says.
-DEFAULT_FOLLOWS_RETENTION = 86400.0
 # Keys and task ids are index keys: well under Postgres' limit for one.
 MAX_KEY_BYTES = 1024
 # Longest wait a follower may ask for (a year: longer overflows nothing, but means nothing).

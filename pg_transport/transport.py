@@ -61,6 +61,7 @@ from pg_transport.errors import (
     BrokerUnreachable,
     SchemaError,
 )
+from pg_transport.publish.publisher import Publisher
 from pg_transport.qos import TOKEN
 from pg_transport.results import deadletters
 from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
@@ -171,12 +172,17 @@ class Transport(virtual.Transport):
             self.connector,
             self.options.schema,
             relaxed=self.relaxed,
-            publisher=self.connector if durable else self.relaxed,
-            publisher_flushes=durable,
             max_message_bytes=self.options.max_message_bytes,
-            follows_timeout=self.options.follows_timeout,
             follows_retention=self.options.follows_retention,
             fenced_window=self.options.fenced_window,
+        )
+        #: Publishes to the same schema (the store runs every other statement).
+        self.publisher = Publisher(
+            self.connector if durable else self.relaxed,
+            self.options.schema,
+            flushes=durable,
+            max_message_bytes=self.options.max_message_bytes,
+            follows_timeout=self.options.follows_timeout,
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None

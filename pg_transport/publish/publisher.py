@@ -42,6 +42,7 @@ from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import InvalidMessage, MessageTooLarge, NotPermitted
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
+from pg_transport.rows import DEFAULT_MAX_MESSAGE_BYTES
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "WAYS", "Publisher", "way_of"]
@@ -52,9 +53,6 @@ logger = logging.getLogger("pg_transport.publish")
 
 #: The triggers that keep the publisher's boundary: their refusals name them.
 BOUNDARY = frozenset({"message_admit", "dead_letter_admit"})
-
-#: Largest payload (its JSON text, in bytes) published or delivered by default.
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class Publisher:
