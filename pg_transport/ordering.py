@@ -16,7 +16,8 @@ Celery's ``apply_async`` passes options it does not know on to the publish as me
 properties: ``ordering_key=``, ``follows=``, ``follows_timeout=`` and ``followable=`` are
 moved into those headers (:func:`move_options`). A task's own defaults (task attributes
 ``ordering_key``, a keyword argument's name or a callable of the call's arguments, and
-``followable``) are applied when it is sent (:func:`apply_task_defaults`).
+``followable``) are applied when it is sent (:func:`task_defaults`, from Celery's
+``before_task_publish``: :mod:`pg_transport.kombu.hooks`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ __all__ = [
     "ORDERING_KEY",
     "OrderingError",
     "Placement",
-    "apply_task_defaults",
     "check_hold",
     "move_options",
     "placement",
+    "task_defaults",
 ]
 
 ORDERING_KEY = "pgq-ordering-key"
@@ -66,7 +67,7 @@ OPTIONS = {
     "followable": FOLLOWABLE,
 }
 
-# Set by apply_task_defaults when a task's default key cannot be had for a call: why.
+# Set by task_defaults when a task's default key cannot be had for a call: why.
 # Celery logs what a before_task_publish receiver raises and publishes anyway (unordered,
 # with no error for the caller); the publish refuses the message instead (placement).
 DEFAULT_REFUSED = "pgq-ordering-refused"
@@ -242,40 +243,12 @@ def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
     )
 
 
-def _task_named(name: str) -> Any:
-    """The task ``name`` as its app knows it. Celery's ``before_task_publish`` does not
-    say which app sends: the current one (per thread, so a thread that made no app has
-    Celery's fallback, which holds only shared tasks), then every app's registry as it
-    is (a task made before its app is finalized is there; the look finalizes nothing)."""
-    from celery import current_app
-    from celery._state import _get_active_apps
-
-    task = current_app.tasks.get(name)
-    if task is not None:
-        return task
-    for app in list(_get_active_apps()):
-        task = app._tasks.get(name)
-        if task is not None:
-            return task
-    return None
-
-
-def apply_task_defaults(
-    sender: str | None = None,
-    body: Any = None,
-    headers: dict[str, Any] | None = None,
-    **_: Any,
-) -> None:
-    """Celery's ``before_task_publish``: a task's ``ordering_key`` and ``followable``
-    attributes as headers, unless the call gave them. A key this call cannot give (the
-    argument not passed, a value that is no key, a callable that raises) makes the
-    publish refuse the message with :class:`OrderingError`: raised here, Celery would
-    only log it and publish the message unordered."""
-    if headers is None or sender is None:
-        return
-    task = _task_named(sender)
-    if task is None:
-        return
+def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
+    """A task's ``ordering_key`` and ``followable`` attributes as ``headers``, unless the
+    call gave them. A key this call cannot give (the argument not passed, a value that is
+    no key, a callable that raises) makes the publish refuse the message with
+    :class:`OrderingError` (:data:`DEFAULT_REFUSED`): raised from Celery's
+    ``before_task_publish``, it would only be logged and the message published unordered."""
     # Read unbound: Celery keeps a task's options as class attributes, and a function
     # there would come back as a method of the task.
     spec: Callable[..., Any] | str | None = inspect.getattr_static(task, "ordering_key", None)
@@ -329,10 +302,3 @@ def follows_missing(claimed: Claimed) -> None:
     ):
         if isinstance(outcome, Exception):
             logger.error("pgq: follows_missing receiver %r raised %r", receiver, outcome)
-
-
-def connect() -> None:
-    """Connect :func:`apply_task_defaults` to Celery's ``before_task_publish`` (once)."""
-    from celery.signals import before_task_publish
-
-    before_task_publish.connect(apply_task_defaults, weak=False, dispatch_uid="pgq-ordering")

@@ -26,9 +26,9 @@ from pg_transport.config import MAX_SECONDS
 from pg_transport.consume import envelope, poison
 from pg_transport.errors import InvalidMessage
 from pg_transport.eta import eta_delay
-from pg_transport.producer_batch import PublishBatch
+from pg_transport.kombu.producer_batch import PublishBatch
+from pg_transport.kombu.qos import Message, QoS, lease_of
 from pg_transport.publish.publisher import Publisher
-from pg_transport.qos import Message, QoS, lease_of
 from pg_transport.store import Claimed, Lease, Store
 
 __all__ = [
@@ -63,7 +63,7 @@ def publish_id(props: dict[str, Any]) -> str:
     id (``self.retry()``, ``Task.replace()``). A publish whose commit landed but whose
     answer was lost, sent again by whoever, then finds its key taken and inserts nothing.
     The id is removed again before a consumer sees the message (see
-    :meth:`pg_transport.transport.Transport.as_payload`): a message published anew
+    :meth:`pg_transport.kombu.transport.Transport.as_payload`): a message published anew
     from a delivered one's properties is a new publish."""
     found = props.get(PUBLISH_ID)
     if not isinstance(found, str) or not found:
