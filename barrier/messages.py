@@ -23,7 +23,7 @@ from celery.utils import uuid
 
 from barrier.codec import compress, serialize
 from barrier.errors import BarrierError
-from pg_transport.eta import eta_delay
+from pg_transport.message.eta import eta_delay
 
 __all__ = ["Outgoing", "as_signature", "eta_delay", "publish_key", "task_message"]
 

@@ -27,7 +27,7 @@ from pg_transport.errors import (
     TransactionRefused,
 )
 from pg_transport.kombu import hooks as _hooks
-from pg_transport.ordering import OrderingError
+from pg_transport.message.ordering import OrderingError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
 

@@ -10,7 +10,7 @@ dead-connection error (ack, release and renew through an outage as long as a fai
 see :func:`~pg_transport.db.retry.fenced`). An ack or renewal the fencing refused is
 reported (:mod:`pg_transport.fencing`).
 
-A delivered message's fencing token is its :class:`~pg_transport.rows.Lease`: the row
+A delivered message's fencing token is its :class:`~pg_transport.message.rows.Lease`: the row
 id, the grant it was delivered under (the ``lease`` column, bumped by every claim and
 every release) and its queue. Ack, release, renew and dead-lettering touch the row only
 under that token, so a holder whose lease lapsed (the message was claimed again) or whose
@@ -33,7 +33,7 @@ from pg_transport.db.pool import Connector
 from pg_transport.db.retry import FENCED_RETRY_SECONDS, fenced
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
-from pg_transport.rows import (
+from pg_transport.message.rows import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Claimed,
     Lease,

@@ -48,8 +48,8 @@ from time import monotonic
 
 import psycopg
 
-from pg_transport import fencing, ordering
-from pg_transport.consume import envelope
+from pg_transport import fencing
+from pg_transport.consume import follows
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Row, Session
@@ -58,7 +58,8 @@ from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
 from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
+from pg_transport.message import envelope, ordering
+from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
 from pg_transport.store import Store, claim_params
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
@@ -559,7 +560,7 @@ class Engine:
             )
             return
         if claimed.note == FOLLOWS_MISSING:
-            ordering.follows_missing(claimed)
+            follows.follows_missing(claimed)
         headers = claimed.payload.get("headers") if claimed.payload else None
         if leased and isinstance(headers, dict) and ordering.ORDERING_KEY in headers:
             if len(self._keyed) >= MAX_KEYED:  # (ids of rejected deliveries linger)

@@ -21,13 +21,13 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from pg_transport import identity, ordering, topic
 from pg_transport.config import MAX_SECONDS
-from pg_transport.consume import envelope, poison
+from pg_transport.consume import poisoned
 from pg_transport.errors import InvalidMessage
-from pg_transport.eta import eta_delay
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
+from pg_transport.message import envelope, identity, ordering, poison, topic
+from pg_transport.message.eta import eta_delay
 from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Claimed, Lease, Store
 
@@ -137,7 +137,7 @@ class Channel(virtual.Channel):
                 identity=found,
                 reasons=decoded.reasons + why,
             )
-            poison.tell_dead_lettered(
+            poisoned.tell_dead_lettered(
                 dead_letter_id=dead_id,
                 queue=token.queue,
                 payload=self.connection.raw_payload(message),

@@ -8,7 +8,7 @@ was busy the request ran later, from the pool's own callback, and the raise ther
 the worker (``Unrecoverable error``). Either way the message stays delivered and unacked,
 its lease renewed by a worker that will never run it.
 
-:mod:`~pg_transport.consume.protocol` refuses the malformed messages known to do this
+:mod:`~pg_transport.message.protocol` refuses the malformed messages known to do this
 before Celery sees them. This module is the guarantee for the rest: a consumer bootstep,
 added to every worker whose broker is pgq, runs each hand-over under a guard. A raise
 gives the pool slot back and dead-letters the message with the exception as the reason;

@@ -2,7 +2,7 @@
 is imported; each receiver once, whatever the number of calls).
 
 - ``before_task_publish``: a task's ordering defaults become headers
-  (:func:`pg_transport.ordering.task_defaults`).
+  (:func:`pg_transport.message.ordering.task_defaults`).
 - ``celeryd_init``: a worker with a bad pgq setting stops with one line
   (:mod:`pg_transport.preflight`), and its sessions carry its node name
   (``application_name pgq:<pid>:worker:<node>``, from Celery's ``celeryd_init``, not
@@ -19,8 +19,9 @@ from typing import Any
 
 from celery import signals
 
-from pg_transport import backoff, ordering, preflight
+from pg_transport import backoff, preflight
 from pg_transport.db.pool import set_process_role
+from pg_transport.message import ordering
 
 __all__ = ["apply_task_defaults", "connect"]
 
@@ -50,7 +51,7 @@ def apply_task_defaults(
     **_: Any,
 ) -> None:
     """Celery's ``before_task_publish``: the sending task's ordering defaults as headers
-    (:func:`pg_transport.ordering.task_defaults`)."""
+    (:func:`pg_transport.message.ordering.task_defaults`)."""
     if headers is None or sender is None:
         return
     task = _task_named(sender)

@@ -20,7 +20,7 @@ import psycopg
 from kombu.transport import virtual
 
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
 
 __all__ = ["TOKEN", "Message", "QoS", "lease_of"]
 

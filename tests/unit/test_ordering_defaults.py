@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from pg_transport.kombu.hooks import apply_task_defaults
-from pg_transport.ordering import (
+from pg_transport.message.ordering import (
     FOLLOWABLE,
     ORDERING_KEY,
     OrderingError,

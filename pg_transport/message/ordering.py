@@ -7,7 +7,8 @@ A message asks in its headers (docs/ordering.md), which a Celery task's retry ke
 * ``pgq-follows``: the task id of a message this one must not run before (until it is
   acked or dead-lettered), waiting at most ``pgq-follows-timeout`` seconds (default: the
   transport option ``follows_timeout``); past it, it runs with ``pgq-follows-missing``
-  set to that task id and :data:`pg_transport.signals.follows_missing` is sent.
+  set to that task id and :data:`pg_transport.signals.follows_missing` is sent
+  (:mod:`pg_transport.consume.follows`).
 * ``pgq-followable``: record this message's end for followers published after it ended
   (a keyed message or a follower is findable while it is queued; its end is recorded when
   a follower named it, or when it is followable).
@@ -23,7 +24,6 @@ moved into those headers (:func:`move_options`). A task's own defaults (task att
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,7 +31,6 @@ from typing import Any
 
 from pg_transport.config import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 from pg_transport.errors import PgqError
-from pg_transport.rows import Claimed
 
 __all__ = [
     "DEFAULT_FOLLOWS_RETENTION",
@@ -56,8 +55,6 @@ FOLLOWS_TIMEOUT = "pgq-follows-timeout"
 FOLLOWABLE = "pgq-followable"
 #: Set on a follower delivered past its wait: the task id it followed.
 FOLLOWS_MISSING = "pgq-follows-missing"
-
-logger = logging.getLogger("pg_transport.ordering")
 
 # apply_async's options -> the headers they become.
 OPTIONS = {
@@ -268,37 +265,3 @@ def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
             )
     if getattr(task, "followable", False) and FOLLOWABLE not in headers:
         headers[FOLLOWABLE] = True
-
-
-def follows_missing(claimed: Claimed) -> None:
-    """A follower is delivered past its wait: say so in its headers (``pgq-follows-missing``:
-    the task id it followed) and send :data:`~pg_transport.signals.follows_missing`. A
-    receiver that raises is logged; the message is delivered all the same."""
-    payload = claimed.payload
-    if payload is None:
-        return
-    headers = payload.get("headers")
-    if not isinstance(headers, dict):
-        headers = payload["headers"] = {}
-    follows = headers.get(FOLLOWS)
-    headers[FOLLOWS_MISSING] = follows
-    task = headers.get("task")
-    logger.warning(
-        "pgq: message %d of queue %r (task %r) follows task %r, which was not seen to "
-        "finish within its wait: delivered now",
-        claimed.id,
-        claimed.queue,
-        task,
-        follows,
-    )
-    from pg_transport.signals import follows_missing as signal
-
-    for receiver, outcome in signal.send_robust(
-        sender=task if isinstance(task, str) else claimed.queue,
-        queue=claimed.queue,
-        task_id=headers.get("id"),
-        follows=follows,
-        payload=payload,
-    ):
-        if isinstance(outcome, Exception):
-            logger.error("pgq: follows_missing receiver %r raised %r", receiver, outcome)
