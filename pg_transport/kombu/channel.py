@@ -324,7 +324,7 @@ class Channel(virtual.Channel):
             if why is None:
                 payload: dict[str, Any] = self.connection.as_payload(found)
                 return payload
-            self.connection.engine.undeliverable.submit(found, why)
+            self.connection.engine.reject_undeliverable(found, why)
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
@@ -387,7 +387,7 @@ class Channel(virtual.Channel):
             why = fault(found)
             if why is None:
                 return self.Message(self.connection.as_payload(found), channel=self)
-            self.connection.engine.undeliverable.submit(found, why, held=False)
+            self.connection.engine.reject_undeliverable(found, why, held=False)
 
     def consuming(self) -> tuple[list[str], list[str]]:
         """The queues this channel consumes: (acknowledged, no_ack)."""

@@ -155,7 +155,7 @@ class QoS(virtual.QoS):
                 # may keep trying for as long as a failover takes.
                 if transport is not None and transport.lost:
                     transport.engine.land_acks([token], background=True)
-                elif transport is None or not transport.engine.acks.add(token):
+                elif transport is None or not transport.engine.ack(token):
                     self.channel.store.ack([token])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)
@@ -203,7 +203,7 @@ class QoS(virtual.QoS):
         transport = self.channel.connection
         engine = transport.engine if transport is not None else None
         if engine is not None and engine.on_loop_thread():
-            engine.undeliverable.later(what, work)
+            engine.later(what, work)
             return
         try:
             work()

@@ -226,7 +226,7 @@ class Transport(virtual.Transport):
         connector = Connector(
             url_to_conninfo(url), display_url=mask_url(url), max_idle=0, prepare_threshold=None
         )
-        return Listener(connector, self.options.schema, lambda: self.engine.pipe.wake())
+        return Listener(connector, self.options.schema, lambda: self.engine.poke())
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
