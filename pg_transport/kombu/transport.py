@@ -20,10 +20,12 @@ Transport options
 Every key of :class:`pg_transport.config.Options` (the full list, with defaults, is
 docs/configuration.md), each overridable by ``PGQ_<KEY>``.
 
-This module is thin: the Transport connects, owns the store and the consumer engine,
-and hands the engine to whichever loop drives it (Celery's event loop, or kombu's
-blocking ``drain_events``). Queues, exchanges and publishing are the Channel's
-(:mod:`pg_transport.kombu.channel`), acks and rejects the QoS's (:mod:`pg_transport.kombu.qos`).
+This module is thin: the Transport connects, owns the store, the publisher and the
+consumer engine, and hands the engine to whichever loop drives it (Celery's event loop,
+or kombu's blocking ``drain_events``). Queues, exchanges and publishing are the
+Channel's (:mod:`pg_transport.kombu.channel`), acks and rejects the QoS's
+(:mod:`pg_transport.kombu.qos`); :mod:`pg_transport.kombu.hooks` connects the Celery
+signals pgq receives.
 """
 
 from __future__ import annotations
