@@ -2,14 +2,15 @@
 
 No kombu in here: the store speaks of queues, payloads, ids and leases. It claims, pops,
 acks, releases, renews and dead-letters (the consumer's statements), declares queues,
-exchanges and bindings, and counts and purges; publishing is its :attr:`Store.publisher`'s
-(:mod:`pg_transport.publish.publisher`). Statements that are safe to repeat (ack,
+exchanges and bindings, and counts and purges; publishing is the
+:class:`~pg_transport.publish.publisher.Publisher`'s, which whoever composes the two (the
+transport) builds beside it. Statements that are safe to repeat (ack,
 release, renew, dead-lettering) are retried on a fresh connection after a
 dead-connection error (ack, release and renew through an outage as long as a failover:
 see :func:`~pg_transport.db.retry.fenced`). An ack or renewal the fencing refused is
 reported (:mod:`pg_transport.fencing`).
 
-A delivered message's fencing token is its :class:`~pg_transport.rows.Lease`: the row
+A delivered message's fencing token is its :class:`~pg_transport.message.rows.Lease`: the row
 id, the grant it was delivered under (the ``lease`` column, bumped by every claim and
 every release) and its queue. Ack, release, renew and dead-lettering touch the row only
 under that token, so a holder whose lease lapsed (the message was claimed again) or whose
@@ -26,13 +27,21 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport import fencing, ordering
+from pg_transport import fencing
+from pg_transport.config import DEFAULT_FOLLOWS_RETENTION
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import FENCED_RETRY_SECONDS, fenced
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
-from pg_transport.publish.publisher import DEFAULT_MAX_MESSAGE_BYTES, Publisher
-from pg_transport.rows import Claimed, Lease, decode_claimed, row_to_claimed, storable, text
+from pg_transport.message.rows import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Claimed,
+    Lease,
+    decode_claimed,
+    row_to_claimed,
+    storable,
+    text,
+)
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
 
 logger = logging.getLogger("pg_transport.store")
@@ -62,21 +71,15 @@ class Store:
         schema: str,
         *,
         relaxed: Connector | None = None,
-        publisher: Connector | None = None,
-        publisher_flushes: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
-        follows_retention: float = ordering.DEFAULT_FOLLOWS_RETENTION,
+        follows_retention: float = DEFAULT_FOLLOWS_RETENTION,
         fenced_window: float = FENCED_RETRY_SECONDS,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
-        message (see the ``relax_commit`` query). ``publisher`` (default: ``connector``)
-        runs publishes; ``publisher_flushes`` says whether its commits wait for their WAL
-        flush (``durable_publish``). ``max_message_bytes`` bounds a published message's
-        JSON text and the payload a claim brings at once. ``follows_timeout`` is how long
-        a follower published here waits unless it says; ``follows_retention`` how long
-        housekeeping keeps the end of a followed task (docs/ordering.md).
+        message (see the ``relax_commit`` query). ``max_message_bytes`` bounds the payload
+        a claim brings at once; ``follows_retention`` is how long housekeeping keeps the
+        end of a followed task (docs/ordering.md).
         ``fenced_window``: how long an ack, release or renewal keeps trying through an
         outage (docs/high-availability.md)."""
         self.connector = connector
@@ -87,14 +90,6 @@ class Store:
         self.schema = schema
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
-        #: Publishes to this schema.
-        self.publisher = Publisher(
-            publisher or connector,
-            schema,
-            flushes=publisher_flushes,
-            max_message_bytes=max_message_bytes,
-            follows_timeout=follows_timeout,
-        )
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])
 

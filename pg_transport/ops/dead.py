@@ -20,9 +20,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport import identity as identity_registry
-from pg_transport.consume import poison
+from pg_transport.consume import poisoned
 from pg_transport.errors import ConfigurationError, PgqError
+from pg_transport.message import identity as identity_registry
+from pg_transport.message import poison
 from pg_transport.signals import message_poisoned
 from pg_transport.sql import load_named
 from pg_transport.store import Store
@@ -180,7 +181,7 @@ class DeadLetters:
                 "them with -A/--app MODULE"
             )
         found, _ = identity_registry.recover(decoded.task_name, decoded.args, decoded.kwargs)
-        outcomes = poison.run_hooks(
+        outcomes = poisoned.run_hooks(
             dead_letter_id=dead_letter_id,
             queue=row["queue"],
             decoded=decoded,

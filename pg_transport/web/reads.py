@@ -11,8 +11,8 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.consume import poison
 from pg_transport.db.pool import Connector
+from pg_transport.message import poison
 from pg_transport.sql import load_named
 
 __all__ = [

@@ -24,7 +24,7 @@ from psycopg import sql
 import pg_transport
 import pg_transport.sql
 from pg_transport.errors import NotPermitted
-from pg_transport.ordering import MAX_FOLLOWS_TIMEOUT, MAX_KEY_HOLD, OrderingError
+from pg_transport.message.ordering import MAX_FOLLOWS_TIMEOUT, MAX_KEY_HOLD, OrderingError
 from tests.integration.test_privileges import (
     Roles,
     grant,
