@@ -104,8 +104,6 @@ class Channel(virtual.Channel):
 
     def __init__(self, connection: Any, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
-        self._vt_cache: dict[str, float] = {}
-        self._attempts_cache: dict[str, int] = {}
         # Kept past close: acks of tasks that outlive a lost connection still land.
         self.store: Store = connection.store
         self.publisher: Publisher = connection.publisher
@@ -113,16 +111,10 @@ class Channel(virtual.Channel):
         self._noack_queues: set[str] = set()
 
     def visibility_timeout(self, queue: str) -> float:
-        vt = self._vt_cache.get(queue)
-        if vt is None:
-            vt = self._vt_cache[queue] = self.connection.options.visibility_timeout_for(queue)
-        return vt
+        return self.connection.options.visibility_timeout_for(queue)  # (cached there)
 
     def max_attempts(self, queue: str) -> int:
-        attempts = self._attempts_cache.get(queue)
-        if attempts is None:
-            attempts = self._attempts_cache[queue] = self.connection.options.max_attempts_for(queue)
-        return attempts
+        return self.connection.options.max_attempts_for(queue)
 
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
