@@ -21,7 +21,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from pg_transport.config import MAX_SECONDS
+from pg_transport.config import MAX_SECONDS, Options
 from pg_transport.consume import poisoned
 from pg_transport.errors import InvalidMessage
 from pg_transport.kombu.producer_batch import PublishBatch
@@ -109,12 +109,13 @@ class Channel(virtual.Channel):
         self.publisher: Publisher = connection.publisher
         # Queues consumed with no_ack: their messages are deleted as they are taken.
         self._noack_queues: set[str] = set()
+        self._options: Options = connection.options
 
     def visibility_timeout(self, queue: str) -> float:
-        return self.connection.options.visibility_timeout_for(queue)  # (cached there)
+        return self._options.visibility_timeout_for(queue)  # (cached there)
 
     def max_attempts(self, queue: str) -> int:
-        return self.connection.options.max_attempts_for(queue)
+        return self._options.max_attempts_for(queue)
 
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
