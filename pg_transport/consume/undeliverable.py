@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pg_transport.consume import poisoned
+from pg_transport import poisoned
 from pg_transport.errors import BrokerUnavailable
 
 if TYPE_CHECKING:

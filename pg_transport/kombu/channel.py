@@ -21,8 +21,8 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
+from pg_transport import poisoned
 from pg_transport.config import MAX_SECONDS, Options
-from pg_transport.consume import poisoned
 from pg_transport.errors import InvalidMessage
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of

@@ -2,7 +2,7 @@
 
 A message is poisoned when its next delivery would exceed ``max_attempts``; the claim
 itself has already moved it to ``dead_letter``. :func:`decode` reads its task id, name
-and arguments for the identity and the hooks (:mod:`pg_transport.consume.poisoned`
+and arguments for the identity and the hooks (:mod:`pg_transport.poisoned`
 records and sends them).
 
 Decoding never unpickles: a pickled body yields an empty identity and a reason.

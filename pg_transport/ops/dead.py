@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport.consume import poisoned
+from pg_transport import poisoned
 from pg_transport.errors import ConfigurationError, PgqError
 from pg_transport.message import identity as identity_registry
 from pg_transport.message import poison
