@@ -528,12 +528,13 @@ def web(
 def health(path: str | None, stale_after: float) -> None:
     """Exit 0 while a worker keeps consuming, 1 once it has stopped: a container healthcheck.
 
-    The worker must run pg_transport.health's heartbeat step (pg_transport.health.install(app)).
+    The worker must run pg_transport.ops.health's heartbeat step
+    (pg_transport.ops.health.install(app)).
     Fails when the worker is gone, stopped or stuck, not only when its process is.
     """
     from pathlib import Path
 
-    from pg_transport import health as worker_health
+    from pg_transport.ops import health as worker_health
 
     result = worker_health.check(Path(path) if path else worker_health.default_file(), stale_after)
     # The message names the host read from the heartbeat file, which others may write.
