@@ -29,19 +29,15 @@ from pg_transport.ops import delayed as delayed_report
 from pg_transport.ops import status as status_report
 from pg_transport.ops.cli_common import (
     Group,
-    age,
     checked_schema,
-    json_text,
-    one_line,
     open_connector,
     open_store,
-    plural,
     schema_option,
-    table,
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
 from pg_transport.ops.cli_schedule import schedule
+from pg_transport.ops.format import age, json_text, one_line, plural, table
 from pg_transport.ops.terminal import printable, quoted
 from pg_transport.store import Store
 
