@@ -35,8 +35,9 @@ from typing import Any, TypeVar, cast
 import psycopg
 from celery._state import get_current_task
 
-from barrier.backend import Backend, backend_for, is_transient
-from barrier.protocol import COMPLETED, HEADER_BARRIER, TRANSPORT_MARKER, header
+from barrier.queries import queries
+from pg_transport.fanin.backend import Backend, backend_for, is_transient
+from pg_transport.fanin.protocol import COMPLETED, HEADER_BARRIER, TRANSPORT_MARKER, header
 
 __all__ = ["barrier_callback", "current_connection", "run_once"]
 
@@ -65,7 +66,9 @@ def run_once(db: Backend, barrier_id: str, body: Callable[[], Any]) -> Any:
     transaction serialised on the barrier's row. (A barrier without a row has nothing
     to mark and nothing to lock: its deliveries each run the body.)"""
     with db.connector.connection() as conn, conn.transaction():
-        row = conn.execute(db.q["barrier_status_locked"], {"id": barrier_id}).fetchone()
+        row = conn.execute(
+            queries(db.schema)["barrier_status_locked"], {"id": barrier_id}
+        ).fetchone()
         if row is not None and row[0] == COMPLETED:
             logger.info("barrier %s already completed: callback body skipped", barrier_id)
             return skipped(barrier_id)
@@ -74,7 +77,10 @@ def run_once(db: Backend, barrier_id: str, body: Callable[[], Any]) -> Any:
             result = body()
         finally:
             _current.reset(token)
-        if conn.execute(db.q["barrier_complete"], {"id": barrier_id}).fetchone() is None:
+        if (
+            conn.execute(queries(db.schema)["barrier_complete"], {"id": barrier_id}).fetchone()
+            is None
+        ):
             # Not FIRED (unknown, or moved elsewhere): the body ran, the status stays.
             logger.warning(
                 "barrier %s was not FIRED when its callback finished; status left as %s",

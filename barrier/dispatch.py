@@ -11,12 +11,13 @@ import psycopg
 from celery.canvas import Signature
 from celery.utils import uuid
 
-from barrier import inspect, state
-from barrier.backend import Backend, backend_for
-from barrier.errors import BarrierError
-from barrier.messages import as_signature, task_message
-from barrier.protocol import HEADER_BARRIER, HEADER_PART
-from barrier.settings import seconds
+from barrier import inspect
+from pg_transport.fanin import state
+from pg_transport.fanin.backend import Backend, backend_for
+from pg_transport.fanin.errors import BarrierError
+from pg_transport.fanin.messages import as_signature, task_message
+from pg_transport.fanin.protocol import HEADER_BARRIER, HEADER_PART
+from pg_transport.fanin.settings import seconds
 from pg_transport.publish import joined
 
 __all__ = ["Barrier", "Dispatched"]
@@ -78,7 +79,7 @@ class Barrier:
         seconds, or no part finishes for ``stuck_timeout`` seconds, the errback runs
         instead, once, with a dict describing what happened as its first argument.
         Zero parts fire the callback at once (with ``[]``). An id that exists already
-        is refused (:class:`~barrier.errors.BarrierExists`): ids are single-use.
+        is refused (:class:`~barrier.BarrierExists`): ids are single-use.
         ``conn`` arms inside the caller's open transaction (a savepoint) instead of
         a transaction of our own, as does an open ``pg_transport.transaction()`` block
         (or a joined Django ``transaction.atomic()``).

@@ -35,10 +35,10 @@ import psycopg
 from psycopg import sql
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
-from barrier.errors import LockHeld
+from barrier.queries import queries
 from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
-from pg_transport.sql import load_named
+from pg_transport.fanin.errors import LockHeld
 from pg_transport.sql.loader import parse_named
 
 __all__ = [
@@ -98,7 +98,7 @@ def _lock_key(parts: Sequence[str]) -> int:
 def lock_id(conn: psycopg.Connection[Any], *parts: str, wait: float = LOCK_ID_WAIT) -> None:
     """Take, and hold until the transaction ends, the lock of the id ``parts``; if
     another session holds it, try again for up to ``wait`` seconds, then raise
-    :class:`~barrier.errors.LockHeld` naming the holders.
+    :class:`~barrier.LockHeld` naming the holders.
 
     Never an unbounded wait: the lock is an advisory key, which any session that can
     connect can compute and hold (Postgres checks no privilege on advisory locks).
@@ -167,7 +167,7 @@ class Guards:
 
     def __init__(self, schema: str) -> None:
         self.schema = schema
-        self.q = load_named("barrier.sql", schema, "barrier")
+        self.q = queries(schema)
 
     # -- claims with a lease --------------------------------------------------
     def claim(

@@ -6,7 +6,7 @@ before the first task runs; no call is needed. They act only on apps whose broke
 is pgq and only on tasks whose message carries barrier headers:
 
 * ``task_success`` of a part: record it, count it, fire the callback (one
-  transaction, see :mod:`barrier.state`);
+  transaction, see :mod:`pg_transport.fanin.state`);
 * ``task_failure`` of a part (sent once the task failed for good: a pending
   retry or a requeue sends ``task_retry`` or nothing instead): fail the barrier;
 * ``message_poisoned`` of a part (dead-lettered after too many deliveries: it
@@ -29,13 +29,14 @@ from typing import Any
 import psycopg
 from celery import current_app, signals
 
-from barrier import state
-from barrier.backend import backend_for, uses_pgq
-from barrier.codec import dumps as json_dumps
-from barrier.protocol import HEADER_BARRIER, HEADER_PART, header
-from barrier.settings import BarrierSettings
+from barrier.queries import queries
 from barrier.sweep import Sweeper
 from pg_transport.errors import PgqError
+from pg_transport.fanin import state
+from pg_transport.fanin.backend import backend_for, uses_pgq
+from pg_transport.fanin.codec import dumps as json_dumps
+from pg_transport.fanin.protocol import HEADER_BARRIER, HEADER_PART, header
+from pg_transport.fanin.settings import BarrierSettings
 from pg_transport.signals import message_poisoned
 
 __all__ = ["connect", "on_message_poisoned", "on_task_failure", "on_task_success"]
@@ -126,7 +127,7 @@ def on_message_poisoned(
     params = {"id": dead_letter_id, "barrier_header": HEADER_BARRIER, "part_header": HEADER_PART}
 
     def work(conn: psycopg.Connection[Any]) -> str | None:
-        row = conn.execute(db.q["barrier_dead_letter_part"], params).fetchone()
+        row = conn.execute(queries(db.schema)["barrier_dead_letter_part"], params).fetchone()
         if row is None or row[0] is None or row[1] is None:
             return None
         barrier_id, index, task_id = row

@@ -7,17 +7,17 @@ from typing import Any
 
 import psycopg
 
-from barrier.codec import loads as json_loads
-from barrier.protocol import STATUSES
+from barrier.queries import queries
 from pg_transport.db.pool import Connector
-from pg_transport.sql import load_named
+from pg_transport.fanin.codec import loads as json_loads
+from pg_transport.fanin.protocol import STATUSES
 
 __all__ = ["show", "status_counts"]
 
 
 def status_counts(connector: Connector, schema: str) -> dict[str, int]:
     """How many barriers are in each status; every status is present, zero or not."""
-    query = load_named("barrier.sql", schema, "barrier")["barrier_counts"]
+    query = queries(schema)["barrier_counts"]
 
     def work(conn: psycopg.Connection[Any]) -> list[Any]:
         return conn.execute(query).fetchall()
@@ -43,7 +43,7 @@ def show(connector: Connector, schema: str, barrier_id: str) -> dict[str, Any] |
 
     Every value is JSON-ready (timestamps as ISO 8601 strings).
     """
-    q = load_named("barrier.sql", schema, "barrier")
+    q = queries(schema)
 
     def work(conn: psycopg.Connection[Any]) -> tuple[Any, list[Any]] | None:
         row = conn.execute(q["barrier_show"], {"id": barrier_id}).fetchone()

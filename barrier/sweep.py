@@ -12,10 +12,10 @@ from typing import Any
 
 import psycopg
 
-from barrier import state
-from barrier.backend import backend_for
 from barrier.signals import barrier_stranded
 from pg_transport.errors import PgqError
+from pg_transport.fanin import state
+from pg_transport.fanin.backend import backend_for
 
 __all__ = ["Sweeper", "sweep"]
 

@@ -32,6 +32,7 @@ from pg_transport.errors import (
 from pg_transport.ordering import OrderingError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
+from pg_transport.results import hooks as _results_hooks
 
 # A task's ordering defaults (its ordering_key and followable attributes) become headers
 # as it is sent.
@@ -40,6 +41,9 @@ _ordering.connect()
 _preflight.connect()
 # A worker's sessions carry its node name (application_name pgq:<pid>:worker:<node>).
 _processes.connect()
+# A task a worker on pgq dead-letters ends FAILURE in its app's result backend, and a
+# worker on pgq's result backend reaps expired results (pg_transport.results.hooks).
+_results_hooks.connect()
 
 try:
     # Installed (wheel or editable): the hook's module sits at the top of site-packages,

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeVar
 
 from pg_transport.db.retry import FENCED_RETRY_SECONDS
@@ -349,17 +350,31 @@ class Options:
         env = self.env_queue_ordering.get(env_queue_key(queue))
         return env if env is not None else self.queue_ordering.get(queue)
 
+    @cached_property
+    def _per_queue(self) -> dict[str, tuple[float, int]]:
+        # The one cache of a queue's visibility timeout and max_attempts, asked for
+        # every queue of every claim (an env lookup each otherwise). Not a field: the
+        # options compare, show and document as their fields only.
+        return {}
+
+    def _queue_settings(self, queue: str) -> tuple[float, int]:
+        found = self._per_queue.get(queue)
+        if found is None:
+            key = env_queue_key(queue)
+            vt = self.env_queue_visibility_timeouts.get(key)
+            if vt is None:
+                vt = self.queue_visibility_timeouts.get(queue, self.visibility_timeout)
+            attempts = self.env_queue_max_attempts.get(key)
+            if attempts is None:
+                attempts = self.queue_max_attempts.get(queue, self.max_attempts)
+            found = self._per_queue[queue] = (vt, attempts)
+        return found
+
     def visibility_timeout_for(self, queue: str) -> float:
-        env = self.env_queue_visibility_timeouts.get(env_queue_key(queue))
-        if env is not None:
-            return env
-        return self.queue_visibility_timeouts.get(queue, self.visibility_timeout)
+        return self._queue_settings(queue)[0]
 
     def max_attempts_for(self, queue: str) -> int:
-        env = self.env_queue_max_attempts.get(env_queue_key(queue))
-        if env is not None:
-            return env
-        return self.queue_max_attempts.get(queue, self.max_attempts)
+        return self._queue_settings(queue)[1]
 
 
 # PGQ_* names read outside these options: the result backend's, the barrier's, the

@@ -62,14 +62,16 @@ from pg_transport.errors import (
     SchemaError,
 )
 from pg_transport.qos import TOKEN
-from pg_transport.results import deadletters
-from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 
 __all__ = ["Transport"]
 
 logger = logging.getLogger("pg_transport.transport")
+
+# Longest a close waits for a housekeeping thread's cycle under way (a statement or two;
+# through an outage an ack's retries may take longer: that thread then ends on its own).
+HOUSEKEEPING_STOP_WAIT = 5.0
 
 
 class Transport(virtual.Transport):
@@ -180,11 +182,8 @@ class Transport(virtual.Transport):
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None
-        self._results_reaped_at = float("-inf")
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
-        self._vts: dict[str, float] = {}
-        self._attempts: dict[str, int] = {}
         session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
         #: The consumer, one for every way of driving it.
         self.engine = Engine(
@@ -256,7 +255,7 @@ class Transport(virtual.Transport):
         finally:
             self.hub.unregister()
             self.engine.close()
-            self._stop_housekeeping()
+            self._stop_housekeeping(wait=HOUSEKEEPING_STOP_WAIT)
             # The pools are the process's (shared): their idle sessions close after
             # pool_idle_timeout, or when another user finds them dead.
 
@@ -340,16 +339,10 @@ class Transport(virtual.Transport):
             raise
 
     def visibility_timeout(self, queue: str) -> float:
-        vt = self._vts.get(queue)
-        if vt is None:
-            vt = self._vts[queue] = self.options.visibility_timeout_for(queue)
-        return vt
+        return self.options.visibility_timeout_for(queue)  # (cached there, per queue)
 
     def max_attempts(self, queue: str) -> int:
-        attempts = self._attempts.get(queue)
-        if attempts is None:
-            attempts = self._attempts[queue] = self.options.max_attempts_for(queue)
-        return attempts
+        return self.options.max_attempts_for(queue)
 
     def consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
@@ -383,18 +376,19 @@ class Transport(virtual.Transport):
             self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
             self._vacuumer.start()
 
-    def _stop_housekeeping(self) -> None:
+    def _stop_housekeeping(self, wait: float = 0.0) -> None:
+        """Stop the background threads; with ``wait`` (a close), wait that long at most
+        for each to end: once the close returns, none of them sends a statement."""
         for thread in (self._renewer, self._vacuumer):
             if thread is not None:
                 thread.stop()
+        for thread in (self._renewer, self._vacuumer):
+            if thread is not None:
+                thread.stop(wait)
 
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())
         self.store.maintain(queues)
-        # Results past result_expires (the pgq result backend's, in this schema).
-        if monotonic() - self._results_reaped_at >= REAP_INTERVAL:
-            self._results_reaped_at = monotonic()
-            reap_expired(self.connector, self.options.schema)
 
     def renew(self, held: Sequence[tuple[Lease, float]]) -> None:
         """Renew ``held``; each channel's QoS learns which leases now run longer and
@@ -428,8 +422,6 @@ def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]
     }[durable_acks]
 
 
-# A worker on pgq ends the results of the tasks it dead-letters (in its app's backend).
-deadletters.connect()
 # A task a worker on pgq took but cannot run gives its pool slot and message back.
 guard.connect()
 

@@ -5,6 +5,10 @@ the process dies: that is the point). Every cycle it lands acks still waiting fo
 claim to ride on. Every few seconds it marks the consumed queues as in use and reaps
 queues past their expiry and messages past their TTL, so a SIGKILLed worker's control
 queue disappears after its expiry.
+
+Closing the transport stops the thread and waits for a cycle under way to end
+(:meth:`Housekeeper.stop`): once the close returns, the thread sends nothing more to a
+database its application may drop next.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ class Housekeeper(threading.Thread):
         self._maintain, self._default_vt = maintain, default_vt
         self._stop_event = threading.Event()
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop; with ``wait``, wait that long at most for a cycle under way to end."""
         self._stop_event.set()
+        if wait > 0 and self.is_alive() and self is not threading.current_thread():
+            self.join(wait)
 
     def run(self) -> None:
         renew_due = maintain_due = monotonic()
@@ -60,7 +67,7 @@ class Housekeeper(threading.Thread):
                 if held and self._renew is not None:
                     self._guard("lease renewal", self._renew, held)
                 renew_due = now + min((vt for _, vt in held), default=self._default_vt) / 3
-            if now >= maintain_due:
+            if now >= maintain_due and not self._stop_event.is_set():
                 self._guard("queue maintenance", self._maintain)
                 maintain_due = now + MAINTAIN_INTERVAL
             if self._stop_event.wait(max(min(renew_due, maintain_due) - monotonic(), 0.05)):

@@ -20,7 +20,6 @@ what is wrong, and the tries back off (doubling, at most :data:`MAX_REFUSED_INTE
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import psycopg
 
 from pg_transport.consume.session import Notifications
-from pg_transport.db import waits
+from pg_transport.db.listen import ListenThread
 from pg_transport.db.pool import Connector
 from pg_transport.errors import BrokerRefused, PgqError, PoolerDetected
 from pg_transport.sql import compose_channel, load_queries
@@ -41,6 +40,8 @@ logger = logging.getLogger("pg_transport.consume")
 RECONNECT_INTERVAL = 2.0
 #: The longest wait between two attempts after refusals (doubling from RECONNECT_INTERVAL).
 MAX_REFUSED_INTERVAL = 60.0
+# Longest wait on the socket when nothing wakes the thread (a poke cuts it short).
+IDLE_WAKE = 60.0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -48,20 +49,22 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-class Listener:
+class Listener(ListenThread):
     """A thread holding one LISTEN-only session; ``wake`` is called (from that thread)
     when a channel was notified (or may have been, after a reconnection)."""
 
+    thread_name = "pgq-listener"
+
     def __init__(self, connector: Connector, schema: str, wake: Callable[[], None]) -> None:
+        super().__init__()
         self.connector = connector
         self.wake = wake
         self._listen = load_queries(schema)["listen"]
         self._lock = threading.Lock()
         self._wanted: set[str] = set()
         self._notified: set[str] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        # Channels notified since the driver last called want() (handed out again then).
+        self._recent: set[str] = set()
         #: Whether the session is up and listening on every channel wanted.
         self.listening = False
         #: Times the connection was lost (or could not be opened) since the start.
@@ -70,12 +73,26 @@ class Listener:
         self.refusals = 0
 
     def want(self, channels: set[str]) -> None:
-        """Listen on ``channels`` too (from the driver's thread: never waits)."""
+        """Listen on ``channels`` too (from the driver's thread, each time it decides
+        what to send next: never waits).
+
+        The channels notified since the driver's previous call are handed to it once
+        more (:meth:`take` after a wake-up): the driver may have taken them while a
+        claim was out, whose answer, read after, marked their queues empty although its
+        snapshot predates the publish; now that the answer is in they bring a claim.
+        Without this the consumer would wait for its poll (the consumer's own session
+        reads a notification with the statement's answer, and takes it after the answer:
+        no such race)."""
         with self._lock:
-            if channels <= self._wanted:
-                return
+            again, self._recent = self._recent, set()
+            self._notified |= again
+            new = not channels <= self._wanted
             self._wanted |= channels
-        self._ensure_thread()
+        if again:
+            self.wake()
+        if new:
+            self._ensure_thread()
+            self._poke()  # LISTEN now, not at the thread's next look
 
     def take(self) -> set[str]:
         """The channels notified since the last call."""
@@ -84,23 +101,14 @@ class Listener:
         return found
 
     def close(self) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(RECONNECT_INTERVAL + 5)
-
-    def _ensure_thread(self) -> None:
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
-            self._thread, self._pid = None, os.getpid()
-        if self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._run, name="pgq-listener", daemon=True)
-            self._thread.start()
+        self._halt(RECONNECT_INTERVAL + 5)
 
     def _mark(self, channels: set[str]) -> None:
         if not channels:
             return
         with self._lock:
             self._notified |= channels
+            self._recent |= channels
         self.wake()
 
     def _run(self) -> None:
@@ -157,7 +165,7 @@ class Listener:
     def _serve(self, conn: psycopg.Connection[Any], *, announce: bool) -> None:
         notes = Notifications()
         listening: set[str] = set()
-        pgconn = conn.pgconn
+        self._attach(conn)  # a notification read with a LISTEN's answer is kept too
         while not self._stop.is_set():
             with self._lock:
                 missing = self._wanted - listening
@@ -173,12 +181,18 @@ class Listener:
                     self._mark(set(listening))
                 else:
                     self._mark(missing)
-            found: set[str] = set()
-            notes.collect(pgconn, found)
-            self._mark(found)
-            # A queue consumed anew waits this long at most for its LISTEN (it is
-            # claimed at once all the same, and polled).
-            if waits.readable((pgconn.socket,), 0.2):
-                pgconn.consume_input()
-                notes.collect(pgconn, found)
-                self._mark(found)
+            self._mark(self._channels(conn, notes))
+            # Until a notification, a channel wanted anew (a poke) or a stop.
+            if self._wait(conn, IDLE_WAKE) == "socket":
+                self._mark(self._channels(conn, notes))
+
+    def _channels(self, conn: psycopg.Connection[Any], notes: Notifications) -> set[str]:
+        """The channels notified since the last look; one with a payload is not pgq's
+        (dropped, and said)."""
+        found: set[str] = set()
+        for channel, payload in self._notes(conn):
+            if payload:
+                notes.dropped(channel)
+            else:
+                found.add(channel)
+        return found

@@ -54,11 +54,12 @@ class Notifications:
         """Move what libpq has parsed so far into ``into`` (channel names)."""
         while (note := pgconn.notifies()) is not None:
             if note.extra:
-                self._foreign(note.relname)
+                self.dropped(note.relname.decode("utf-8", "replace"))
                 continue
             into.add(note.relname.decode("utf-8", "replace"))
 
-    def _foreign(self, channel: bytes) -> None:
+    def dropped(self, channel: str) -> None:
+        """A notification with a payload on ``channel``: not pgq's, counted and said."""
         self.foreign += 1
         now = monotonic()
         if now >= self._next_warning:
@@ -68,7 +69,7 @@ class Notifications:
                 "none, so some other session is notifying its channels (any role that can "
                 "connect may); they are ignored",
                 self.foreign - self._reported,
-                channel.decode("utf-8", "replace")[:63],
+                channel[:63],
             )
             self._reported = self.foreign
 

@@ -41,8 +41,11 @@ class Vacuumer(threading.Thread):
         #: How many VACUUMs this process ran (for tests and the curious).
         self.vacuums = 0
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop; with ``wait``, wait that long at most for a look under way to end."""
         self._stop_event.set()
+        if wait > 0 and self.is_alive() and self is not threading.current_thread():
+            self.join(wait)
 
     def run(self) -> None:
         allowed = True

@@ -10,6 +10,27 @@ inherited across a fork. :func:`shared` hands every user in a process with the s
 settings the same connector, so a process holds one pool however many kombu
 connections it opens. Dead-connection classification and retries are
 :mod:`pg_transport.db.retry`'s; :meth:`Connector.run` runs work under one of its policies.
+
+Why not psycopg_pool (pgq depends on ``psycopg[binary]`` without its ``pool`` extra).
+Measured on 2026-11-28 (psycopg_pool 3.3.3, psycopg 3.3.9, a loaded 2-core machine):
+
+* fork: a connection idle in a ``ConnectionPool`` when the process forks is handed to
+  the child, which runs its statement on the parent's server session (one socket, two
+  processes): a prefork worker's children would corrupt their parent's sessions. Here
+  the child's inherited sockets are pointed at /dev/null at fork and the pool starts
+  empty in the child (tests/integration/test_pool.py proves it);
+* threads: each ``ConnectionPool`` starts four (a scheduler and three workers); a pgq
+  process holds several pools (publishing, housekeeping, results, the barrier) and a
+  prefork worker has one process per child: here one reaper thread serves every pool
+  of a process, and sleeps while none keeps an idle session;
+* a checkout and return of an idle connection took 1.6-1.7 times as long there
+  (benchmarks/results/2026-11-28-pool-choice.md);
+* what pgq needs of a session would be callbacks around it anyway: whose session it
+  is (:func:`is_own`), the pinned ``search_path`` checked at connect (a pooler in the
+  way: :func:`pooler_detected`), a foreign prepared statement seen as a pooler,
+  dead-session eviction of the idle siblings (:meth:`Connector.discard_idle`), a cap
+  on idle sessions below the cap on sessions (``max_idle``), and the same ``connect``
+  used alone by the listeners. The pool proper (take, give back, reap) is ~150 lines.
 """
 
 from __future__ import annotations

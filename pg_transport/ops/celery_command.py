@@ -10,14 +10,13 @@ registers it is not processed (``pip install --target`` with ``PYTHONPATH``, zip
 
 from __future__ import annotations
 
-import click
-
 import pg_transport  # noqa: F401 (registers the pgq:// scheme)
 from pg_transport.ops.cli import main
+from pg_transport.ops.plugins import PluginCommands
 
 __all__ = ["pgq"]
 
-pgq = click.Group(
+pgq = PluginCommands(
     name="pgq",
     commands=dict(main.commands),
     help="pgq's commands, as the `pgq` command has them (`celery pgq status --url …`).",

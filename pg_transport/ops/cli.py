@@ -38,13 +38,18 @@ from pg_transport.ops.cli_common import (
 from pg_transport.ops.cli_dead import dead
 from pg_transport.ops.cli_schedule import schedule
 from pg_transport.ops.format import age, json_text, one_line, plural, table
+from pg_transport.ops.plugins import PluginCommands
 from pg_transport.ops.terminal import printable, quoted
 from pg_transport.store import Store
 
 __all__ = ["main"]
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+class Main(PluginCommands, Group):
+    """pgq's commands, and each installed plugin's group (``pgq barrier``)."""
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="celery-pgq", prog_name="pgq")
 def main() -> None:
     """pgq: PostgreSQL as a Celery broker."""
@@ -234,52 +239,6 @@ def delayed(
     )
     if len(found) == limit:
         click.echo(f"(the first {limit}: --limit lists more)")
-
-
-@main.group(cls=Group)
-def barrier() -> None:
-    """Inspect fan-in barriers."""
-
-
-@barrier.command("show")
-@url_option
-@schema_option
-@click.argument("barrier_id", metavar="ID")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-def barrier_show(url: str | None, schema: str, barrier_id: str, as_json: bool) -> None:
-    """Show one barrier: status, parts done, callback, timestamps."""
-    from barrier.inspect import show  # the barrier package builds on this one
-
-    with open_store(url, schema) as store:
-        found = show(store.connector, store.schema, barrier_id)
-    if found is None:
-        raise click.ClickException(
-            f"no barrier {quoted(barrier_id)} in pgq schema {quoted(schema)}"
-        )
-    if as_json:
-        click.echo(json_text(found))
-        return
-    parts = found.pop("parts", [])
-    for key, value in found.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
-        click.echo(f"{key + ':':<16}{'-' if value is None else printable(value)}")
-    if parts:
-        click.echo(
-            table(
-                ["PART", "OUTCOME", "TASK ID", "FINISHED"],
-                [
-                    [
-                        str(p["index"]),
-                        str(p["outcome"]),
-                        str(p.get("task_id") or "-"),
-                        str(p["finished_at"]),
-                    ]
-                    for p in parts
-                ],
-                right={0},
-            )
-        )
 
 
 @main.command()

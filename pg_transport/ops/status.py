@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from pg_transport.ops.plugins import plugin
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
@@ -113,10 +114,12 @@ class Status:
 
 
 def barrier_counts(store: Store) -> list[BarrierCount]:
-    """Barriers by status (only statuses that have any), as the barrier counts them."""
-    from barrier.inspect import status_counts  # the barrier package builds on this one
-
-    counts = status_counts(store.connector, store.schema)
+    """Barriers by status (only statuses that have any), as the barrier's plugin counts
+    them (none without it)."""
+    found = plugin("barrier")
+    if found is None or found.status_counts is None:
+        return []
+    counts = found.status_counts(store.connector, store.schema)
     return [BarrierCount(status, n) for status, n in sorted(counts.items()) if n]
 
 

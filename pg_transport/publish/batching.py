@@ -23,7 +23,15 @@ What a batch promises, and what it does not:
   from the publish that meets it, or from the block's end (a pipelined publish's error
   arrives late), and nothing of the batch is committed.
 - A batch opened inside another joins it: everything commits with the outermost block.
-- The commit wakes the consumers: one NOTIFY per message, sent with the commit.
+- The commit wakes the consumers: one NOTIFY per queue that got a message, sent with
+  the commit.
+
+The messages themselves are not sent one statement each: a batch keeps the rows it is
+given (:meth:`Batch.add`) and writes them with one statement, a multi-row insert, when
+the block ends, when :data:`ROWS_PER_STATEMENT` of them wait, or before any other
+statement of the batch runs (so everything reaches the database in the order it was
+published). A row Postgres refuses therefore fails the batch when they are written,
+mostly at the block's end.
 """
 
 from __future__ import annotations
@@ -42,12 +50,19 @@ from pg_transport.db.retry import ONCE, Policy, is_dead_connection
 from pg_transport.db.retry import attempt as retry_attempt
 from pg_transport.errors import NotPermitted
 
-__all__ = ["Batch", "BatchFailed", "Op", "batch", "current"]
+__all__ = ["ROWS_PER_STATEMENT", "Batch", "BatchFailed", "Op", "Rows", "batch", "current"]
 
 logger = logging.getLogger("pg_transport.batching")
 
 #: One statement of a batch: run on the batch's connection, inside its transaction.
 Op = Callable[[psycopg.Connection[Any]], Any]
+
+#: Writes rows of a batch (in the order given) with one statement on the connection.
+Rows = Callable[[psycopg.Connection[Any], list[dict[str, Any]]], Any]
+
+#: Most rows one statement of a batch writes (its arrays stay a few MB for Celery
+#: messages of a few kB).
+ROWS_PER_STATEMENT = 1000
 
 _open: ContextVar[Batch | None] = ContextVar("pgq_batch", default=None)
 
@@ -77,8 +92,9 @@ class Batch:
 
     @property
     def statements(self) -> int:
-        """Statements sent so far (a message per publish, a copy per routed queue)."""
-        return sum(len(part.ops) for part in self._parts.values())
+        """What the batch holds so far: a message per publish (sent or waiting to be
+        written with others), a statement per routed publish or other work."""
+        return sum(part.size for part in self._parts.values())
 
     def __enter__(self) -> Batch:
         if self._entered:
@@ -142,10 +158,22 @@ class Batch:
         """Run ``op`` in the transaction of the database ``key`` names (conninfo, schema,
         whether commits wait for their flush), opened on ``connector`` at its first
         statement; ``op``'s result."""
+        return self._part(key, connector).run(op)
+
+    def add(
+        self, key: tuple[str, str, bool], connector: Connector, write: Rows, row: dict[str, Any]
+    ) -> None:
+        """Keep ``row`` for the transaction of the database ``key`` names, to be written
+        by ``write`` together with the rows given after it (the same ``write``) in one
+        statement: at the block's end, once :data:`ROWS_PER_STATEMENT` wait, or before
+        the next other statement of that transaction."""
+        self._part(key, connector).add(write, row)
+
+    def _part(self, key: tuple[str, str, bool], connector: Connector) -> _Part:
         part = self._parts.get(key)
         if part is None:
             part = self._parts[key] = _Part(connector)
-        return part.run(op)
+        return part
 
 
 class _Part:
@@ -155,12 +183,41 @@ class _Part:
     def __init__(self, connector: Connector) -> None:
         self.connector = connector
         self.ops: list[Op] = []
+        #: Rows given and not written yet, and what writes them.
+        self._rows: list[dict[str, Any]] = []
+        self._write: Rows | None = None
         self._stack: contextlib.ExitStack | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._failed: BaseException | None = None
         self._done = False
 
+    @property
+    def size(self) -> int:
+        """Statements sent and rows waiting."""
+        return len(self.ops) + len(self._rows)
+
+    def add(self, write: Rows, row: dict[str, Any]) -> None:
+        if self._failed is not None:
+            raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
+        if self._write is not None and self._write != write:
+            self._write_rows()
+        self._write = write
+        self._rows.append(row)
+        if len(self._rows) >= ROWS_PER_STATEMENT:
+            self._write_rows()
+
+    def _write_rows(self) -> None:
+        """The rows waiting, written by one statement of the batch."""
+        rows, write = self._rows, self._write
+        self._rows, self._write = [], None
+        if rows and write is not None:
+            self._send(lambda conn: write(conn, rows))
+
     def run(self, op: Op) -> Any:
+        self._write_rows()
+        return self._send(op)
+
+    def _send(self, op: Op) -> Any:
         if self._failed is not None:
             raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
         self.ops.append(op)
@@ -181,6 +238,7 @@ class _Part:
             raise
 
     def commit(self) -> None:
+        self._write_rows()
         if self._failed is not None:
             raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
         if self._conn is None:  # the first statement's connection failed twice
@@ -205,6 +263,7 @@ class _Part:
         self._done = True
 
     def abandon(self) -> None:
+        self._rows, self._write = [], None
         if self._done or self._stack is None:
             return
         self._drop(_Abandoned())

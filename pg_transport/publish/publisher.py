@@ -53,6 +53,25 @@ logger = logging.getLogger("pg_transport.publish")
 #: The triggers that keep the publisher's boundary: their refusals name them.
 BOUNDARY = frozenset({"message_admit", "dead_letter_admit"})
 
+#: The parameters of ``publish_many``: each an array, one element a message.
+MANY_COLUMNS = (
+    "queue",
+    "priority",
+    "delay",
+    "publish_key",
+    "payload",
+    "ttl",
+    "okey",
+    "task_id",
+    "follows",
+    "follow_wait",
+    "followable",
+    "channel",
+)
+
+#: Those of them that are float8 arrays.
+FLOAT_COLUMNS = frozenset({"delay", "ttl", "follow_wait"})
+
 #: Largest payload (its JSON text, in bytes) published or delivered by default.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -129,9 +148,7 @@ class Publisher:
             return
         open_batch = batching.current()
         if open_batch is not None:
-            open_batch.run(
-                self._batch_key(), self.connector, lambda conn: self._insert_on(conn, params)
-            )
+            open_batch.add(self._batch_key(), self.connector, self._insert_rows, params)
             return
         self.connector.run(
             lambda conn: self._insert_on(conn, params), idempotent=publish_key is not None
@@ -194,6 +211,20 @@ class Publisher:
         """Run a publish on ``conn``, the way :func:`way_of` picks for it."""
         with self._permitted(conn):
             WAYS[way_of(conn, flushes=self.flushes, due_now=params["notify"])](self, conn, params)
+
+    def _insert_rows(self, conn: psycopg.Connection[Any], rows: list[dict[str, Any]]) -> None:
+        """Insert the messages of a batch (``rows``: what :meth:`_publish_params` made of
+        each, in publish order) with one statement on the batch's connection, and wake
+        each queue that got one, at the commit."""
+        # (an array holds one type: psycopg refuses a list of ints and floats mixed)
+        columns = {
+            name: [_as_float(row[name]) for row in rows]
+            if name in FLOAT_COLUMNS
+            else [row[name] for row in rows]
+            for name in MANY_COLUMNS
+        }
+        with self._permitted(conn):
+            conn.execute(self.q["publish_many"], columns)  # joins the batch's pipeline
 
     @contextmanager
     def _permitted(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
@@ -372,6 +403,10 @@ class Publisher:
         """Which transaction of a batch this store's publishes join: the publisher's
         database, the schema, and whether its commits wait for their WAL flush."""
         return (self.connector.conninfo, self.schema, self.flushes)
+
+
+def _as_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> str:

@@ -8,8 +8,8 @@ two are pipelined); callers wait through the process's one listening session
 (:mod:`pg_transport.results.listener`), as Celery's Redis backend waits on pub/sub.
 
 Options: ``result_backend_transport_options`` (:mod:`pg_transport.results.options`).
-Expired results (``result_expires``) are deleted by pgq workers' housekeeping and by
-Celery's ``backend_cleanup``.
+Expired results (``result_expires``) are deleted by the workers using this backend
+(:mod:`pg_transport.results.hooks`) and by Celery's ``backend_cleanup``.
 """
 
 from __future__ import annotations
@@ -177,7 +177,9 @@ class PgqBackend(AsyncBackendMixin, Backend):
         )
         self.q = load_named("results.sql", self.schema, "pg_transport.results")
         self._checked = False
-        self.chords = Chords(self)
+        self.chords = Chords(
+            self, enabled=self.options.native_chords, conninfo=self.connector.conninfo
+        )
         # Chord parts' metas, stored with their count (see on_chord_part_return).
         self._deferred = threading.local()
         self.result_consumer = self.ResultConsumer(

@@ -1,6 +1,6 @@
 """Native chords: the header's parts are counted in Postgres, no ``chord_unlock`` task.
 
-A chord is a fan-in barrier (``barrier`` and ``barrier_part``, :mod:`barrier.state`'s
+A chord is a fan-in barrier (``barrier`` and ``barrier_part``, :mod:`pg_transport.fanin.state`'s
 tables and counting statements) named ``celery-chord:<group id>``, armed by
 ``apply_chord`` before the header is sent, with the chord's body as its callback and the
 header's task ids in its metadata. Each header task's end is one transaction on the
@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from celery import states
@@ -54,19 +54,16 @@ from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
 
 import pg_transport
-from barrier.backend import Backend as BarrierDb
-from barrier.backend import backend_for, broker_url, uses_pgq
-from barrier.codec import dumps as json_dumps
-from barrier.codec import loads as json_loads
-from barrier.messages import task_message
-from barrier.state import publish_outgoing
 from pg_transport.config import MAX_SECONDS
 from pg_transport.db.pool import url_to_conninfo
+from pg_transport.fanin.backend import Backend as FaninDb
+from pg_transport.fanin.backend import backend_for, broker_url, uses_pgq
+from pg_transport.fanin.codec import dumps as json_dumps
+from pg_transport.fanin.codec import loads as json_loads
+from pg_transport.fanin.messages import task_message
+from pg_transport.fanin.state import publish_outgoing
 
-if TYPE_CHECKING:
-    from pg_transport.results.backend import PgqBackend
-
-__all__ = ["CHORD_PREFIX", "UNSIZED", "Chords", "PartOutcome"]
+__all__ = ["CHORD_PREFIX", "UNSIZED", "ChordHost", "Chords", "PartOutcome"]
 
 logger = logging.getLogger("pg_transport.results")
 
@@ -97,12 +94,45 @@ def _plain_task(body: Any) -> bool:
     return not any(body.options.get(k) for k in ("chain", "chord", "group_id_chord"))
 
 
-class Chords:
-    """The native chords of one :class:`~pg_transport.results.backend.PgqBackend`."""
+class ChordHost(Protocol):
+    """What native chords use of the result backend that owns them, and nothing else of
+    it: its app, schema and queries (``results.sql``), and how it stores, reads and fails
+    a result row. The backend drives chords through :class:`Chords`' public methods; the
+    chords reach back only through this, so neither reads the other's internals."""
 
-    def __init__(self, backend: PgqBackend) -> None:
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def schema(self) -> str: ...
+
+    @property
+    def q(self) -> Mapping[str, str]: ...
+
+    def store_state_row(
+        self, conn: psycopg.Connection[Any], task_id: str, meta: dict[str, Any]
+    ) -> None: ...
+
+    def decode_row(
+        self, content_type: str, content_encoding: str, meta: bytes
+    ) -> dict[str, Any]: ...
+
+    def failure_meta(self, task_id: str, exc: BaseException) -> dict[str, Any]: ...
+
+    def errback_is_in_process(self, sig: Any) -> bool: ...
+
+    def chord_error_from_stack(self, callback: Any, exc: BaseException | None = None) -> Any: ...
+
+
+class Chords:
+    """The native chords of one result backend (a :class:`ChordHost`) whose sessions go
+    to ``conninfo``; ``enabled`` is its ``native_chords`` option."""
+
+    def __init__(self, backend: ChordHost, *, enabled: bool, conninfo: str) -> None:
         self.backend = backend
         self.app = backend.app
+        self._enabled = enabled
+        self._conninfo = conninfo
         self._usable: bool | None = None
 
     # -- can this app use them ----------------------------------------------------------
@@ -110,15 +140,15 @@ class Chords:
         """The broker is pgq on the result backend's database and schema."""
         if self._usable is None:
             self._usable = (
-                self.backend.options.native_chords
+                self._enabled
                 and uses_pgq(self.app)
-                and url_to_conninfo(broker_url(self.app)) == self.backend.connector.conninfo
+                and url_to_conninfo(broker_url(self.app)) == self._conninfo
                 and self.db.schema == self.backend.schema
             )
         return self._usable
 
     @property
-    def db(self) -> BarrierDb:
+    def db(self) -> FaninDb:
         return backend_for(self.app)
 
     def takes(self, results: Sequence[Any], body: Any) -> bool:
@@ -265,7 +295,7 @@ class Chords:
 
     def _succeeded(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         request: Any,
         after: list[Any],
@@ -285,7 +315,7 @@ class Chords:
         return PartOutcome(recorded=True, fired=True)
 
     def _fire(
-        self, db: BarrierDb, conn: psycopg.Connection[Any], group_id: str, request: Any
+        self, db: FaninDb, conn: psycopg.Connection[Any], group_id: str, request: Any
     ) -> None:
         """Send the body with the header's results, sent (as Celery sends it) from the
         part that completed the chord: its parent, its root's child."""
@@ -336,7 +366,7 @@ class Chords:
 
     def _failed(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         request: Any,
         result: Any,
@@ -351,7 +381,7 @@ class Chords:
 
     def _fail_chord(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         group_id: str,
         reason: str,
@@ -394,7 +424,7 @@ class Chords:
 
     def _errbacks(
         self,
-        db: BarrierDb,
+        db: FaninDb,
         conn: psycopg.Connection[Any],
         group_id: str,
         run: str,
@@ -447,7 +477,7 @@ def _fake_request(body: Signature) -> Any:
     )
 
 
-def _fail_canvas_body(backend: Any, body: Signature, error: ChordError) -> None:
+def _fail_canvas_body(backend: ChordHost, body: Signature, error: ChordError) -> None:
     try:
         # Celery fails the body from the stack (its traceback): raised here, as the
         # Redis backend calls it while handling the chord's error.

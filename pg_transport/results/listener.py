@@ -20,7 +20,6 @@ subscribed task once, which covers what was stored while it was away.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -33,7 +32,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
-from pg_transport.db import waits
+from pg_transport.db.listen import ListenThread
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import TRANSIENT, attempt, is_dead_connection
 from pg_transport.errors import BrokerUnavailable
@@ -70,12 +69,15 @@ class Subscriber(Protocol):
         """Take a row read for one of the subscribed tasks (called on the listener's thread)."""
 
 
-class Listener:
+class Listener(ListenThread):
     """The waiting side of one (database, schema) in this process."""
+
+    thread_name = "pgq-results"
 
     def __init__(
         self, connector: Connector, schema: str, *, use_notify: bool, polling_interval: float
     ) -> None:
+        super().__init__()
         self.connector = connector
         self.schema = schema
         self.use_notify = use_notify
@@ -92,12 +94,8 @@ class Listener:
         self._first: dict[str, set[int]] = {}
         self._listening: set[str] = set()
         self._conn: psycopg.Connection[Any] | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Channels notified, filled on this listener's thread only (by psycopg's notify
-        # handler during a statement, or from libpq's list while idle).
+        # Channels notified, filled on this listener's thread only (from what psycopg
+        # read during a statement and what libpq read while idle: ListenThread._notes).
         self._notified: set[str] = set()
         #: Statements this listener sent (for tests and benchmarks).
         self.statements = 0
@@ -148,31 +146,10 @@ class Listener:
             for key, found in list(_listeners.items()):
                 if found is self:
                     del _listeners[key]
-        self._stop.set()
-        self._poke()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5)
+        self._halt(5)
         self._close()
 
     # -- the thread ---------------------------------------------------------------------
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="pgq-results", daemon=True)
-            self._thread.start()
-
-    def _poke(self) -> None:
-        # A full pipe means the thread is woken anyway.
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
-
-    def _drain_pipe(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -197,7 +174,7 @@ class Listener:
             return conn
         conn = attempt(TRANSIENT, self.connector.connect)
         conn.prepare_threshold = None
-        conn.add_notify_handler(self._on_notify)
+        self._attach(conn)
         self._conn = conn
         with self._lock:
             self._listening = set()
@@ -214,13 +191,12 @@ class Listener:
             except psycopg.Error:
                 logger.debug("closing the results session failed", exc_info=True)
 
-    def _on_notify(self, note: psycopg.Notify) -> None:
+    def _take_notes(self, conn: psycopg.Connection[Any]) -> None:
         # A payload means someone other than pgq notified: the channel is all we take.
-        self._notified.add(note.channel)
+        self._notified.update(channel for channel, _ in self._notes(conn))
 
     def _cycle(self) -> None:
         conn = self._open()
-        self._drain_pipe()
         with self._lock:
             fresh, self._fresh = self._fresh, set()
             gone, self._gone = self._gone, set()
@@ -229,12 +205,14 @@ class Listener:
         self._listen(conn, fresh, gone)
         if fresh:
             self._read(conn, fresh)
+        self._take_notes(conn)
         if self._notified:
             notified, self._notified = self._notified, set()
             with self._lock:
                 ids = {self._channels[c] for c in notified if c in self._channels}
             if ids:
                 self._read(conn, ids)
+        self._take_notes(conn)
         with self._lock:
             # Notifications that came in with the answers above are in _notified, not
             # on the socket: the next cycle takes them before waiting again.
@@ -242,14 +220,12 @@ class Listener:
                 return
             polling = not self.use_notify and bool(self._subs)
         timeout = self.polling_interval if polling else IDLE_WAKE
-        ready = waits.readable((conn.pgconn.socket, self._wake_r), timeout)
-        if conn.pgconn.socket in ready:
-            conn.pgconn.consume_input()
-            while (note := conn.pgconn.notifies()) is not None:
-                self._notified.add(note.relname.decode("utf-8", "replace"))
+        woken = self._wait(conn, timeout)
+        if woken == "socket":
+            self._take_notes(conn)
             if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
                 raise psycopg.OperationalError("the results session was closed by the server")
-        if not ready and polling:
+        if woken == "timeout" and polling:
             with self._lock:
                 everyone = set(self._subs)
             self._read(conn, everyone)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from hashlib import blake2b, md5
 from importlib import resources
 
@@ -66,6 +66,7 @@ def substitute_parameters(query: str, render: Callable[[str], str]) -> str:
     )
 
 
+@lru_cache(maxsize=64)
 def channel_prefix(schema: str) -> str:
     """The start of every wake-up channel of a schema (:func:`queue_channel` ends it).
 
@@ -74,6 +75,7 @@ def channel_prefix(schema: str) -> str:
     return f"pgq_{blake2b(schema.encode('utf-8'), digest_size=4).hexdigest()}_"
 
 
+@lru_cache(maxsize=4096)
 def queue_channel(schema: str, queue: str) -> str:
     """The channel where publishes to ``queue`` wake its consumers, with no payload.
 

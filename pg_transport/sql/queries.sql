@@ -36,6 +36,52 @@ WITH inserted AS (
 )
 SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
 
+-- name: publish_many
+-- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
+-- statement: one array a column (sent in binary: nothing to escape), one element a
+-- message, inserted in array order (their
+-- ids, and so their order in an ordering key, follow the publishes). Each is what
+-- publish_plain inserts for it (a retried publish key inserts nothing, the same expiry);
+-- the listeners of each queue of the batch are woken once, at the commit, if any of its
+-- messages was inserted (RETURNING names no column: a publisher may not read messages).
+WITH given AS (
+    SELECT g.*
+    FROM ROWS FROM (pg_catalog.unnest(%(queue)b::text[]),
+                    pg_catalog.unnest(%(priority)b::int[]),
+                    pg_catalog.unnest(%(delay)b::float8[]),
+                    pg_catalog.unnest(%(publish_key)b::text[]),
+                    pg_catalog.unnest(%(payload)b::text[]),
+                    pg_catalog.unnest(%(ttl)b::float8[]),
+                    pg_catalog.unnest(%(okey)b::text[]),
+                    pg_catalog.unnest(%(task_id)b::text[]),
+                    pg_catalog.unnest(%(follows)b::text[]),
+                    pg_catalog.unnest(%(follow_wait)b::float8[]),
+                    pg_catalog.unnest(%(followable)b::boolean[]),
+                    pg_catalog.unnest(%(channel)b::text[]))
+         WITH ORDINALITY AS g(queue, priority, delay, publish_key, payload, ttl, okey,
+                              task_id, follows, follow_wait, followable, channel, n)
+), inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable)
+    SELECT g.queue, g.priority,
+           pg_catalog.now() + pg_catalog.make_interval(secs => g.delay),
+           g.publish_key, g.payload::json,
+           pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
+               (SELECT q.message_ttl_ms::float8 / 1000.0::float8
+                FROM {schema}.queue AS q WHERE q.name = g.queue),
+               g.ttl)),
+           g.okey, g.task_id, g.follows,
+           pg_catalog.now() + pg_catalog.make_interval(secs => g.delay + g.follow_wait),
+           g.followable
+    FROM given AS g
+    ORDER BY g.n
+    ON CONFLICT (publish_key) DO NOTHING
+    RETURNING 1
+)
+SELECT pg_catalog.pg_notify(w.channel, '')
+FROM (SELECT DISTINCT g.channel FROM given AS g) AS w
+WHERE EXISTS (SELECT FROM inserted)
+
 -- name: server_identity
 -- Which database of which running server a session is on: the cluster's system
 -- identifier (a copy made from a base backup shares it), when the server started (which

@@ -8,6 +8,7 @@ from typing import Any
 import tornado.web
 
 from pg_transport.ops import status as status_report
+from pg_transport.ops.plugins import plugin
 from pg_transport.web import sampler
 from pg_transport.web.base import STALE_INTERVALS, Base, checked_time, until
 from pg_transport.web.chart import chart
@@ -210,12 +211,14 @@ class BarriersPage(Base):
         before = None if before_at is None else (before_at, before_id)
 
         def read() -> dict[str, Any]:
-            from barrier.inspect import show
-
             caps = self.capabilities()
             counts = status_report.barrier_counts(c.store)
             # Only a role that may read callbacks and parts gets one barrier's details.
-            found = show(c.connector, c.schema, wanted) if wanted and caps.barrier_details else None
+            extra = plugin("barrier")
+            show = None if extra is None else extra.show
+            found = None
+            if wanted and caps.barrier_details and show is not None:
+                found = show(c.connector, c.schema, wanted)
             armed = c.reads.armed_barriers()
             listed, after = c.reads.barriers_page(status, before)
             return {

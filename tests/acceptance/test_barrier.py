@@ -14,7 +14,7 @@ from celery import Celery
 from psycopg import sql
 
 from barrier import Barrier
-from barrier.backend import forget
+from pg_transport.fanin.backend import forget
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 
 pytestmark = pytest.mark.acceptance

@@ -27,11 +27,11 @@ from barrier import (
     hooks,
     sweep,
 )
-from barrier import state as st
-from barrier.backend import Backend, backend_for, forget
 from barrier.callback import skipped
-from barrier.protocol import HEADER_BARRIER, HEADER_PART, HEADER_ROLE
 from pg_transport.db.locks import advisory_key
+from pg_transport.fanin import state as st
+from pg_transport.fanin.backend import Backend, backend_for, forget
+from pg_transport.fanin.protocol import HEADER_BARRIER, HEADER_PART, HEADER_ROLE
 from pg_transport.signals import message_poisoned
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek

@@ -15,9 +15,9 @@ import psycopg
 import pytest
 from celery import Celery
 
-from barrier import state as st
-from barrier.backend import Backend, backend_for, forget
-from barrier.messages import Outgoing
+from pg_transport.fanin import state as st
+from pg_transport.fanin.backend import Backend, backend_for, forget
+from pg_transport.fanin.messages import Outgoing
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -341,3 +342,44 @@ def test_kombus_producer_batch_publishes_in_one_commit(
         "SELECT count(*), count(DISTINCT xmin::text) FROM {schema}.message"
         " WHERE queue = 'kombu-sized'"
     ) == [(25, 3)]
+
+
+def test_a_batch_writes_its_messages_a_statement_per_thousand_in_publish_order(
+    conn: Connection, rows: Peek
+) -> None:
+    """The messages of a batch go in multi-row statements of at most ROWS_PER_STATEMENT
+    (not one statement each), and a routed publish in between writes the rows before it
+    first: ids follow the order of the publishes across both."""
+    per = batching.ROWS_PER_STATEMENT
+    fanout = Exchange("fan-many", type="fanout")
+    with conn.channel() as channel:
+        producer = Producer(channel)
+        Queue("many", Exchange("many"), "many")(channel).declare()
+        Queue("fan-copy", fanout)(channel).declare()
+        with pg_transport.batch() as batch:
+            for n in range(per + 10):
+                producer.publish({"n": n}, routing_key="many")
+            producer.publish({"n": "routed"}, exchange=fanout)
+            for n in range(per + 10, 2 * per + 20):
+                producer.publish({"n": n}, routing_key="many")
+            (part,) = batch._parts.values()
+            # a full statement of `per` rows, the 10 rows before the routed publish, the
+            # routed publish; the last `per + 10` rows: one full statement sent, 10 waiting
+            assert len(part.ops) == 4
+            assert batch.statements == 4 + 10
+            assert rows(MESSAGES) == [(0, 0)]
+        assert rows(MESSAGES) == [(2 * per + 21, 1)]  # one commit for all of them
+    got = rows("SELECT payload->>'body' FROM {schema}.message WHERE queue = 'many' ORDER BY id")
+    assert len(got) == 2 * per + 20
+    seq = [producer_body(body) for (body,) in got]
+    assert seq == list(range(2 * per + 20))
+    (routed_id,) = rows("SELECT id FROM {schema}.message WHERE queue = 'fan-copy'")[0]
+    (before,) = rows(
+        "SELECT count(*) FROM {schema}.message WHERE queue = 'many' AND id < %s", routed_id
+    )[0]
+    assert before == per + 10
+
+
+def producer_body(body: str) -> int:
+    """The ``n`` of a message kombu published with its JSON serializer."""
+    return int(json.loads(body)["n"])

@@ -14,7 +14,7 @@ from celery.app.task import Context
 from celery.exceptions import ChordError
 from celery.utils.functional import regen
 
-import barrier.backend
+import pg_transport.fanin.backend
 from pg_transport.results.chords import CHORD_PREFIX
 from tests.integration.test_results import make_app, q
 
@@ -36,7 +36,7 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
         return None
 
     yield made
-    barrier.backend.forget(made)
+    pg_transport.fanin.backend.forget(made)
 
 
 def arm(
@@ -234,7 +234,7 @@ def test_a_chord_applied_again_is_a_new_run(app: Celery, pg_url: str, schema: st
 def test_a_generator_header_is_streamed(app: Celery, pg_url: str, schema: str) -> None:
     n = 5
     queued_when_read: list[int] = []
-    barrier.backend.backend_for(app)  # the schema, before the header is read
+    pg_transport.fanin.backend.backend_for(app)  # the schema, before the header is read
 
     def header() -> Iterator[Any]:
         for i in range(n):
@@ -275,7 +275,7 @@ def test_add_to_chord_waits_for_the_added_task_too(app: Celery, pg_url: str, sch
 
 
 def test_a_generator_header_may_hold_a_group(app: Celery, pg_url: str, schema: str) -> None:
-    barrier.backend.backend_for(app)
+    pg_transport.fanin.backend.backend_for(app)
 
     def header() -> Iterator[Any]:
         # The group's tasks are numbered from 0 again: two parts share group index 1.

@@ -13,10 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from barrier.errors import LockHeld
 from barrier.guards import Claim, Guards, lock_id, transition, try_lock_id
 from pg_transport.db.locks import advisory_key
 from pg_transport.db.pool import Connector
+from pg_transport.fanin.errors import LockHeld
 from pg_transport.store import Store
 from tests.acceptance.harness import wait_for
 from tests.integration.conftest import Peek

@@ -25,8 +25,8 @@ from psycopg.rows import dict_row
 
 import pg_transport
 from barrier import Barrier
-from barrier.backend import forget
 from pg_transport import NotPermitted, TransactionRefused
+from pg_transport.fanin.backend import forget
 from pg_transport.sql import queue_channel
 from pg_transport.store import Store
 from tests.integration.conftest import Peek

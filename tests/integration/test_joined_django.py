@@ -18,8 +18,8 @@ django.setup()
 from django.db import connection, connections, transaction  # noqa: E402
 
 import pg_transport  # noqa: E402
-from barrier.backend import forget  # noqa: E402
 from pg_transport import TransactionRefused  # noqa: E402
+from pg_transport.fanin.backend import forget  # noqa: E402
 from pg_transport.integrations.django import join_atomic, leave_atomic  # noqa: E402
 from pg_transport.store import Store  # noqa: E402
 from tests.integration.conftest import Peek  # noqa: E402

@@ -13,8 +13,8 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 import pg_transport
-from barrier.backend import forget
 from pg_transport import TransactionRefused
+from pg_transport.fanin.backend import forget
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 

@@ -11,9 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
+from pg_transport.consume.listener import Listener
+from pg_transport.db import waits
+from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.errors import ConfigurationError
 from tests.bouncer import Bouncer, BouncerUnavailable, pgbouncer
 from tests.integration.conftest import Peek
@@ -170,3 +174,120 @@ def test_listen_url_pointed_at_the_pooler_says_so_and_backs_off(
         assert "leads to a connection pooler" in line and "Postgres directly" in line, line
         assert "Set the transport option use_notify=false" not in line, line
     assert "next try in 2s" in first and "next try in 4s" in second, (first, second)
+
+
+def test_a_notification_landing_while_a_claim_is_out_wakes_another_claim(
+    broker_url: str, schema: str, rows: Peek
+) -> None:
+    """The listener's notification for a message published while the consumer's claim is
+    on the wire (its snapshot taken before the commit: it comes back empty) is not lost
+    when the driver reads the wake-up before the claim's empty answer: that answer marks
+    the queue empty, and the notification, taken already, must still bring a claim,
+    not the poll 30 s later. The order is forced, not hoped for: the claim's answer is
+    waiting on the session's socket before the publish, the listener's wake-up is waiting
+    on the pipe before the driver looks, and the blocking driver takes a wake-up before
+    an answer when both are ready."""
+    options = {
+        "schema": schema,
+        "use_notify": False,
+        "listen_url": broker_url,
+        "polling_interval": 30,  # only a wake-up brings the message within the test
+    }
+    queue = Queue("racing", Exchange("racing"), "r")
+    got: list[Any] = []
+    with Connection(broker_url, transport_options=options) as conn:
+        consumer = Consumer(
+            conn,
+            [queue],
+            accept=["json"],
+            callbacks=[lambda body, msg: (got.append(body), msg.ack())],
+        )
+        consumer.consume()
+        engine = conn.transport.engine
+        deadline = time.monotonic() + 10
+        while not (engine.waiting and engine.listener.listening):  # idle, and listened
+            assert time.monotonic() < deadline, "the consumer never came to wait"
+            with suppress(TimeoutError):
+                conn.drain_events(timeout=0.05)
+        engine.pipe.clear()  # (wake-ups of the start, taken already)
+
+        # A claim out (sent from here, as the driver would on an ack's wake-up), and its
+        # empty answer arrived, not read: its snapshot cannot see what comes next.
+        engine.exhausted.discard(queue.name)
+        engine.kick()
+        assert engine.busy, "no claim was sent"
+        session_socket = engine.session.fileno()
+        assert waits.readable([session_socket], 10), "the claim's answer never came"
+
+        publish(broker_url, schema, queue)
+        # The listener heard it and woke the driver's pipe (nobody reads it yet).
+        assert waits.readable([engine.pipe.fileno()], 10), "the listener never woke the driver"
+        assert waits.readable([session_socket], 0), "the claim's answer was read"
+
+        started = time.monotonic()
+        conn.drain_events(timeout=10)  # TimeoutError: the wake-up was lost (poll: 30 s)
+        assert got == [{"n": 1}]
+        assert time.monotonic() - started < 10
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+class _Recording(Connector):
+    """A connector that keeps the last session it opened (the test watches its socket)."""
+
+    last: psycopg.Connection[Any] | None = None
+
+    def connect(self, *, autocommit: bool = True) -> psycopg.Connection[Any]:
+        self.last = super().connect(autocommit=autocommit)
+        return self.last
+
+
+def test_a_notification_read_with_a_listen_s_answer_is_not_dropped(
+    broker_url: str, pg_url: str, schema: str
+) -> None:
+    """psycopg takes a notification read during a statement out of libpq's list: one that
+    came in before the answer of a LISTEN (for a queue consumed anew) must still wake
+    the consumer. Forced: the listener's thread is held in its wake-up call while the
+    notification reaches its socket, and the next thing it does is that LISTEN."""
+    first, second = f"{schema}_a", f"{schema}_b"
+    connector = _Recording(url_to_conninfo(broker_url), max_idle=0, prepare_threshold=None)
+    hold, inside, go = threading.Event(), threading.Event(), threading.Event()
+    woken = threading.Semaphore(0)
+
+    def wake() -> None:
+        if hold.is_set():
+            hold.clear()
+            inside.set()
+            go.wait(10)
+        woken.release()
+
+    listener = Listener(connector, schema, wake)
+    try:
+        listener.want({first})
+        # Once it listens it wakes the consumer for the channel (whatever came before).
+        assert woken.acquire(timeout=10), "the listener never listened"
+        assert listener.take() == {first}
+        with psycopg.connect(pg_url, autocommit=True) as notifier:
+            hold.set()
+            notifier.execute("SELECT pg_notify(%s, '')", [first])
+            assert inside.wait(10), "the first notification never woke anyone"
+            assert listener.take() == {first}
+            # The driver's next decision hands it out once more (for a claim that was
+            # out meanwhile): taken here, so that only the notification below brings it.
+            listener.want({first})
+            assert woken.acquire(timeout=10)
+            assert listener.take() == {first}
+            # The thread is held in wake(): this one waits on its socket, unread.
+            notifier.execute("SELECT pg_notify(%s, '')", [first])
+            assert connector.last is not None
+            assert waits.readable([connector.last.pgconn.socket], 10), "not sent"
+            listener.want({first, second})  # its next step: LISTEN (second)
+            go.set()
+        seen: set[str] = set()
+        deadline = time.monotonic() + 10
+        while seen != {first, second}:
+            assert woken.acquire(timeout=max(deadline - time.monotonic(), 0)), (
+                f"woken for {seen or 'nothing'} only: the notification was dropped"
+            )
+            seen |= listener.take()
+    finally:
+        listener.close()

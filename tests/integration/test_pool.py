@@ -12,9 +12,10 @@ import psycopg
 import pytest
 from kombu import Connection
 
-from pg_transport.db.pool import Connector, shared
+from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.errors import BrokerUnavailable
 from tests.acceptance.harness import wait_for
+from tests.pg import to_broker_url
 
 
 def sessions_named(pg_url: str, name: str) -> int:
@@ -120,3 +121,37 @@ def test_the_reaper_sleeps_between_turns(pg_url: str, monkeypatch: pytest.Monkey
     finally:
         for pool in pools:
             pool.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_talks_on_a_session_it_inherited(pg_url: str) -> None:
+    """What pgq's own pool is kept for (db/pool.py's docstring): a session idle in the
+    pool when the process forks (a prefork worker's children) is not handed to the
+    child, whose first connection is a session of its own, and the parent's session
+    still answers after the child exits (the child never sent a byte on it, not even
+    the Terminate of a close). psycopg_pool, measured, hands the child the parent's."""
+    connector = Connector(url_to_conninfo(to_broker_url(pg_url)), max_size=2)
+    with connector.connection() as conn:
+        parent_backend = conn.info.backend_pid
+    assert connector.idle_count == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the backend it was given, then exit at once
+        code = 1
+        try:
+            with connector.connection() as conn:
+                os.write(write, str(conn.info.backend_pid).encode())
+            connector.close()  # closes what it holds, never the inherited session
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    child_backend = int(os.read(read, 64) or b"0")
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_backend not in (0, parent_backend), "the child talked on the parent's session"
+    with connector.connection() as conn:
+        assert conn.info.backend_pid == parent_backend, "the parent's idle session was lost"
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    connector.close()

@@ -16,14 +16,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery, states
+from celery import Celery, signals, states
 from celery.result import GroupResult
 from psycopg import sql
 
 from pg_transport.errors import ConfigurationError, NotPermitted
 from pg_transport.results.backend import PgqBackend
 from pg_transport.results.errors import ResultTooLarge
-from pg_transport.results.expiry import reap_expired
+from pg_transport.results.expiry import REAP_INTERVAL, reap_expired
 from pg_transport.results.listener import result_channel
 from tests.pg import pgq_url, to_broker_url
 
@@ -310,6 +310,43 @@ def test_expired_results_are_reaped(pg_url: str, schema: str) -> None:
     assert left == [("forever",), ("keep",)]
     assert q(pg_url, schema, "SELECT count(*) FROM {schema}.result_group") == [(0,)]
     assert reap_expired(app.backend.connector, schema) == 0
+
+
+def test_a_worker_on_the_pgq_backend_reaps_expired_results(pg_url: str, schema: str) -> None:
+    """The result backend's own housekeeping (not the broker's): a worker whose backend is
+    pgq's reaps expired results in the backend's database and schema from worker_ready,
+    once at start and then every REAP_INTERVAL, until worker_shutdown."""
+    # No barrier sweeper for this app, should the barrier's hooks be connected here.
+    app = make_app(pg_url, schema, result_expires=3600, pgq_barrier_sweep_interval=0)
+    app.backend.store_result("stale", 1, states.SUCCESS)
+    app.backend.store_result("fresh", 2, states.SUCCESS)
+    q(
+        pg_url,
+        schema,
+        "UPDATE {schema}.result SET expires_at = now() - interval '1 second'"
+        " WHERE task_id = 'stale'",
+    )
+
+    class Consumer:  # what worker_ready is sent by, as far as the hooks read it
+        event_dispatcher = None
+        hostname = "reaper-test"
+
+        def __init__(self, app: Celery) -> None:
+            self.app = app
+
+    worker = Consumer(app)
+    signals.worker_ready.send(sender=worker)
+    try:
+        # The first reap runs as the reaper starts: one interval bounds it generously.
+        deadline = time.monotonic() + REAP_INTERVAL
+        while q(pg_url, schema, "SELECT task_id FROM {schema}.result ORDER BY 1") != [("fresh",)]:
+            assert time.monotonic() < deadline, "the worker's reaper never reaped"
+            time.sleep(0.05)
+    finally:
+        signals.worker_shutdown.send(sender=worker)
+    for reaper in [t for t in threading.enumerate() if t.name == "pgq-results-reaper"]:
+        reaper.join(timeout=5)
+        assert not reaper.is_alive(), "worker_shutdown did not stop the reaper"
 
 
 def test_bad_input_gets_one_clear_error(pg_url: str, schema: str) -> None:

@@ -29,8 +29,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import pg_transport
-from barrier.backend import forget
 from pg_transport import identity
+from pg_transport.fanin.backend import forget
 from pg_transport.signals import message_poisoned
 from pg_transport.sql import queue_channel
 from tests.integration.conftest import Peek

@@ -13,9 +13,9 @@ import pytest
 from celery import Celery, group
 
 from barrier import TRANSPORT_MARKER, BarrierError, barrier_callback
-from barrier.messages import as_signature, eta_delay, publish_key, task_message
-from barrier.settings import BarrierSettings
 from pg_transport.errors import ConfigurationError
+from pg_transport.fanin.messages import as_signature, eta_delay, publish_key, task_message
+from pg_transport.fanin.settings import BarrierSettings
 
 
 @pytest.fixture

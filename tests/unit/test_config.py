@@ -160,6 +160,49 @@ def test_per_queue_attempts_from_options_and_env() -> None:
     assert opts.max_attempts_for("other") == 4
 
 
+@given(
+    vt=finite_vt,
+    queue_vt=finite_vt,
+    attempts=st.integers(min_value=1, max_value=MAX_ATTEMPTS),
+    queue_attempts=st.integers(min_value=1, max_value=MAX_ATTEMPTS),
+    env_attempts=st.integers(min_value=1, max_value=MAX_ATTEMPTS),
+)
+def test_per_queue_settings_asked_again_are_what_the_sources_say(
+    vt: float, queue_vt: float, attempts: int, queue_attempts: int, env_attempts: int
+) -> None:
+    """The per-queue answers are cached (the transport, its channels and every claim ask
+    the options): asked again, in any order, they are still what the sources say, and
+    the cache is no option (equality, repr and the documented fields stay the options')."""
+    opts = options(
+        {
+            "visibility_timeout": vt,
+            "queue_visibility_timeouts": {"slow": queue_vt},
+            "max_attempts": attempts,
+            "queue_max_attempts": {"flaky": queue_attempts},
+        },
+        PGQ_MAX_ATTEMPTS_SLOW=str(env_attempts),
+    )
+    fresh = options(
+        {
+            "visibility_timeout": vt,
+            "queue_visibility_timeouts": {"slow": queue_vt},
+            "max_attempts": attempts,
+            "queue_max_attempts": {"flaky": queue_attempts},
+        },
+        PGQ_MAX_ATTEMPTS_SLOW=str(env_attempts),
+    )
+    expected = {
+        "slow": (queue_vt, env_attempts),
+        "flaky": (vt, queue_attempts),
+        "other": (vt, attempts),
+    }
+    for _ in range(2):
+        for queue, (want_vt, want_attempts) in expected.items():
+            assert opts.max_attempts_for(queue) == want_attempts, queue
+            assert opts.visibility_timeout_for(queue) == want_vt, queue
+    assert opts == fresh and repr(opts) == repr(fresh)
+
+
 def test_unicode_queue_name_has_an_env_key() -> None:
     key = env_queue_key("очередь ✓")
     assert re.fullmatch(r"[A-Z0-9_]+", key)

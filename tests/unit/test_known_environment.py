@@ -18,14 +18,10 @@ import pytest
 from pg_transport.beat.settings import BeatSettings
 from pg_transport.config import unknown_environment
 from pg_transport.errors import ConfigurationError
+from pg_transport.fanin.settings import BarrierSettings
 from pg_transport.ops import health
 from pg_transport.ops.cli import main
 from pg_transport.results.options import ResultOptions
-
-try:
-    from pg_transport.fanin.settings import BarrierSettings
-except ImportError:  # the fan-in core still inside barrier/
-    from barrier.settings import BarrierSettings  # type: ignore[no-redef]
 
 NOT_A_VALUE = "not a value!"
 

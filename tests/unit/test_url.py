@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 from kombu import Connection
 from psycopg.conninfo import conninfo_to_dict
 
-from barrier.backend import backend_for
 from pg_transport.db.pool import KEEPALIVES, url_to_conninfo
 from pg_transport.db.url import MASK, Credentials, build_url, mask_url, parse_url, seal, unseal
 from pg_transport.errors import ConfigurationError
+from pg_transport.fanin.backend import backend_for
 from pg_transport.results.masking import url_of
 
 # -- pgq:// -> libpq ----------------------------------------------------------------

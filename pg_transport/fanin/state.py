@@ -25,19 +25,19 @@ from celery.canvas import Signature
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
-from barrier.backend import Backend
-from barrier.codec import dumps as json_dumps
-from barrier.codec import loads as json_loads
-from barrier.errors import BarrierError, BarrierExists
-from barrier.messages import Outgoing, publish_key, task_message
-from barrier.protocol import (
+from pg_transport.db.pool import is_own
+from pg_transport.fanin.backend import Backend
+from pg_transport.fanin.codec import dumps as json_dumps
+from pg_transport.fanin.codec import loads as json_loads
+from pg_transport.fanin.errors import BarrierError, BarrierExists
+from pg_transport.fanin.messages import Outgoing, publish_key, task_message
+from pg_transport.fanin.protocol import (
     HEADER_BARRIER,
     HEADER_ROLE,
     ROLE_CALLBACK,
     ROLE_ERRBACK,
     TRANSPORT_MARKER,
 )
-from pg_transport.db.pool import is_own
 
 __all__ = [
     "COUNTED",
@@ -53,7 +53,7 @@ __all__ = [
     "sweep_due",
 ]
 
-logger = logging.getLogger("barrier.state")
+logger = logging.getLogger("pg_transport.fanin")
 
 # What recording a part did.
 COUNTED = "counted"  # decremented, others still running

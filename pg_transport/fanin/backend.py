@@ -16,19 +16,19 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from barrier.settings import BarrierSettings
 from pg_transport.config import Options
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.retry import TRANSIENT, attempt
 from pg_transport.db.url import mask_url, scheme_of
 from pg_transport.errors import ConfigurationError
+from pg_transport.fanin.settings import BarrierSettings
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
 __all__ = ["Backend", "backend_for", "broker_url", "forget", "uses_pgq"]
 
-logger = logging.getLogger("barrier.backend")
+logger = logging.getLogger("pg_transport.fanin")
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         schema=options.schema,
         connector=connector,
         store=Store(connector, options.schema),
-        q=load_named("barrier.sql", options.schema, "barrier"),
+        q=load_named("fanin.sql", options.schema, "pg_transport.fanin"),
         settings=BarrierSettings.from_app(app),
         native_delayed_delivery=options.native_delayed_delivery,
     )
