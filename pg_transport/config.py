@@ -390,7 +390,9 @@ class Options:
 
 # PGQ_* names read outside these options: the result backend's, the barrier's, the
 # operator commands', beat's and the test suite's. Spelled out (not imported) so the
-# transport's configuration depends on neither the result backend nor the barrier.
+# transport's configuration depends on neither the result backend nor the barrier;
+# tests/unit/test_known_environment.py derives them from what reads them and holds
+# this list to them.
 _OTHER_ENV = frozenset(
     {
         "PGQ_URL",

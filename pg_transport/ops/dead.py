@@ -2,7 +2,7 @@
 
 The dead-letter table is where pgq puts what it will not deliver again; nothing
 leaves it silently. This module is what ``pgq dead`` runs: every statement is in
-``sql/dead.sql``, and a requeue moves rows back into ``message`` in one statement,
+``dead.sql`` (beside this module), and a requeue moves rows back into ``message`` in one statement,
 so a row is never in both tables nor in neither.
 """
 
@@ -117,7 +117,7 @@ class DeadLetters:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.q = load_named("dead.sql", store.schema)
+        self.q = load_named("dead.sql", store.schema, "pg_transport.ops")
 
     def rows(self, *, queue: str | None = None, limit: int = 100) -> tuple[list[DeadLetter], int]:
         """The newest ``limit`` rows (of ``queue``), and how many there are in all."""

@@ -147,7 +147,7 @@ class Reads:
     def __init__(self, connector: Connector, schema: str) -> None:
         self.connector = connector
         self.schema = schema
-        self.q = load_named("web.sql", schema)
+        self.q = load_named("web.sql", schema, "pg_transport.web")
 
     def _all(self, name: str, params: dict[str, Any] | None = None) -> list[Any]:
         query = self.q[name]

@@ -121,8 +121,8 @@ RULES = [
     ),
     (
         "web",
-        ["barrier", "pg_transport.consume"],
-        "the console reads rows; it drives no engine",
+        ["barrier", "pg_transport.consume", "pg_transport.ops.cli_common"],
+        "the console reads rows; formatting shared with the CLI is ops/format.py",
     ),
     (
         "config.py",
