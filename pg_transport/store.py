@@ -53,6 +53,7 @@ __all__ = [
     "Store",
     "claim_params",
     "decode_claimed",
+    "read_claim",
 ]
 
 # Unlimited attempts, where a caller gives no max_attempts (read_ct is an integer).
@@ -150,12 +151,7 @@ class Store:
                 prepare = conn.prepare_threshold is not None
                 return self.claim_statement.execute(conn, params, prepare=prepare)
 
-            found_rows = self.relaxed.run(work, idempotent=False, statement=True)
-            batch = [decode_claimed(row) for row in found_rows]
-            if acks:
-                refused = {c.id for c in batch if c.refused}
-                fencing.refused("ack", [t for t in acks if t.id in refused])
-                batch = [c for c in batch if not c.refused]
+            batch = read_claim(acks, self.relaxed.run(work, idempotent=False, statement=True))
             acks = ()
             delivered = [c for c in batch if not c.held]
             found += delivered
@@ -467,6 +463,20 @@ def claim_params(
         "max_bytes": max_bytes,
         "max_message_bytes": max_bytes,
     }
+
+
+def read_claim(acks: Sequence[Lease], rows: Sequence[Row]) -> list[Claimed]:
+    """A claim's answer (or a pop's) as its driver takes it, the engine's or
+    :meth:`Store.claim`: the rows decoded, in the statement's order; the acks it carried
+    that the fencing refused reported and left out; rows held back (ordering) kept, for
+    they took room (a claim they filled is not short)."""
+    batch = [decode_claimed(row) for row in rows]
+    if not acks:
+        return batch
+    refused = {c.id for c in batch if c.refused}
+    if refused:
+        fencing.refused("ack", [t for t in acks if t.id in refused])
+    return [c for c in batch if not c.refused]
 
 
 def _lease_params(tokens: Sequence[Lease]) -> dict[str, Any]:

@@ -59,8 +59,8 @@ from pg_transport.consume.wakeup import WakePipe
 from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.message import envelope, ordering
-from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
-from pg_transport.store import Store, claim_params
+from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease
+from pg_transport.store import Store, claim_params, read_claim
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
 
@@ -177,7 +177,7 @@ class Engine:
             reply = self.session.finish(timeout=RETIRE_TIMEOUT)
             if reply is not None and reply.rows is not None:
                 if flight.kind == "claim":
-                    claimed = self._landed(flight, [decode_claimed(r) for r in reply.rows])
+                    claimed = read_claim(flight.acks, reply.rows)
                     self.release([c for c in claimed if not c.held])
                 elif flight.kind == "ack":
                     self._acked(flight, reply.rows)
@@ -498,7 +498,7 @@ class Engine:
             due = rows[0][0] if rows else None
             self._arm_due(None if due is None else float(due))
             return
-        batch = self._landed(flight, [decode_claimed(row) for row in rows])
+        batch = read_claim(flight.acks, rows)
         # Rows an ordered queue held back count: a claim they filled is not short. A
         # short claim took every candidate it found: a queue that gave fewer than its
         # share has no more (one that gave its share may have).
@@ -519,16 +519,6 @@ class Engine:
             self.claim_sent = flight.sent
             self.track(batch)
         self.deliver_all(batch, leased=leased)
-
-    @staticmethod
-    def _landed(flight: _InFlight, batch: list[Claimed]) -> list[Claimed]:
-        """A claim's rows but the acks it carried that the fencing refused (reported)."""
-        if not flight.acks:
-            return batch
-        refused = {c.id for c in batch if c.refused}
-        if refused:
-            fencing.refused("ack", [t for t in flight.acks if t.id in refused])
-        return [c for c in batch if not c.refused]
 
     @staticmethod
     def _acked(flight: _InFlight, rows: list[Row]) -> None:

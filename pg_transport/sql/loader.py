@@ -17,7 +17,8 @@ from importlib import resources
 
 from psycopg import sql
 
-_NAME = re.compile(r"^-- name: (\w+)\s*$")
+_NAME = re.compile(r"^-- (name|part): (\w+)\s*$")
+_PART = re.compile(r"\{part:(\w+)\}")
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
 
@@ -31,18 +32,43 @@ def _read(name: str, package: str) -> str:
 
 
 def parse_named(text: str) -> dict[str, str]:
-    """Split ``-- name: x`` blocks into {name: statement}; comments are dropped."""
-    queries: dict[str, list[str]] = {}
+    """Split ``-- name: x`` blocks into {name: statement}; comments are dropped.
+
+    A ``-- part: y`` block is a named fragment of statements, not a statement: each
+    ``{part:y}`` in a statement (or in another part) is replaced by its text, so a long
+    statement reads as named parts, each with its comment beside it, and still goes to
+    the server as one statement. A part that is not defined, that no statement uses, or
+    that uses itself is an error."""
+    blocks: dict[str, dict[str, list[str]]] = {"name": {}, "part": {}}
     current: list[str] | None = None
     for line in text.splitlines():
         match = _NAME.match(line)
         if match:
-            if match.group(1) in queries:
-                raise ValueError(f"query {match.group(1)!r} is defined twice")
-            current = queries[match.group(1)] = []
+            kind, name = match.groups()
+            if name in blocks["name"] or name in blocks["part"]:
+                raise ValueError(f"query {name!r} is defined twice")
+            current = blocks[kind][name] = []
         elif current is not None and not line.lstrip().startswith("--"):
             current.append(line)
-    return {name: "\n".join(lines).strip() for name, lines in queries.items()}
+    parts = {name: "\n".join(lines).strip() for name, lines in blocks["part"].items()}
+    used: set[str] = set()
+
+    def expand(body: str, within: tuple[str, ...]) -> str:
+        def one(match: re.Match[str]) -> str:
+            part = match.group(1)
+            if part not in parts:
+                raise ValueError(f"part {part!r} is not defined")
+            if part in within:
+                raise ValueError(f"part {part!r} uses itself")
+            used.add(part)
+            return expand(parts[part], (*within, part))
+
+        return _PART.sub(one, body)
+
+    queries = {name: expand("\n".join(lines).strip(), ()) for name, lines in blocks["name"].items()}
+    if unused := sorted(parts.keys() - used):
+        raise ValueError(f"parts {unused} are used by no query")
+    return queries
 
 
 def to_positional(query: str) -> tuple[str, tuple[str, ...]]:
