@@ -16,10 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"(?<![\w./-])((?:pg_transport|barrier)(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 # Named in the docs as loggers, not as Python objects.
 LOGGERS = {"pg_transport.web.audit"}
+# Design pages of features not built yet: the names they propose do not exist until the
+# feature lands (the page then moves its names into user docs, and out of this list).
+PROPOSALS = {"design/exactly-once.md", "design/flow-control.md"}
 
 
 def doc_names() -> list[str]:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    docs = ROOT / "docs"
+    pages = [
+        p for p in sorted(docs.rglob("*.md")) if p.relative_to(docs).as_posix() not in PROPOSALS
+    ]
+    files = [ROOT / "README.md", *pages]
     found = set()
     for path in files:
         found.update(_NAME.findall(path.read_text(encoding="utf-8")))
@@ -51,3 +58,8 @@ def test_every_dotted_name_in_the_docs_exists(name: str) -> None:
         assert name in logging.Logger.manager.loggerDict, name
         return
     assert resolve(name) is not None
+
+
+def test_the_proposals_left_out_are_pages_that_exist() -> None:
+    for page in PROPOSALS:
+        assert (ROOT / "docs" / page).is_file(), page
