@@ -189,3 +189,30 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
        OR (created_at, id) < (%(before_at)s::timestamptz, %(before_id)s::text))
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s + 1
+
+-- name: web_queue_rates
+-- Per queue, between its first and last sample of the last `seconds`: the seconds between
+-- them, and how the messages waiting (ready + in flight + delayed) and its dead letters
+-- changed. One pass over the window's samples (as web_depths does), then two rows per
+-- queue by primary key: no sort of the window.
+WITH w AS (
+    SELECT s.queue, pg_catalog.min(s.at) AS first_at, pg_catalog.max(s.at) AS last_at
+    FROM {schema}.console_sample AS s
+    WHERE s.at >= pg_catalog.now() - pg_catalog.make_interval(secs => %(seconds)s::float8)
+    GROUP BY s.queue
+)
+SELECT w.queue, pg_catalog.date_part('epoch', t1.taken_at - t0.taken_at)::float8,
+       s1.waiting - s0.waiting, s1.dead - s0.dead
+FROM w
+-- One row each, by primary key (OFFSET 0: not joined to a scan of the samples).
+CROSS JOIN LATERAL (
+    SELECT s.ready + s.in_flight + s.delayed AS waiting, s.dead
+    FROM {schema}.console_sample AS s WHERE s.at = w.first_at AND s.queue = w.queue OFFSET 0
+) AS s0
+CROSS JOIN LATERAL (
+    SELECT s.ready + s.in_flight + s.delayed AS waiting, s.dead
+    FROM {schema}.console_sample AS s WHERE s.at = w.last_at AND s.queue = w.queue OFFSET 0
+) AS s1
+JOIN {schema}.console_tick AS t0 ON t0.at = w.first_at
+JOIN {schema}.console_tick AS t1 ON t1.at = w.last_at
+ORDER BY w.queue

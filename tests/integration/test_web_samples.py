@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from datetime import datetime
 
+import pytest
+
 from pg_transport.db.pool import Connector
 from pg_transport.ops.status import collect
 from pg_transport.store import Store
@@ -68,3 +70,35 @@ def test_a_queue_change_per_second_is_between_the_last_two_ticks(store: Store, p
         store.connector, store.schema, sampler.latest(store.connector, store.schema)
     )
     assert round(got["a"] * span, 6) == 6 and round(got["b"] * span, 6) == 3
+
+
+def test_a_queue_rates_are_over_its_samples_in_the_window(store: Store, peek: Peek) -> None:
+    # Three ticks a minute apart, written as the sampler writes them: queue a drains 90
+    # and gains 3 dead letters (4 dead-lettered, 1 requeued), b grows 30 (it was first
+    # sampled at the window's first tick), c is sampled once (no rate), and a sample
+    # older than the window is left out.
+    ((now,),) = peek("SELECT now()")
+    peek(
+        "INSERT INTO {schema}.console_tick (at, taken_at) SELECT %s - m * interval '1 minute',"
+        " %s - m * interval '1 minute' FROM unnest(ARRAY[20, 3, 2, 1]) AS m",
+        now,
+        now,
+    )
+    peek(
+        "INSERT INTO {schema}.console_sample (at, queue, ready, in_flight, delayed, dead)"
+        " SELECT %s::timestamptz - m * interval '1 minute', q, r, i, d, x FROM (VALUES"
+        " (20, 'a', 1000, 0, 0, 50), (3, 'a', 100, 10, 0, 0), (2, 'a', 40, 5, 0, 4),"
+        " (1, 'a', 10, 5, 5, 3), (2, 'b', 10, 0, 0, 0), (1, 'b', 35, 5, 0, 0),"
+        " (1, 'c', 7, 0, 0, 0)) AS v (m, q, r, i, d, x)",
+        now,
+    )
+    got = sampler.queue_rates(store.connector, store.schema, 300)
+    assert set(got) == {"a", "b", "c"}
+    assert got["a"].span == pytest.approx(120)
+    assert got["a"].change == pytest.approx(-90 / 120)
+    assert got["a"].dead == pytest.approx(3 / 120)
+    assert got["a"].empties_in(20) == pytest.approx(20 / (90 / 120))
+    assert got["b"].span == pytest.approx(60)
+    assert got["b"].change == pytest.approx(30 / 60) and got["b"].dead == 0
+    assert got["b"].empties_in(30) is None  # growing: it does not empty
+    assert got["c"].change is None and got["c"].dead is None
