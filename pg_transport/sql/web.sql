@@ -191,28 +191,24 @@ ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s + 1
 
 -- name: web_queue_rates
--- Per queue, between its first and last sample of the last `seconds`: the seconds between
--- them, and how the messages waiting (ready + in flight + delayed) and its dead letters
--- changed. One pass over the window's samples (as web_depths does), then two rows per
--- queue by primary key: no sort of the window.
-WITH w AS (
-    SELECT s.queue, pg_catalog.min(s.at) AS first_at, pg_catalog.max(s.at) AS last_at
-    FROM {schema}.console_sample AS s
-    WHERE s.at >= pg_catalog.now() - pg_catalog.make_interval(secs => %(seconds)s::float8)
-    GROUP BY s.queue
+-- Per queue of the latest tick, between the first tick of the last `seconds` and the
+-- latest: the seconds between the two, and how its messages waiting (ready + in flight +
+-- delayed) and its dead letters changed. A queue missing from the first tick had none of
+-- either then (a tick samples every queue declared or holding messages or dead letters).
+-- Two ticks by primary key, then two samples per queue.
+WITH t0 AS (
+    SELECT at, taken_at FROM {schema}.console_tick
+    WHERE at >= pg_catalog.now() - pg_catalog.make_interval(secs => %(seconds)s::float8)
+    ORDER BY at LIMIT 1
+), t1 AS (
+    SELECT at, taken_at FROM {schema}.console_tick ORDER BY at DESC LIMIT 1
 )
-SELECT w.queue, pg_catalog.date_part('epoch', t1.taken_at - t0.taken_at)::float8,
-       s1.waiting - s0.waiting, s1.dead - s0.dead
-FROM w
--- One row each, by primary key (OFFSET 0: not joined to a scan of the samples).
-CROSS JOIN LATERAL (
-    SELECT s.ready + s.in_flight + s.delayed AS waiting, s.dead
-    FROM {schema}.console_sample AS s WHERE s.at = w.first_at AND s.queue = w.queue OFFSET 0
-) AS s0
-CROSS JOIN LATERAL (
-    SELECT s.ready + s.in_flight + s.delayed AS waiting, s.dead
-    FROM {schema}.console_sample AS s WHERE s.at = w.last_at AND s.queue = w.queue OFFSET 0
-) AS s1
-JOIN {schema}.console_tick AS t0 ON t0.at = w.first_at
-JOIN {schema}.console_tick AS t1 ON t1.at = w.last_at
-ORDER BY w.queue
+SELECT s1.queue, pg_catalog.date_part('epoch', t1.taken_at - t0.taken_at)::float8,
+       (s1.ready + s1.in_flight + s1.delayed)
+           - COALESCE(s0.ready + s0.in_flight + s0.delayed, 0),
+       s1.dead - COALESCE(s0.dead, 0)
+FROM t0
+CROSS JOIN t1
+JOIN {schema}.console_sample AS s1 ON s1.at = t1.at
+LEFT JOIN {schema}.console_sample AS s0 ON s0.at = t0.at AND s0.queue = s1.queue
+ORDER BY s1.queue

@@ -64,10 +64,10 @@ class Rates:
 
 @dataclass(frozen=True)
 class QueueRates:
-    """One queue's rates over a window, per second, between its first and last sample in
-    it: how fast its waiting messages (ready, in flight, delayed) grew (+) or shrank (-),
-    and its dead letters (dead-lettered, less those requeued or purged). None where the
-    window holds fewer than two of its samples.
+    """One queue's rates, per second, between the first tick of a window and the latest:
+    how fast its waiting messages (ready, in flight, delayed) grew (+) or shrank (-), and
+    its dead letters (dead-lettered, less those requeued or purged). A queue that appeared
+    since counts from none. None where the window holds a single tick.
 
     What the samples say, and no more: a queue's publishes and acks are not counted
     apart (the message table's rates are the schema's), so a queue whose workers keep
@@ -174,7 +174,7 @@ def changes(connector: Connector, schema: str, latest: Latest) -> dict[str, floa
 def queue_rates(
     connector: Connector, schema: str, seconds: float = HISTORY_SECONDS
 ) -> dict[str, QueueRates]:
-    """Each sampled queue's rates over the samples of the last ``seconds``."""
+    """The rates of each queue of the latest tick over the last ``seconds``."""
     query = load_named("web.sql", schema)["web_queue_rates"]
 
     def work(conn: psycopg.Connection[Any]) -> list[Any]:
