@@ -373,6 +373,24 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
                 "the monitor's counts",
             )
             assert cell(browser, "web.mon", "dead") == "2"
+            # It may not publish, so it cannot ask the workers what they consume: the
+            # column says it does not know, and the page lists the worker nodes Postgres
+            # knows connected (their sessions' names).
+            worker = start_worker(env, "seen", queues="web.other")
+            try:
+                node = f"seen@{socket.gethostname()}"
+                showing(
+                    browser,
+                    console.url + "/queues",
+                    lambda b: any(
+                        node in e.text for e in b.find_elements("id", "connected-workers")
+                    ),
+                    "the connected worker listed for the monitor",
+                )
+                assert cell(browser, "web.mon", "consumers") == "?"
+                assert browser.find_element("id", "no-consumers")
+            finally:
+                worker.stop()
             browser.get(console.url + "/queue?name=web.mon")
             assert browser.find_element("id", "no-payloads")
             assert len(browser.find_elements("css selector", "#ready tbody tr")) == 5
