@@ -10,14 +10,8 @@ from __future__ import annotations
 import click
 
 from barrier.inspect import show
-from pg_transport.ops.cli_common import (
-    Group,
-    json_text,
-    open_store,
-    schema_option,
-    table,
-    url_option,
-)
+from pg_transport.ops.cli_common import Group, open_store, schema_option, url_option
+from pg_transport.ops.format import json_text, table
 from pg_transport.ops.terminal import printable, quoted
 
 __all__ = ["barrier"]

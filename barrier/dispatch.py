@@ -119,7 +119,7 @@ class Barrier:
         if conn is not None:
             work(conn)
         elif caller is not None:
-            db.store.publisher.on_caller(caller, work)
+            db.publisher.on_caller(caller, work)
         else:
             # Not retried: after a lost commit a retry would find the id taken.
             db.connector.run(work, idempotent=False)

@@ -92,7 +92,7 @@ def pgq_apply_async(url: str, stack: contextlib.ExitStack) -> Way:
 
 
 def celery_alone(url: str, stack: contextlib.ExitStack) -> Way:
-    from pg_transport.channel import Channel
+    from pg_transport.kombu.channel import Channel
 
     publish = pgq_apply_async(url, stack)
 

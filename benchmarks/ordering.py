@@ -65,7 +65,7 @@ from benchmarks.phases import PhaseError, in_turn, wait_ready
 from benchmarks.scratch import CELERY_PAYLOAD, scratch
 from benchmarks.targets import PgqBroker, RedisBroker, Target
 from benchmarks.worker import WorkerSpec, start_worker
-from pg_transport.ordering import ORDERING_KEY
+from pg_transport.message.ordering import ORDERING_KEY
 
 __all__ = ["main", "measure", "parse_args", "round_trip_ms"]
 

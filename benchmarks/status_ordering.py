@@ -42,12 +42,16 @@ FROM generate_series(1, 100)
 
 
 def earlier_status_queues(commit: str, schema: str) -> str:
-    text = subprocess.run(
-        ["git", "show", f"{commit}:pg_transport/sql/status.sql"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    # status.sql moved from sql/ to ops/; an earlier commit may have it at either place.
+    for path in ("pg_transport/ops/status.sql", "pg_transport/sql/status.sql"):
+        shown = subprocess.run(
+            ["git", "show", f"{commit}:{path}"], check=False, capture_output=True, text=True
+        )
+        if shown.returncode == 0:
+            text = shown.stdout
+            break
+    else:
+        raise SystemExit(f"no status.sql at {commit}")
     return compose(parse_named(text)["status_queues"], schema).as_string(None)
 
 
@@ -61,7 +65,7 @@ def main() -> None:
     schema = "pgq_bench_status_" + uuid.uuid4().hex[:8]
     connector = Connector(url)
     ensure_schema(connector, schema, auto_migrate=True)
-    now = load_named("status.sql", schema)
+    now = load_named("status.sql", schema, "pg_transport.ops")
     queries = {
         f"status_queues ({args.against})": earlier_status_queues(args.against, schema),
         "status_queues": now["status_queues"],

@@ -29,6 +29,7 @@ from benchmarks.brokers import default_pg_url
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector
 from pg_transport.db.wire import Statement
+from pg_transport.publish.publisher import Publisher
 from pg_transport.sql import load_queries
 from pg_transport.store import Store, claim_params, decode_claimed
 
@@ -47,7 +48,8 @@ def measure(pg_url: str, probes: int, *, durable: bool) -> dict[str, dict[str, f
     setup = () if durable else ("SET synchronous_commit TO off",)
     connector = Connector(pg_url, setup=setup)
     ensure_schema(connector, schema, auto_migrate=True)
-    store = Store(connector, schema, publisher_flushes=durable)
+    store = Store(connector, schema)
+    publisher = Publisher(connector, schema, flushes=durable)
     consumer = psycopg.connect(pg_url, autocommit=True)
     for name in ("relax_commit", "generic_plans", "no_jit"):  # as a consumer's session
         consumer.execute(load_queries(schema)[name])
@@ -58,7 +60,7 @@ def measure(pg_url: str, probes: int, *, durable: bool) -> dict[str, dict[str, f
         params = claim_params(["q"], [30.0], 4, [5], [])
         for n in range(probes + 5):
             started = time.perf_counter()
-            store.publisher.publish("q", PAYLOAD)
+            publisher.publish("q", PAYLOAD)
             returned = time.perf_counter()
             if not list(consumer.notifies(timeout=5.0, stop_after=1)):
                 raise AssertionError("no wake-up in 5 s")

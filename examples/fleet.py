@@ -22,7 +22,7 @@ from typing import Any
 
 from celery import Celery
 
-from pg_transport import health
+from pg_transport.ops import health
 
 logger = logging.getLogger("fleet")
 

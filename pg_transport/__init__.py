@@ -11,9 +11,6 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from pg_transport import hints as _hints
-from pg_transport import ordering as _ordering
-from pg_transport import preflight as _preflight
-from pg_transport import processes as _processes
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -29,18 +26,16 @@ from pg_transport.errors import (
     SchemaError,
     TransactionRefused,
 )
-from pg_transport.ordering import OrderingError
+from pg_transport.kombu import hooks as _hooks
+from pg_transport.message.ordering import OrderingError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
 from pg_transport.results import hooks as _results_hooks
 
-# A task's ordering defaults (its ordering_key and followable attributes) become headers
-# as it is sent.
-_ordering.connect()
-# A worker or beat with a bad pgq setting stops with one line (pg_transport.preflight).
-_preflight.connect()
-# A worker's sessions carry its node name (application_name pgq:<pid>:worker:<node>).
-_processes.connect()
+# Celery's signals: a task's ordering defaults become headers as it is sent; a worker or
+# beat with a bad pgq setting stops with one line; a worker's sessions carry its node
+# name; a pgq worker's consumer hands tasks to its pool under the delivery guard.
+_hooks.connect()
 # A task a worker on pgq dead-letters ends FAILURE in its app's result backend, and a
 # worker on pgq's result backend reaps expired results (pg_transport.results.hooks).
 _results_hooks.connect()

@@ -101,7 +101,7 @@ class Backoff:
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
             delay,
         )
-        from pg_transport import health
+        from pg_transport.ops import health
 
         health.broker_refused(since, str(exc))
 
@@ -112,7 +112,7 @@ class Backoff:
         with self._lock:
             n, self.refusals, self.since, self._next_at = self.refusals, 0, None, 0.0
         logger.warning("pgq: connected to the broker after %d refusals", n)
-        from pg_transport import health
+        from pg_transport.ops import health
 
         health.broker_refused(None, None)
 

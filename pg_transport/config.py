@@ -19,9 +19,15 @@ from typing import Any, TypeVar
 
 from pg_transport.db.retry import FENCED_RETRY_SECONDS
 from pg_transport.errors import ConfigurationError
-from pg_transport.ordering import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 
-__all__ = ["Options", "env_queue_key", "unknown_environment", "warn_unknown_environment"]
+__all__ = [
+    "DEFAULT_FOLLOWS_RETENTION",
+    "DEFAULT_FOLLOWS_TIMEOUT",
+    "Options",
+    "env_queue_key",
+    "unknown_environment",
+    "warn_unknown_environment",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +111,11 @@ def _interval(key: str, value: Any) -> float:
 
 
 # Postgres keeps at most 1 GB in one value; a JSON payload a little less than that.
+#: Seconds a follower waits for its predecessor when neither it nor the transport says.
+DEFAULT_FOLLOWS_TIMEOUT = 300.0
+#: Seconds the end of a followed task is remembered, unless the transport says.
+DEFAULT_FOLLOWS_RETENTION = 86400.0
+
 MAX_MESSAGE_BYTES = 1024**3 - 1024
 # Below this a Celery message with a few arguments does not fit.
 MIN_MESSAGE_BYTES = 1024
@@ -379,7 +390,9 @@ class Options:
 
 # PGQ_* names read outside these options: the result backend's, the barrier's, the
 # operator commands', beat's and the test suite's. Spelled out (not imported) so the
-# transport's configuration depends on neither the result backend nor the barrier.
+# transport's configuration depends on neither the result backend nor the barrier;
+# tests/unit/test_known_environment.py derives them from what reads them and holds
+# this list to them.
 _OTHER_ENV = frozenset(
     {
         "PGQ_URL",

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
 
 __all__ = ["counts", "refused", "refused_of"]
 

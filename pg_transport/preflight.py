@@ -2,10 +2,11 @@
 
 Celery builds the transport deep inside the worker's start-up; a
 :class:`~pg_transport.errors.ConfigurationError` raised there ends the worker with ~60
-lines of traceback around the one line that says what is wrong. These receivers check
-pgq's settings first (``celeryd_init`` for a worker; ``import_modules``, which Celery's
-loader sends as a worker or beat starts, before beat shows its banner): a bad one is
-written as ``pgq: <what is wrong>`` on stderr and the process exits with status 1.
+lines of traceback around the one line that says what is wrong. Receivers
+(:mod:`pg_transport.kombu.hooks`) check pgq's settings first (``celeryd_init`` for a
+worker; ``import_modules``, which Celery's loader sends as a worker or beat starts,
+before beat shows its banner): a bad one is written as ``pgq: <what is wrong>`` on
+stderr and the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import os
 import sys
 from typing import Any, NoReturn
 
-from celery import signals
-
 from pg_transport.config import Options
 from pg_transport.db.url import parse_url, scheme_of
 from pg_transport.errors import ConfigurationError
 
-__all__ = ["check", "connect", "stop"]
+__all__ = ["check", "check_or_stop", "stop"]
 
 
 def stop(exc: ConfigurationError) -> NoReturn:
@@ -54,26 +53,9 @@ def check(app: Any) -> None:
         ResultOptions.from_sources(conf.result_backend_transport_options, os.environ)
 
 
-def _checked(app: Any) -> None:
+def check_or_stop(app: Any) -> None:
+    """:func:`check` ``app``; a bad setting ends the process (:func:`stop`)."""
     try:
         check(app)
     except ConfigurationError as exc:
         stop(exc)
-
-
-def _on_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
-    if instance is not None:
-        _checked(instance.app)
-
-
-def _on_import_modules(sender: Any = None, **_: Any) -> None:
-    if sender is not None and hasattr(sender, "conf"):
-        _checked(sender)
-
-
-def connect() -> None:
-    """Check every worker and beat this process starts (idempotent)."""
-    signals.celeryd_init.connect(_on_worker, weak=False, dispatch_uid="pgq-preflight-worker")
-    signals.import_modules.connect(
-        _on_import_modules, weak=False, dispatch_uid="pgq-preflight-modules"
-    )

@@ -2,14 +2,15 @@
 
 No kombu in here: the store speaks of queues, payloads, ids and leases. It claims, pops,
 acks, releases, renews and dead-letters (the consumer's statements), declares queues,
-exchanges and bindings, and counts and purges; publishing is its :attr:`Store.publisher`'s
-(:mod:`pg_transport.publish.publisher`). Statements that are safe to repeat (ack,
+exchanges and bindings, and counts and purges; publishing is the
+:class:`~pg_transport.publish.publisher.Publisher`'s, which whoever composes the two (the
+transport) builds beside it. Statements that are safe to repeat (ack,
 release, renew, dead-lettering) are retried on a fresh connection after a
 dead-connection error (ack, release and renew through an outage as long as a failover:
 see :func:`~pg_transport.db.retry.fenced`). An ack or renewal the fencing refused is
 reported (:mod:`pg_transport.fencing`).
 
-A delivered message's fencing token is its :class:`~pg_transport.rows.Lease`: the row
+A delivered message's fencing token is its :class:`~pg_transport.message.rows.Lease`: the row
 id, the grant it was delivered under (the ``lease`` column, bumped by every claim and
 every release) and its queue. Ack, release, renew and dead-lettering touch the row only
 under that token, so a holder whose lease lapsed (the message was claimed again) or whose
@@ -26,13 +27,21 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport import fencing, ordering
+from pg_transport import fencing
+from pg_transport.config import DEFAULT_FOLLOWS_RETENTION
 from pg_transport.db.pool import Connector
 from pg_transport.db.retry import FENCED_RETRY_SECONDS, fenced
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
-from pg_transport.publish.publisher import DEFAULT_MAX_MESSAGE_BYTES, Publisher
-from pg_transport.rows import Claimed, Lease, decode_claimed, row_to_claimed, storable, text
+from pg_transport.message.rows import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Claimed,
+    Lease,
+    decode_claimed,
+    row_to_claimed,
+    storable,
+    text,
+)
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
 
 logger = logging.getLogger("pg_transport.store")
@@ -44,6 +53,7 @@ __all__ = [
     "Store",
     "claim_params",
     "decode_claimed",
+    "read_claim",
 ]
 
 # Unlimited attempts, where a caller gives no max_attempts (read_ct is an integer).
@@ -62,21 +72,15 @@ class Store:
         schema: str,
         *,
         relaxed: Connector | None = None,
-        publisher: Connector | None = None,
-        publisher_flushes: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
-        follows_retention: float = ordering.DEFAULT_FOLLOWS_RETENTION,
+        follows_retention: float = DEFAULT_FOLLOWS_RETENTION,
         fenced_window: float = FENCED_RETRY_SECONDS,
     ) -> None:
         """``relaxed`` (optional) runs claim, ack, release and renew: statements whose
         commit may be lost in a server crash at the price of a redelivery, never of a
-        message (see the ``relax_commit`` query). ``publisher`` (default: ``connector``)
-        runs publishes; ``publisher_flushes`` says whether its commits wait for their WAL
-        flush (``durable_publish``). ``max_message_bytes`` bounds a published message's
-        JSON text and the payload a claim brings at once. ``follows_timeout`` is how long
-        a follower published here waits unless it says; ``follows_retention`` how long
-        housekeeping keeps the end of a followed task (docs/ordering.md).
+        message (see the ``relax_commit`` query). ``max_message_bytes`` bounds the payload
+        a claim brings at once; ``follows_retention`` is how long housekeeping keeps the
+        end of a followed task (docs/ordering.md).
         ``fenced_window``: how long an ack, release or renewal keeps trying through an
         outage (docs/high-availability.md)."""
         self.connector = connector
@@ -87,14 +91,6 @@ class Store:
         self.schema = schema
         self.channel_prefix = channel_prefix(schema)
         self.q = load_queries(schema)
-        #: Publishes to this schema.
-        self.publisher = Publisher(
-            publisher or connector,
-            schema,
-            flushes=publisher_flushes,
-            max_message_bytes=max_message_bytes,
-            follows_timeout=follows_timeout,
-        )
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])
 
@@ -155,12 +151,7 @@ class Store:
                 prepare = conn.prepare_threshold is not None
                 return self.claim_statement.execute(conn, params, prepare=prepare)
 
-            found_rows = self.relaxed.run(work, idempotent=False, statement=True)
-            batch = [decode_claimed(row) for row in found_rows]
-            if acks:
-                refused = {c.id for c in batch if c.refused}
-                fencing.refused("ack", [t for t in acks if t.id in refused])
-                batch = [c for c in batch if not c.refused]
+            batch = read_claim(acks, self.relaxed.run(work, idempotent=False, statement=True))
             acks = ()
             delivered = [c for c in batch if not c.held]
             found += delivered
@@ -472,6 +463,20 @@ def claim_params(
         "max_bytes": max_bytes,
         "max_message_bytes": max_bytes,
     }
+
+
+def read_claim(acks: Sequence[Lease], rows: Sequence[Row]) -> list[Claimed]:
+    """A claim's answer (or a pop's) as its driver takes it, the engine's or
+    :meth:`Store.claim`: the rows decoded, in the statement's order; the acks it carried
+    that the fencing refused reported and left out; rows held back (ordering) kept, for
+    they took room (a claim they filled is not short)."""
+    batch = [decode_claimed(row) for row in rows]
+    if not acks:
+        return batch
+    refused = {c.id for c in batch if c.refused}
+    if refused:
+        fencing.refused("ack", [t for t in acks if t.id in refused])
+    return [c for c in batch if not c.refused]
 
 
 def _lease_params(tokens: Sequence[Lease]) -> dict[str, Any]:

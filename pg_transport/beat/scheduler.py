@@ -268,8 +268,7 @@ class Scheduler(beat.Scheduler):  # type: ignore[misc]
 
     def publisher(self) -> Publisher:
         """The publisher of the producer's channel: the batch its messages join."""
-        store = getattr(self.producer.channel, "store", None)
-        publisher = getattr(store, "publisher", None)
+        publisher = getattr(self.producer.channel, "publisher", None)
         if not isinstance(publisher, Publisher):
             raise ConfigurationError("pgq's beat scheduler needs the pgq transport's channel")
         return publisher

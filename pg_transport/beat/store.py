@@ -1,6 +1,6 @@
 """The scheduler's SQL: schedule entries, the lease of the working beat, sent slots.
 
-Every statement is one of ``sql/beat.sql``; times are the database's.
+Every statement is one of ``beat.sql`` (beside this module); times are the database's.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class BeatStore:
     def __init__(self, connector: Connector, schema: str) -> None:
         self.connector = connector
         self.schema = schema
-        self.q = load_named("beat.sql", schema)
+        self.q = load_named("beat.sql", schema, "pg_transport.beat")
 
     def sync(self, entries: Sequence[Entry]) -> SyncResult:
         """Store ``beat_schedule``'s entries and drop the ones it no longer has, in one

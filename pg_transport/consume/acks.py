@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
 
 __all__ = ["AckBuffer", "Token"]
 

@@ -42,14 +42,14 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import monotonic
 
 import psycopg
 
-from pg_transport import fencing, ordering
-from pg_transport.consume import envelope
+from pg_transport import fencing
+from pg_transport.consume import follows
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Row, Session
@@ -58,8 +58,9 @@ from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
 from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import FOLLOWS_MISSING, Claimed, Lease, decode_claimed
-from pg_transport.store import Store, claim_params
+from pg_transport.message import envelope, ordering
+from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease
+from pg_transport.store import Store, claim_params, read_claim
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
 
@@ -104,9 +105,9 @@ class Engine:
         #: Behind a pooler, the direct session that LISTENs for this one (listen_url).
         self.listener = listener
         self.max_message_bytes = max_message_bytes
-        self.acks = AckBuffer()
-        self.undeliverable = Undeliverable(store)
-        self.pipe = WakePipe()
+        self._acks = AckBuffer()
+        self._undeliverable = Undeliverable(store)
+        self._pipe = WakePipe()
         #: Queues whose last claim (or pop) came back short.
         self.exhausted: set[str] = set()
         #: Messages handed to kombu so far (a blocking driver returns once this grows).
@@ -158,7 +159,7 @@ class Engine:
         self._loop_thread = threading.get_ident()
         self._kick_due = False
         self.looping(True)
-        return [self.session.fileno(), self.pipe.fileno()]
+        return [self.session.fileno(), self._pipe.fileno()]
 
     def stop(self) -> None:
         """Leave the driver and close the session. A statement out is finished first: a
@@ -176,7 +177,7 @@ class Engine:
             reply = self.session.finish(timeout=RETIRE_TIMEOUT)
             if reply is not None and reply.rows is not None:
                 if flight.kind == "claim":
-                    claimed = self._landed(flight, [decode_claimed(r) for r in reply.rows])
+                    claimed = read_claim(flight.acks, reply.rows)
                     self.release([c for c in claimed if not c.held])
                 elif flight.kind == "ack":
                     self._acked(flight, reply.rows)
@@ -192,9 +193,9 @@ class Engine:
             self.listener.close()
         # Off this thread (Celery's, reconnecting): through a failover these acks keep
         # trying for the fenced window; the close below waits for them a moment only.
-        self.land_acks(self.acks.close(), background=True)
-        self.undeliverable.close()
-        self.pipe.close()
+        self.land_acks(self._acks.close(), background=True)
+        self._undeliverable.close()
+        self._pipe.close()
 
     def on_loop_thread(self) -> bool:
         """Whether the caller runs in the driver's loop (in a callback the loop runs, on
@@ -210,9 +211,9 @@ class Engine:
         and outcomes land where they are made (nothing else would land them soon)."""
         self._looping = inside
         if inside:
-            self.acks.start()
+            self._acks.start()
         else:
-            self.acks.pause()
+            self._acks.pause()
 
     @property
     def busy(self) -> bool:
@@ -238,7 +239,7 @@ class Engine:
         if self.on_loop_thread():
             self._kick_due = True
         else:
-            self.pipe.wake()
+            self.poke()
 
     def on_tick(self) -> None:
         """Once per turn of the driver's loop, before it waits."""
@@ -247,7 +248,7 @@ class Engine:
             self.kick()
 
     def on_wake(self) -> None:
-        self.pipe.clear()
+        self._pipe.clear()
         if self.listener is not None:
             self.notified(self.listener.take())
         self.kick()
@@ -275,6 +276,11 @@ class Engine:
         if self._due is not None:
             self._due.cancel()
             self._due = None
+
+    def poke(self) -> None:
+        """Wake the driver through the wake-up pipe (from a thread not its own: the
+        listener's, on a notification)."""
+        self._pipe.wake()
 
     def reset(self, queue: str) -> None:
         """A new consumer of ``queue``: claim it at once."""
@@ -363,7 +369,7 @@ class Engine:
         )
         if want is not None and not self._worth_claiming(want):
             return  # the acks wait too: they ride on that claim, a moment later
-        acks = self.acks.take()
+        acks = self._acks.take()
         queues: list[str] = []
         if want is not None:
             queues = self._claimable(want)
@@ -492,7 +498,7 @@ class Engine:
             due = rows[0][0] if rows else None
             self._arm_due(None if due is None else float(due))
             return
-        batch = self._landed(flight, [decode_claimed(row) for row in rows])
+        batch = read_claim(flight.acks, rows)
         # Rows an ordered queue held back count: a claim they filled is not short. A
         # short claim took every candidate it found: a queue that gave fewer than its
         # share has no more (one that gave its share may have).
@@ -513,16 +519,6 @@ class Engine:
             self.claim_sent = flight.sent
             self.track(batch)
         self.deliver_all(batch, leased=leased)
-
-    @staticmethod
-    def _landed(flight: _InFlight, batch: list[Claimed]) -> list[Claimed]:
-        """A claim's rows but the acks it carried that the fencing refused (reported)."""
-        if not flight.acks:
-            return batch
-        refused = {c.id for c in batch if c.refused}
-        if refused:
-            fencing.refused("ack", [t for t in flight.acks if t.id in refused])
-        return [c for c in batch if not c.refused]
 
     @staticmethod
     def _acked(flight: _InFlight, rows: list[Row]) -> None:
@@ -554,12 +550,12 @@ class Engine:
             self._undelivered.pop(claimed.id, None)
         why = claimed.fault if claimed.payload is None else envelope.fault(claimed.payload)
         if claimed.dead_letter_id is not None or why is not None:
-            self.undeliverable.submit(
+            self._undeliverable.submit(
                 claimed, claimed.fault or why or "undecodable payload", held=leased
             )
             return
         if claimed.note == FOLLOWS_MISSING:
-            ordering.follows_missing(claimed)
+            follows.follows_missing(claimed)
         headers = claimed.payload.get("headers") if claimed.payload else None
         if leased and isinstance(headers, dict) and ordering.ORDERING_KEY in headers:
             if len(self._keyed) >= MAX_KEYED:  # (ids of rejected deliveries linger)
@@ -572,7 +568,7 @@ class Engine:
                 "pgq: delivering message %d of queue %r failed", claimed.id, claimed.queue
             )
             if leased:
-                self.undeliverable.submit(
+                self._undeliverable.submit(
                     claimed, f"delivery failed: {type(exc).__name__}: {exc}", held=True
                 )
             return
@@ -592,6 +588,24 @@ class Engine:
             )
 
     # -- acks and leases ---------------------------------------------------------------
+    # -- what the kombu layer hands back ------------------------------------------------
+    def ack(self, token: Lease) -> bool:
+        """Buffer the ack of a delivery: it rides on the next claim. False when the buffer
+        is closed (the consumer stopped): the caller acks it now, itself."""
+        return self._acks.add(token)
+
+    def later(self, what: str, work: Callable[[], object]) -> None:
+        """Run ``work`` (a fenced statement: a requeue, a reject) off the driver's thread,
+        soon; a failure is logged (``what`` names it): the message's lease lapses and it
+        is delivered again."""
+        self._undeliverable.later(what, work)
+
+    def reject_undeliverable(self, claimed: Claimed, reason: str, *, held: bool = True) -> None:
+        """Dead-letter ``claimed`` (unless its claim did) with ``reason`` and send the
+        signal, soon. ``held``: under its lease (claimed); otherwise popped, gone from
+        the queue."""
+        self._undeliverable.submit(claimed, reason, held=held)
+
     def held(self) -> list[tuple[Lease, float]]:
         """Claimed messages not handed over yet: leased, so renewed like delivered ones."""
         with self._undelivered_lock:
@@ -599,7 +613,7 @@ class Engine:
 
     def flush_acks(self) -> None:
         """Land every buffered ack now (housekeeping: the driver may be busy)."""
-        self.land_acks(self.acks.take())
+        self.land_acks(self._acks.take())
 
     def land_acks(self, tokens: list[Lease], *, background: bool = False) -> None:
         """Ack ``tokens`` on a connection of their own. Through an outage that keeps
@@ -609,7 +623,7 @@ class Engine:
         if not tokens:
             return
         if background or self.on_loop_thread():
-            self.undeliverable.later(
+            self._undeliverable.later(
                 f"ack of {len(tokens)} messages", lambda: self.store.ack(tokens)
             )
             return
@@ -627,4 +641,4 @@ class Engine:
         flight, self._in_flight = self._in_flight, None
         if flight is not None and flight.acks:
             # Called where the session died: on the driver's thread, which must not wait.
-            self.land_acks(self.acks.put_back(flight.acks), background=True)
+            self.land_acks(self._acks.put_back(flight.acks), background=True)

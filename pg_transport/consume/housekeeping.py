@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
 
 __all__ = ["MAINTAIN_INTERVAL", "Housekeeper"]
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pg_transport.rows import Claimed
+from pg_transport.message.rows import Claimed
 
 __all__ = ["Handle", "Source", "Statements", "Timers", "Want"]
 

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pg_transport.consume import poison
+from pg_transport import poisoned
 from pg_transport.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
-    from pg_transport.rows import Claimed
+    from pg_transport.message.rows import Claimed
     from pg_transport.store import Store
 
 __all__ = ["Undeliverable"]
@@ -109,7 +109,7 @@ class Undeliverable:
                 # Dead-lettered unread (too large): what its envelope says is enough to
                 # name the task.
                 payload = self.store.dead_letter_envelope(dead_id)
-            poison.handle_poisoned(
+            poisoned.handle_poisoned(
                 self.store,
                 dead_letter_id=dead_id,
                 queue=claimed.queue,
@@ -117,7 +117,7 @@ class Undeliverable:
                 attempts=claimed.read_ct,
                 reason=claimed.fault or reason,
             )
-            poison.tell_dead_lettered(
+            poisoned.tell_dead_lettered(
                 dead_letter_id=dead_id,
                 queue=claimed.queue,
                 payload=payload,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import psycopg
@@ -93,12 +94,20 @@ def rolled_back(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("40")
 
 
-def _dead_or_unreachable(exc: BaseException) -> bool:
-    return is_dead_connection(exc) or isinstance(exc, BrokerUnreachable) or rolled_back(exc)
+def _send_again(exc: BaseException, *, unreachable: bool) -> bool:
+    """A dead connection, or a transaction the server rolled back whole: the work may be
+    sent again on a fresh (or the same) session. With ``unreachable``, also a Postgres
+    that did not answer at all (:class:`BrokerUnreachable`): worth waiting out for work
+    that keeps trying through an outage, not for work tried once more."""
+    return (
+        is_dead_connection(exc)
+        or rolled_back(exc)
+        or (unreachable and isinstance(exc, BrokerUnreachable))
+    )
 
 
-def _dead_or_rolled_back(exc: BaseException) -> bool:
-    return is_dead_connection(exc) or rolled_back(exc)
+_dead_or_rolled_back = partial(_send_again, unreachable=False)
+_dead_or_unreachable = partial(_send_again, unreachable=True)
 
 
 def _transient(exc: BaseException) -> bool:

@@ -23,6 +23,7 @@ from pg_transport.db.retry import TRANSIENT, attempt
 from pg_transport.db.url import mask_url, scheme_of
 from pg_transport.errors import ConfigurationError
 from pg_transport.fanin.settings import BarrierSettings
+from pg_transport.publish.publisher import Publisher
 from pg_transport.sql import load_named
 from pg_transport.store import Store
 
@@ -54,6 +55,7 @@ class Backend:
     schema: str
     connector: Connector
     store: Store
+    publisher: Publisher
     q: Mapping[str, str]
     settings: BarrierSettings
     native_delayed_delivery: bool = True
@@ -101,6 +103,7 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         schema=options.schema,
         connector=connector,
         store=Store(connector, options.schema),
+        publisher=Publisher(connector, options.schema),
         q=load_named("fanin.sql", options.schema, "pg_transport.fanin"),
         settings=BarrierSettings.from_app(app),
         native_delayed_delivery=options.native_delayed_delivery,

@@ -21,9 +21,9 @@ from typing import Any
 from celery.canvas import Signature, maybe_signature
 from celery.utils import uuid
 
-from pg_transport.eta import eta_delay
 from pg_transport.fanin.codec import compress, serialize
 from pg_transport.fanin.errors import BarrierError
+from pg_transport.message.eta import eta_delay
 
 __all__ = ["Outgoing", "as_signature", "eta_delay", "publish_key", "task_message"]
 

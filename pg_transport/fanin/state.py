@@ -90,7 +90,7 @@ def publish_outgoing(db: Backend, conn: psycopg.Connection[Any], out: Outgoing, 
     """Insert ``out`` on ``conn``, in its transaction, under the publish key ``key``."""
     # As the transport's _put: an ETA message waits in Postgres unless that is off.
     delay = out.delay if db.native_delayed_delivery else 0.0
-    db.store.publisher.publish_on(
+    db.publisher.publish_on(
         conn,
         out.queue,
         out.payload,

@@ -29,19 +29,15 @@ from pg_transport.ops import delayed as delayed_report
 from pg_transport.ops import status as status_report
 from pg_transport.ops.cli_common import (
     Group,
-    age,
     checked_schema,
-    json_text,
-    one_line,
     open_connector,
     open_store,
-    plural,
     schema_option,
-    table,
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
 from pg_transport.ops.cli_schedule import schedule
+from pg_transport.ops.format import age, json_text, one_line, plural, table
 from pg_transport.ops.plugins import PluginCommands
 from pg_transport.ops.terminal import printable, quoted
 from pg_transport.store import Store
@@ -487,12 +483,13 @@ def web(
 def health(path: str | None, stale_after: float) -> None:
     """Exit 0 while a worker keeps consuming, 1 once it has stopped: a container healthcheck.
 
-    The worker must run pg_transport.health's heartbeat step (pg_transport.health.install(app)).
+    The worker must run pg_transport.ops.health's heartbeat step
+    (pg_transport.ops.health.install(app)).
     Fails when the worker is gone, stopped or stuck, not only when its process is.
     """
     from pathlib import Path
 
-    from pg_transport import health as worker_health
+    from pg_transport.ops import health as worker_health
 
     result = worker_health.check(Path(path) if path else worker_health.default_file(), stale_after)
     # The message names the host read from the heartbeat file, which others may write.

@@ -9,15 +9,12 @@ import click
 from pg_transport.ops.cli_common import (
     Group,
     hooks,
-    identity_text,
-    json_text,
     open_store,
-    plural,
     schema_option,
-    table,
     url_option,
 )
 from pg_transport.ops.dead import DeadLetters, NotFound, import_app, parse_duration
+from pg_transport.ops.format import identity_text, json_text, plural, table
 from pg_transport.ops.terminal import printable, quoted
 
 __all__ = ["dead"]

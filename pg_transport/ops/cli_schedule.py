@@ -16,13 +16,11 @@ import click
 
 from pg_transport.ops.cli_common import (
     Group,
-    json_text,
     open_store,
-    plural,
     schema_option,
-    table,
     url_option,
 )
+from pg_transport.ops.format import json_text, plural, table
 from pg_transport.ops.terminal import printable, quoted
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 The dead-letter table is where pgq puts what it will not deliver again; nothing
 leaves it silently. This module is what ``pgq dead`` runs: every statement is in
-``sql/dead.sql``, and a requeue moves rows back into ``message`` in one statement,
+``dead.sql`` (beside this module), and a requeue moves rows back into ``message`` in one statement,
 so a row is never in both tables nor in neither.
 """
 
@@ -20,9 +20,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from pg_transport import identity as identity_registry
-from pg_transport.consume import poison
+from pg_transport import poisoned
 from pg_transport.errors import ConfigurationError, PgqError
+from pg_transport.message import identity as identity_registry
+from pg_transport.message import poison
 from pg_transport.signals import message_poisoned
 from pg_transport.sql import load_named
 from pg_transport.store import Store
@@ -116,7 +117,7 @@ class DeadLetters:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.q = load_named("dead.sql", store.schema)
+        self.q = load_named("dead.sql", store.schema, "pg_transport.ops")
 
     def rows(self, *, queue: str | None = None, limit: int = 100) -> tuple[list[DeadLetter], int]:
         """The newest ``limit`` rows (of ``queue``), and how many there are in all."""
@@ -180,7 +181,7 @@ class DeadLetters:
                 "them with -A/--app MODULE"
             )
         found, _ = identity_registry.recover(decoded.task_name, decoded.args, decoded.kwargs)
-        outcomes = poison.run_hooks(
+        outcomes = poisoned.run_hooks(
             dead_letter_id=dead_letter_id,
             queue=row["queue"],
             decoded=decoded,

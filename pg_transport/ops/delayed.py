@@ -3,7 +3,8 @@
 With ``native_delayed_delivery`` on (the default) a task with an ETA or a countdown
 waits in the message table until it is due, held by no worker, so Celery's
 ``inspect scheduled`` (which lists a worker's timer) does not see it. This lists those
-messages, for every worker at once. The statement is in ``sql/delayed.sql``.
+messages, for every worker at once. The statement is in ``delayed.sql``,
+beside this module.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def collect(store: Store, queues: Sequence[str] = (), limit: int = DEFAULT_LIMIT
     first, at most ``limit``."""
     if limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
-    query = load_named("delayed.sql", store.schema)["delayed"]
+    query = load_named("delayed.sql", store.schema, "pg_transport.ops")["delayed"]
 
     def work(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
         return conn.execute(query, {"queues": list(queues), "limit": limit}).fetchall()

@@ -15,7 +15,7 @@ from celery import Celery, Task
 from pg_transport.config import Options
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.db.url import mask_url
-from pg_transport.store import Store
+from pg_transport.publish.publisher import Publisher
 
 __all__ = ["ADD", "QUEUE", "RESULTS", "app"]
 
@@ -33,19 +33,19 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 
-_results: Store | None = None
+_results: Publisher | None = None
 _results_lock = threading.Lock()
 
 
-def _results_store() -> Store:
-    """One store per worker process for the reports, opened on first use."""
+def _results_publisher() -> Publisher:
+    """One publisher per worker process for the reports, opened on first use."""
     global _results
     with _results_lock:
         if _results is None:
             url = str(app.conf.broker_url)
             options = Options.from_sources(app.conf.broker_transport_options, os.environ)
             connector = Connector(url_to_conninfo(url), display_url=mask_url(url))
-            _results = Store(connector, options.schema)
+            _results = Publisher(connector, options.schema)
         return _results
 
 
@@ -63,5 +63,5 @@ def add(self: Task, x: int, y: int) -> int:
         "worker": request.hostname,
     }
     # Keyed by task id, so a retried publish cannot report the same run twice.
-    _results_store().publisher.publish(RESULTS, report, publish_key=f"{RESULTS}:{request.id}")
+    _results_publisher().publish(RESULTS, report, publish_key=f"{RESULTS}:{request.id}")
     return result

@@ -1,6 +1,6 @@
 """What ``pgq status`` reports: queue depths, dead letters, connected clients, barriers.
 
-Every statement is in ``sql/status.sql``. The per-queue numbers come from one
+Every statement is in ``status.sql`` beside this module. The per-queue numbers come from one
 GROUP BY over ``message``: cheap enough for an operator's command, not meant to be
 polled every second on a very deep queue. The ordering keys blocked (messages parked
 behind an earlier one of their key) are read through the claim index, from the parked
@@ -28,6 +28,7 @@ __all__ = [
     "barrier_counts",
     "celery_own",
     "collect",
+    "queries",
 ]
 
 
@@ -140,8 +141,13 @@ def queue_status(row: Sequence[Any], blocked: Sequence[Any] | None) -> QueueStat
     )
 
 
+def queries(schema: str) -> dict[str, str]:
+    """The named statements of ``status.sql`` (the console samples ``status_queues``)."""
+    return load_named("status.sql", schema, "pg_transport.ops")
+
+
 def collect(store: Store) -> Status:
-    q = load_named("status.sql", store.schema)
+    q = queries(store.schema)
 
     def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], list[Any], Any, list[Any]]:
         # One snapshot for both counts of messages: a message promoted from its key's

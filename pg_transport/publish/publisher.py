@@ -36,10 +36,11 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import tuple_row
 
-from pg_transport import ordering
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import InvalidMessage, MessageTooLarge, NotPermitted
+from pg_transport.message import ordering
+from pg_transport.message.rows import DEFAULT_MAX_MESSAGE_BYTES
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
 from pg_transport.sql import channel_prefix, load_queries, queue_channel
@@ -71,9 +72,6 @@ MANY_COLUMNS = (
 
 #: Those of them that are float8 arrays.
 FLOAT_COLUMNS = frozenset({"delay", "ttl", "follow_wait"})
-
-#: Largest payload (its JSON text, in bytes) published or delivered by default.
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class Publisher:

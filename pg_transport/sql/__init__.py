@@ -1,4 +1,5 @@
-"""SQL of pgq: the schema, numbered migrations and named queries, loaded from files."""
+"""SQL of pgq: the loader every package's ``.sql`` goes through, and the queue's own
+files (``queries.sql``, ``schema.sql``, numbered ``migrations/``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Load the ``.sql`` files of this package and compose the schema name into them."""
+"""Load pgq's ``.sql`` files and compose the schema name into them.
+
+One rule: a package owns its SQL and keeps it beside its modules (``beat/beat.sql``,
+``ops/status.sql``, ``results/results.sql``, ``web/web.sql``), naming its own package
+when it loads it: ``load_named("beat.sql", schema, "pg_transport.beat")``. This package
+holds the queue's ``queries.sql``, ``schema.sql`` and ``migrations/``.
+"""
 
 from __future__ import annotations
 
@@ -11,28 +17,58 @@ from importlib import resources
 
 from psycopg import sql
 
-_NAME = re.compile(r"^-- name: (\w+)\s*$")
+_NAME = re.compile(r"^-- (name|part): (\w+)\s*$")
+_PART = re.compile(r"\{part:(\w+)\}")
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
 _MIGRATION = re.compile(r"^(\d{4})_\w+\.sql$")
 
 
-def _read(name: str, package: str | None = None) -> str:
-    return resources.files(package or __package__).joinpath(name).read_text(encoding="utf-8")
+#: The package of the queue's queries, the schema and the migrations.
+_OWN = "pg_transport.sql"
+
+
+def _read(name: str, package: str) -> str:
+    return resources.files(package).joinpath(name).read_text(encoding="utf-8")
 
 
 def parse_named(text: str) -> dict[str, str]:
-    """Split ``-- name: x`` blocks into {name: statement}; comments are dropped."""
-    queries: dict[str, list[str]] = {}
+    """Split ``-- name: x`` blocks into {name: statement}; comments are dropped.
+
+    A ``-- part: y`` block is a named fragment of statements, not a statement: each
+    ``{part:y}`` in a statement (or in another part) is replaced by its text, so a long
+    statement reads as named parts, each with its comment beside it, and still goes to
+    the server as one statement. A part that is not defined, that no statement uses, or
+    that uses itself is an error."""
+    blocks: dict[str, dict[str, list[str]]] = {"name": {}, "part": {}}
     current: list[str] | None = None
     for line in text.splitlines():
         match = _NAME.match(line)
         if match:
-            if match.group(1) in queries:
-                raise ValueError(f"query {match.group(1)!r} is defined twice")
-            current = queries[match.group(1)] = []
+            kind, name = match.groups()
+            if name in blocks["name"] or name in blocks["part"]:
+                raise ValueError(f"query {name!r} is defined twice")
+            current = blocks[kind][name] = []
         elif current is not None and not line.lstrip().startswith("--"):
             current.append(line)
-    return {name: "\n".join(lines).strip() for name, lines in queries.items()}
+    parts = {name: "\n".join(lines).strip() for name, lines in blocks["part"].items()}
+    used: set[str] = set()
+
+    def expand(body: str, within: tuple[str, ...]) -> str:
+        def one(match: re.Match[str]) -> str:
+            part = match.group(1)
+            if part not in parts:
+                raise ValueError(f"part {part!r} is not defined")
+            if part in within:
+                raise ValueError(f"part {part!r} uses itself")
+            used.add(part)
+            return expand(parts[part], (*within, part))
+
+        return _PART.sub(one, body)
+
+    queries = {name: expand("\n".join(lines).strip(), ()) for name, lines in blocks["name"].items()}
+    if unused := sorted(parts.keys() - used):
+        raise ValueError(f"parts {unused} are used by no query")
+    return queries
 
 
 def to_positional(query: str) -> tuple[str, tuple[str, ...]]:
@@ -94,14 +130,14 @@ def compose_channel(rendered: str, channel: str) -> sql.Composed:
 
 
 @cache
-def _raw_named(filename: str, package: str | None) -> dict[str, str]:
+def _raw_named(filename: str, package: str) -> dict[str, str]:
     return parse_named(_read(filename, package))
 
 
 @cache
-def load_named(filename: str, schema: str, package: str | None = None) -> dict[str, str]:
-    """The named queries of one ``.sql`` file of ``package`` (default: this one, pgq's
-    own; the barrier keeps its SQL in its package), ``schema`` composed in.
+def load_named(filename: str, schema: str, package: str) -> dict[str, str]:
+    """The named queries of ``filename`` in ``package`` (the dotted name of the package
+    that owns the file, the caller's own), ``schema`` composed in.
 
     Rendered to text once per schema, so psycopg's query cache (and server-side
     prepared statements) see the same string every time.
@@ -114,12 +150,12 @@ def load_named(filename: str, schema: str, package: str | None = None) -> dict[s
 
 def load_queries(schema: str) -> dict[str, str]:
     """The queue queries (``queries.sql``)."""
-    return load_named("queries.sql", schema)
+    return load_named("queries.sql", schema, _OWN)
 
 
 def load_schema(schema: str) -> sql.Composed:
     """The whole current schema (``schema.sql``)."""
-    return compose(_read("schema.sql"), schema)
+    return compose(_read("schema.sql", _OWN), schema)
 
 
 @dataclass(frozen=True)
@@ -136,7 +172,7 @@ class Migration:
 def load_migrations() -> tuple[Migration, ...]:
     """Numbered migrations in order; numbering must be contiguous from 1."""
     found: list[Migration] = []
-    for entry in resources.files(__package__).joinpath("migrations").iterdir():
+    for entry in resources.files(_OWN).joinpath("migrations").iterdir():
         match = _MIGRATION.match(entry.name)
         if match:
             text = entry.read_text(encoding="utf-8")

@@ -123,33 +123,28 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 
 -- name: claim
 -- Take up to limit visible messages over several queues in one statement, and at most
--- max_bytes of payload (always at least one message). A message whose next delivery
--- would exceed its queue's max_attempts, or whose payload is larger than
--- max_message_bytes or not a JSON object, is moved to dead_letter instead, in the same
--- statement, with the reason: it is never delivered (again) and never lost.
--- Rows come back in delivery order: priority, then the time they became visible.
--- The same statement acks (deletes, fenced by lease and queue) the messages in ack_ids,
--- which are never picked: an ack whose lease lapsed must not race its own redelivery.
--- Shaped for one cached generic plan (no planning per claim): the picked rows are
--- reached by primary key (id = ANY), never by a join the planner could turn into a
--- scan of the whole table when it cannot see the limit.
--- Ordering (migration 0011): a candidate with an earlier message of its key still in
--- the table is parked (visible_at 'infinity', after every ready row: no claim reads it
--- again until the trigger message_leave promotes it), under a key-share lock on that
--- earlier message, which its removal must wait for: the removal's trigger then sees the
--- park. An earlier message locked by its removal right now is left alone ("busy": the
--- candidate stays ready). A follower waits the same way for the task it follows, parked
--- until follow_until; past it, it is delivered with the note follows-missing. A message
--- whose only earlier ones are acked by this very statement goes. Rows held
--- back come last, with the note held and no payload: they count against limit (the
--- caller must not take a short answer for an empty queue) but are not delivered.
--- (The checks without a lock are scalar subqueries with LIMIT 1, not EXISTS: the
--- planner may turn an EXISTS into a hash of every row it could match.)
--- Each queue gives at most per_queue candidates (per priority present), each locked:
--- over many queues a consumer asks a few of each (limit divided among them) rather
--- than limit of each, so a claim locks about limit rows whatever the number of queues.
--- A short answer then says which queues are empty: those that gave fewer than
--- per_queue (held rows counted).
+-- max_bytes of payload (always at least one message); the same statement acks the
+-- messages in ack_ids. Rows come back in delivery order: priority, then the time they
+-- became visible; then the rows held back (note held, no payload: they count against
+-- limit, so the caller must not take a short answer for an empty queue); then the acks
+-- the fencing refused (note refused).
+-- One round trip, read as named parts (each a "-- part:" below, composed in by the
+-- loader; docs/design/claim.md says why):
+--   ack          claim_ack                       the acks riding on the claim
+--   pick         claim_levels, claim_pick        ready rows of each queue, locked
+--   gates        claim_gate_key                  one message of a key at a time, in order
+--                claim_gate_follows              a follower after the task it follows
+--                claim_hold, claim_park          what a gate stops is held or parked
+--                claim_handoff                   an ack here hands its key's next on
+--   budget       claim_budget                    limit and max_bytes over what passed
+--   doom         claim_doom, claim_dead          never delivered, never lost
+--   update       claim_update                    the lease
+--   answer       claim_delivered, claim_answer
+-- Shaped for one cached generic plan (no planning per claim): rows picked are reached
+-- by primary key (id = ANY), never by a join the planner could turn into a scan of the
+-- whole table when it cannot see the limit. Checks that take no lock are scalar
+-- subqueries with LIMIT 1, not EXISTS: the planner may turn an EXISTS into a hash of
+-- every row it could match.
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts
     FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
@@ -157,203 +152,25 @@ WITH wanted AS (
                     pg_catalog.unnest(%(max_attempts)s::integer[]))
         AS w(name, vt, max_attempts)
 ), acked AS (
-    DELETE FROM {schema}.message AS m
-    USING ROWS FROM (pg_catalog.unnest(%(ack_ids)s::bigint[]),
-                     pg_catalog.unnest(%(ack_leases)s::integer[]),
-                     pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
-    WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
-    RETURNING m.id, m.queue, m.okey
-), handed AS MATERIALIZED (
-    -- The next message of each ordering key an ack here ends, when it is parked: this
-    -- statement claims it (the key's next message costs no second round trip; the ack's
-    -- trigger then finds it taken). Looked up in this statement's snapshot, where the
-    -- acked rows still are: a park committed after it began is the trigger's to promote.
-    -- Only one that is plainly deliverable: due, no follows link, within max_attempts
-    -- and max_message_bytes, a JSON object; anything else waits for the trigger.
-    SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
-           wanted.vt, wanted.max_attempts
-    FROM (SELECT DISTINCT a.queue, a.okey FROM acked AS a WHERE a.okey IS NOT NULL) AS k
-    JOIN wanted ON wanted.name = k.queue
-    CROSS JOIN LATERAL (
-        SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows,
-               pg_catalog.octet_length(h.payload::text) AS bytes,
-               pg_catalog.json_typeof(h.payload) AS kind
-        FROM {schema}.message AS h
-        WHERE h.queue = k.queue AND h.okey = k.okey AND h.id <> ALL(%(ack_ids)s::bigint[])
-        ORDER BY h.oseq, h.id
-        LIMIT 1
-    ) AS n
-    WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
-      AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
-      AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
+    {part:claim_ack}
 ), levels AS (
-    -- The priorities present in each wanted queue, highest first: one index descent
-    -- per priority (a skip scan), whatever lies between them.
-    WITH RECURSIVE level AS (
-        SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
-                        WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
-        FROM wanted AS w
-        UNION ALL
-        SELECT l.name, (SELECT m.priority FROM {schema}.message AS m
-                        WHERE m.queue = l.name AND m.priority < l.priority
-                        ORDER BY m.priority DESC LIMIT 1)
-        FROM level AS l WHERE l.priority IS NOT NULL
-    )
-    SELECT name, priority FROM level WHERE priority IS NOT NULL
+    {part:claim_levels}
 ), candidates AS MATERIALIZED (
-    SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind,
-           wanted.vt, wanted.max_attempts, levels.name AS queue,
-           c.okey, c.oseq, c.follows, c.follow_until
-    FROM levels JOIN wanted ON wanted.name = levels.name
-    CROSS JOIN LATERAL (
-        -- octet_length of the text reads the stored size, without detoasting.
-        -- (NO KEY UPDATE: a claim's update changes no key, and the key-share locks of
-        -- other claims' ordering checks must not wait for it.)
-        SELECT m.id, m.priority, m.visible_at, m.read_ct,
-               pg_catalog.octet_length(m.payload::text) AS bytes,
-               pg_catalog.json_typeof(m.payload) AS kind,
-               m.okey, m.oseq, m.follows, m.follow_until
-        FROM {schema}.message AS m
-        WHERE m.queue = levels.name AND m.priority = levels.priority
-          AND m.visible_at <= pg_catalog.now()
-          AND (m.expires_at IS NULL OR m.expires_at > pg_catalog.now())
-          AND m.id <> ALL(%(ack_ids)s::bigint[])
-        ORDER BY m.visible_at, m.id
-        LIMIT %(per_queue)s::integer
-        FOR NO KEY UPDATE SKIP LOCKED
-    ) AS c
-    ORDER BY c.priority DESC, c.visible_at, c.id
-    LIMIT %(limit)s::integer
+    {part:claim_pick}
 ), gated AS MATERIALIZED (
-    SELECT c.*,
-           CASE WHEN c.okey IS NULL THEN NULL
-                -- An earlier message of its key (by place) is there: parked behind it.
-                WHEN (SELECT 1 FROM {schema}.message AS p
-                             WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND (p.oseq, p.id) < (c.oseq, c.id)
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked)) LIMIT 1)
-                     IS NOT NULL
-               THEN CASE WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
-                                      WHERE p.queue = c.queue AND p.okey = c.okey
-                                        AND (p.oseq, p.id) < (c.oseq, c.id)
-                                        AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                                      FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
-                         ELSE 'busy' END
-                -- First of its key: no other message of the key live (not parked), but
-                -- those this claim holds (the common case): one probe.
-                WHEN (SELECT 1 FROM {schema}.message AS p
-                             WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                               AND p.id <> ALL(ARRAY(SELECT id FROM candidates)) LIMIT 1)
-                     IS NULL
-               THEN NULL
-                -- One is in flight (it was delivered while this one, placed before it,
-                -- was not committed yet): wait for it, parked until its lease ends.
-                WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
-                             WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                               AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
-                               AND p.due_at IS NULL
-                             FOR KEY SHARE OF p SKIP LOCKED) THEN 'wait'
-                WHEN (SELECT 1 FROM {schema}.message AS p
-                             WHERE p.queue = c.queue AND p.okey = c.okey
-                               AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
-                               AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                               AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
-                               AND p.due_at IS NULL LIMIT 1) IS NOT NULL
-               THEN 'busy'
-                -- The others are ready or due later: none may be taken by another claim
-                -- now, nor have been since this statement began (each is locked here, as
-                -- it stands now). One that cannot be locked, or has changed, makes the
-                -- key busy for this claim.
-                WHEN (SELECT pg_catalog.count(*) FROM {schema}.message AS p
-                      WHERE p.queue = c.queue AND p.okey = c.okey
-                        AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
-                        AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                        AND p.id <> ALL(ARRAY(SELECT id FROM candidates)))
-                     = (SELECT pg_catalog.count(*) FROM (
-                            SELECT 1 FROM {schema}.message AS p
-                            WHERE p.queue = c.queue AND p.okey = c.okey
-                              AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
-                              AND p.id <> ALL(ARRAY(SELECT id FROM acked))
-                              AND p.id <> ALL(ARRAY(SELECT id FROM candidates))
-                              AND NOT (p.read_ct > 0 AND p.visible_at > pg_catalog.now()
-                                       AND p.due_at IS NULL)
-                            FOR SHARE OF p SKIP LOCKED) AS l)
-               THEN NULL
-                ELSE 'busy'
-           END AS key_gate,
-           CASE WHEN c.follows IS NULL THEN NULL
-                WHEN (SELECT 1 FROM {schema}.follow_done AS d
-                             WHERE d.task_id = c.follows LIMIT 1) IS NOT NULL
-               THEN 'seen'
-                WHEN c.follow_until <= pg_catalog.now() THEN 'missing'
-                WHEN EXISTS (SELECT 1 FROM {schema}.message AS x
-                             WHERE x.task_id = c.follows
-                             FOR KEY SHARE OF x SKIP LOCKED) THEN 'park'
-                WHEN (SELECT 1 FROM {schema}.message AS x
-                             WHERE x.task_id = c.follows LIMIT 1) IS NOT NULL
-               THEN 'busy'
-                ELSE 'park'
-           END AS follow_gate
+    SELECT c.*, {part:claim_gate_key} AS key_gate,
+           {part:claim_gate_follows} AS follow_gate
     FROM candidates AS c
 ), held AS MATERIALIZED (
-    SELECT g.id, g.queue, g.priority, g.read_ct, g.visible_at,
-           CASE WHEN g.key_gate = 'park' THEN 'infinity'::timestamptz
-                WHEN g.key_gate = 'wait'
-                THEN (SELECT pg_catalog.min(p.visible_at) FROM {schema}.message AS p
-                      WHERE p.queue = g.queue AND p.okey = g.okey
-                        AND p.visible_at < 'infinity'::timestamptz AND p.id <> g.id
-                        AND p.read_ct > 0 AND p.visible_at > pg_catalog.now()
-                        AND p.due_at IS NULL)
-                WHEN g.key_gate IS NULL AND g.follow_gate = 'park' THEN g.follow_until
-           END AS park_until
-    FROM gated AS g
-    WHERE g.key_gate IS NOT NULL OR g.follow_gate IN ('park', 'busy')
+    {part:claim_hold}
 ), parked AS (
-    UPDATE {schema}.message AS t
-    SET due_at = t.visible_at,
-        visible_at = (SELECT held.park_until FROM held WHERE held.id = t.id)
-    WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
+    {part:claim_park}
+), handed AS MATERIALIZED (
+    {part:claim_handoff}
 ), picked AS MATERIALIZED (
-    -- Within max_bytes (the first message always), each with why it must not be
-    -- delivered, if it must not. An oversized payload is not sent to the consumer.
-    SELECT s.id, s.priority, s.visible_at, s.read_ct, s.vt, s.oversize,
-           CASE WHEN s.oversize
-                THEN pg_catalog.format('payload of %%s bytes exceeds max_message_bytes %%s',
-                                       s.bytes, %(max_message_bytes)s::bigint)
-                WHEN s.kind IS DISTINCT FROM 'object'
-                THEN pg_catalog.format('payload is a JSON %%s, not an object', s.kind)
-                WHEN s.read_ct >= s.max_attempts
-                THEN pg_catalog.format('delivered %%s times; max_attempts is %%s',
-                                       s.read_ct, s.max_attempts)
-           END AS doom,
-           CASE WHEN s.follow_gate = 'missing' THEN 'follows-missing' END AS note
-    FROM (
-        SELECT c.*, pg_catalog.sum(CASE WHEN c.oversize THEN 0 ELSE c.bytes END) OVER (
-                   ORDER BY c.priority DESC, c.visible_at, c.id)
-               - CASE WHEN c.oversize THEN 0 ELSE c.bytes END AS before,
-               pg_catalog.row_number() OVER (ORDER BY c.priority DESC, c.visible_at, c.id)
-                   AS rank
-        FROM (SELECT u.*, u.bytes > %(max_message_bytes)s::bigint AS oversize
-              FROM (SELECT g.id, g.priority, g.visible_at, g.read_ct, g.bytes, g.kind, g.vt,
-                           g.max_attempts, g.follow_gate
-                    FROM gated AS g
-                    WHERE g.key_gate IS NULL
-                      AND (g.follow_gate IS NULL OR g.follow_gate IN ('seen', 'missing'))
-                    UNION ALL
-                    SELECT h.id, h.priority, h.visible_at, h.read_ct, h.bytes, h.kind, h.vt,
-                           h.max_attempts, NULL
-                    FROM handed AS h) AS u)
-            AS c
-    ) AS s
-    WHERE (s.before = 0 OR s.before < %(max_bytes)s::bigint) AND s.rank <= %(limit)s::integer
+    {part:claim_budget}
 ), poisoned AS (
-    DELETE FROM {schema}.message AS t
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
-    RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.enqueued_at, t.payload
+    {part:claim_dead}
 ), dead AS (
     INSERT INTO {schema}.dead_letter
         (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
@@ -361,24 +178,286 @@ WITH wanted AS (
     FROM poisoned AS p JOIN picked ON picked.id = p.id
     RETURNING id, message_id
 ), claimed AS (
-    UPDATE {schema}.message AS t
-    SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
-            SELECT picked.vt FROM picked WHERE picked.id = t.id)),
-        read_ct = t.read_ct + 1,
-        lease = t.lease + 1,
-        due_at = NULL
-    WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
-      -- A handed row is not locked before: taken only if still parked once it is.
-      AND (t.visible_at = 'infinity'::timestamptz
-           OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
-    RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
+    {part:claim_update}
 ), delivered AS (
-    SELECT id, queue, priority, read_ct, lease, payload, NULL::bigint AS dead_letter_id
-    FROM claimed
-    UNION ALL
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
-    FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
+    {part:claim_delivered}
 )
+{part:claim_answer}
+
+-- part: claim_acks
+-- The acks the claim carries, as rows: (id, lease, queue), each a fencing token.
+ROWS FROM (pg_catalog.unnest(%(ack_ids)s::bigint[]),
+           pg_catalog.unnest(%(ack_leases)s::integer[]),
+           pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
+
+-- part: claim_ack
+-- Ack: delete each message under its token (id, lease and queue): a holder whose lease
+-- lapsed (the message was claimed again, or released) deletes nothing. An acked id is
+-- never picked by this statement (claim_pick): an ack whose lease lapsed must not race
+-- its own redelivery. Its okey tells claim_handoff which keys it ends.
+DELETE FROM {schema}.message AS m
+USING {part:claim_acks}
+WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+RETURNING m.id, m.queue, m.okey
+
+-- part: claim_levels
+-- The priorities present in each wanted queue, highest first: one index descent per
+-- priority (a skip scan of message_claim_idx), whatever lies between them.
+WITH RECURSIVE level AS (
+    SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
+                    WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
+    FROM wanted AS w
+    UNION ALL
+    SELECT l.name, (SELECT m.priority FROM {schema}.message AS m
+                    WHERE m.queue = l.name AND m.priority < l.priority
+                    ORDER BY m.priority DESC LIMIT 1)
+    FROM level AS l WHERE l.priority IS NOT NULL
+)
+SELECT name, priority FROM level WHERE priority IS NOT NULL
+
+-- part: claim_pick
+-- Pick: the first visible, unexpired rows of each queue and priority in claim order
+-- (message_claim_idx from its ready end; a parked row, visible_at 'infinity', lies past
+-- the index condition and is never read), each locked, at most per_queue of each: over
+-- many queues a consumer asks a few of each (limit divided among them) rather than limit
+-- of each, so a claim locks about limit rows whatever the number of queues. A short
+-- answer then says which queues are empty: those that gave fewer than per_queue (held
+-- rows counted). Locked FOR NO KEY UPDATE: a claim's update changes no key, and the
+-- key-share locks of other claims' gates must not wait for it. octet_length of the text
+-- reads the stored size, without detoasting.
+SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind,
+       wanted.vt, wanted.max_attempts, levels.name AS queue,
+       c.okey, c.oseq, c.follows, c.follow_until
+FROM levels JOIN wanted ON wanted.name = levels.name
+CROSS JOIN LATERAL (
+    SELECT m.id, m.priority, m.visible_at, m.read_ct,
+           pg_catalog.octet_length(m.payload::text) AS bytes,
+           pg_catalog.json_typeof(m.payload) AS kind,
+           m.okey, m.oseq, m.follows, m.follow_until
+    FROM {schema}.message AS m
+    WHERE m.queue = levels.name AND m.priority = levels.priority
+      AND m.visible_at <= pg_catalog.now()
+      AND (m.expires_at IS NULL OR m.expires_at > pg_catalog.now())
+      AND m.id <> ALL(%(ack_ids)s::bigint[])
+    ORDER BY m.visible_at, m.id
+    LIMIT %(per_queue)s::integer
+    FOR NO KEY UPDATE SKIP LOCKED
+) AS c
+ORDER BY c.priority DESC, c.visible_at, c.id
+LIMIT %(limit)s::integer
+
+-- part: claim_gate_key
+-- Gate (ordering key, migrations 0011-0012): never two messages of one key at once,
+-- and a key's messages in their order (oseq, id). NULL lets the candidate c through;
+-- 'park' parks it until an earlier message leaves (the trigger message_leave promotes
+-- it), 'wait' until the lease of the one in flight ends, 'busy' holds it back for this
+-- claim only. Every lock is SKIP LOCKED: a claim never waits. docs/design/ordering.md
+-- has the argument for each branch.
+CASE WHEN c.okey IS NULL THEN NULL
+     -- An earlier message of its key is there (message_key_idx): parked behind it under
+     -- a key-share lock, which that message's removal must wait for, so its trigger sees
+     -- the park. One locked by its removal right now: busy.
+     WHEN (SELECT 1 FROM {schema}.message AS p
+           WHERE {part:claim_key_earlier} LIMIT 1) IS NOT NULL
+     THEN CASE WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
+                            WHERE {part:claim_key_earlier}
+                            FOR KEY SHARE OF p SKIP LOCKED) THEN 'park'
+               ELSE 'busy' END
+     -- First of its key, and no other message of the key live (message_key_live_idx)
+     -- but those this claim holds: through (the common case, one probe).
+     WHEN (SELECT 1 FROM {schema}.message AS p
+           WHERE {part:claim_key_others}
+             AND p.id <> ALL(ARRAY(SELECT id FROM candidates)) LIMIT 1) IS NULL
+     THEN NULL
+     -- One is in flight (delivered while this one, placed before it, was not committed
+     -- yet): wait, parked until its lease ends; busy if it cannot be locked.
+     WHEN EXISTS (SELECT 1 FROM {schema}.message AS p
+                  WHERE {part:claim_key_others} AND {part:claim_key_in_flight}
+                  FOR KEY SHARE OF p SKIP LOCKED) THEN 'wait'
+     WHEN (SELECT 1 FROM {schema}.message AS p
+           WHERE {part:claim_key_others} AND {part:claim_key_in_flight} LIMIT 1)
+          IS NOT NULL
+     THEN 'busy'
+     -- The others are ready or due later: none may be taken by another claim now, nor
+     -- have been since this statement began (each is locked here, as it stands now).
+     -- One that cannot be locked, or has changed, makes the key busy for this claim.
+     WHEN (SELECT pg_catalog.count(*) FROM {schema}.message AS p
+           WHERE {part:claim_key_others}
+             AND p.id <> ALL(ARRAY(SELECT id FROM candidates)))
+          = (SELECT pg_catalog.count(*) FROM (
+                 SELECT 1 FROM {schema}.message AS p
+                 WHERE {part:claim_key_others}
+                   AND p.id <> ALL(ARRAY(SELECT id FROM candidates))
+                   AND NOT ({part:claim_key_in_flight})
+                 FOR SHARE OF p SKIP LOCKED) AS l)
+     THEN NULL
+     ELSE 'busy'
+END
+
+-- part: claim_key_earlier
+-- A message p of candidate c's key placed before it, and not acked by this statement
+-- (a message whose only earlier ones are acked here goes).
+p.queue = c.queue AND p.okey = c.okey
+AND (p.oseq, p.id) < (c.oseq, c.id)
+AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+
+-- part: claim_key_others
+-- Another live (not parked) message p of candidate c's key, not acked by this statement.
+p.queue = c.queue AND p.okey = c.okey
+AND p.visible_at < 'infinity'::timestamptz AND p.id <> c.id
+AND p.id <> ALL(ARRAY(SELECT id FROM acked))
+
+-- part: claim_key_in_flight
+-- Message p is delivered and its lease runs (not due later, not parked).
+p.read_ct > 0 AND p.visible_at > pg_catalog.now() AND p.due_at IS NULL
+
+-- part: claim_gate_follows
+-- Gate (follows): a follower is delivered once the task it follows has ended (its
+-- follow_done row: 'seen'), or, past follow_until, with the note follows-missing. While
+-- that task's message is there the follower is parked until follow_until under a
+-- key-share lock on it (its removal waits for the lock, then promotes the follower); a
+-- message locked by its removal right now: busy. Nothing of it there and no end
+-- recorded (not published yet): parked.
+CASE WHEN c.follows IS NULL THEN NULL
+     WHEN (SELECT 1 FROM {schema}.follow_done AS d
+           WHERE d.task_id = c.follows LIMIT 1) IS NOT NULL
+     THEN 'seen'
+     WHEN c.follow_until <= pg_catalog.now() THEN 'missing'
+     WHEN EXISTS (SELECT 1 FROM {schema}.message AS x
+                  WHERE x.task_id = c.follows
+                  FOR KEY SHARE OF x SKIP LOCKED) THEN 'park'
+     WHEN (SELECT 1 FROM {schema}.message AS x
+           WHERE x.task_id = c.follows LIMIT 1) IS NOT NULL
+     THEN 'busy'
+     ELSE 'park'
+END
+
+-- part: claim_hold
+-- What a gate stopped: held back (returned with the note held, never delivered), and
+-- parked until park_until when the gate says so ('busy': not parked, the next claim
+-- looks again). The key gate decides first.
+SELECT g.id, g.queue, g.priority, g.read_ct, g.visible_at,
+       CASE WHEN g.key_gate = 'park' THEN 'infinity'::timestamptz
+            WHEN g.key_gate = 'wait'
+            THEN (SELECT pg_catalog.min(p.visible_at) FROM {schema}.message AS p
+                  WHERE p.queue = g.queue AND p.okey = g.okey
+                    AND p.visible_at < 'infinity'::timestamptz AND p.id <> g.id
+                    AND {part:claim_key_in_flight})
+            WHEN g.key_gate IS NULL AND g.follow_gate = 'park' THEN g.follow_until
+       END AS park_until
+FROM gated AS g
+WHERE g.key_gate IS NOT NULL OR g.follow_gate IN ('park', 'busy')
+
+-- part: claim_park
+-- Park: out of the claim index's ready range (visible_at 'infinity' sorts after every
+-- ready row) or until a time, the time it was due kept in due_at for its promotion.
+UPDATE {schema}.message AS t
+SET due_at = t.visible_at,
+    visible_at = (SELECT held.park_until FROM held WHERE held.id = t.id)
+WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
+
+-- part: claim_handoff
+-- Hand-off: the next message of each ordering key an ack here ends, when it is parked:
+-- this statement claims it (the key's next message costs no second round trip; the
+-- ack's trigger then finds it taken). Looked up in this statement's snapshot, where the
+-- acked rows still are: a park committed after it began is the trigger's to promote.
+-- Only one plainly deliverable passes: due, no follows link, within max_attempts and
+-- max_message_bytes, a JSON object; anything else waits for the trigger. It is not
+-- locked here: claim_update takes it only if it is still parked once locked.
+SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
+       wanted.vt, wanted.max_attempts
+FROM (SELECT DISTINCT a.queue, a.okey FROM acked AS a WHERE a.okey IS NOT NULL) AS k
+JOIN wanted ON wanted.name = k.queue
+CROSS JOIN LATERAL (
+    SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows,
+           pg_catalog.octet_length(h.payload::text) AS bytes,
+           pg_catalog.json_typeof(h.payload) AS kind
+    FROM {schema}.message AS h
+    WHERE h.queue = k.queue AND h.okey = k.okey AND h.id <> ALL(%(ack_ids)s::bigint[])
+    ORDER BY h.oseq, h.id
+    LIMIT 1
+) AS n
+WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
+  AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
+  AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
+
+-- part: claim_budget
+-- Budget: what the gates let through and the hand-off, in claim order, within limit
+-- and max_bytes (the first message always; an oversized payload takes no room, it is
+-- never sent), each with its doom (claim_doom) and note.
+SELECT s.id, s.priority, s.visible_at, s.read_ct, s.vt, s.oversize,
+       {part:claim_doom} AS doom,
+       CASE WHEN s.follow_gate = 'missing' THEN 'follows-missing' END AS note
+FROM (
+    SELECT c.*, pg_catalog.sum(CASE WHEN c.oversize THEN 0 ELSE c.bytes END) OVER (
+               ORDER BY c.priority DESC, c.visible_at, c.id)
+           - CASE WHEN c.oversize THEN 0 ELSE c.bytes END AS before,
+           pg_catalog.row_number() OVER (ORDER BY c.priority DESC, c.visible_at, c.id)
+               AS rank
+    FROM (SELECT u.*, u.bytes > %(max_message_bytes)s::bigint AS oversize
+          FROM (SELECT g.id, g.priority, g.visible_at, g.read_ct, g.bytes, g.kind, g.vt,
+                       g.max_attempts, g.follow_gate
+                FROM gated AS g
+                WHERE g.key_gate IS NULL
+                  AND (g.follow_gate IS NULL OR g.follow_gate IN ('seen', 'missing'))
+                UNION ALL
+                SELECT h.id, h.priority, h.visible_at, h.read_ct, h.bytes, h.kind, h.vt,
+                       h.max_attempts, NULL
+                FROM handed AS h) AS u)
+        AS c
+) AS s
+WHERE (s.before = 0 OR s.before < %(max_bytes)s::bigint) AND s.rank <= %(limit)s::integer
+
+-- part: claim_doom
+-- Doom: why message s must not be delivered, if it must not: a payload larger than
+-- max_message_bytes or not a JSON object, or a next delivery past its queue's
+-- max_attempts. A doomed message is moved to dead_letter by this statement
+-- (claim_dead), with the reason: never delivered (again), never lost.
+CASE WHEN s.oversize
+     THEN pg_catalog.format('payload of %%s bytes exceeds max_message_bytes %%s',
+                            s.bytes, %(max_message_bytes)s::bigint)
+     WHEN s.kind IS DISTINCT FROM 'object'
+     THEN pg_catalog.format('payload is a JSON %%s, not an object', s.kind)
+     WHEN s.read_ct >= s.max_attempts
+     THEN pg_catalog.format('delivered %%s times; max_attempts is %%s',
+                            s.read_ct, s.max_attempts)
+END
+
+-- part: claim_dead
+-- The doomed rows leave message (and go to dead_letter, the CTE dead beside it) in the
+-- same statement.
+DELETE FROM {schema}.message AS t
+WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
+RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.enqueued_at, t.payload
+
+-- part: claim_update
+-- Update: each row picked and not doomed is leased for its queue's vt under a new grant
+-- (lease + 1, the fencing token its ack, release and renewal must show), one delivery
+-- more. A handed row was not locked before: taken only if still parked once it is.
+UPDATE {schema}.message AS t
+SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
+        SELECT picked.vt FROM picked WHERE picked.id = t.id)),
+    read_ct = t.read_ct + 1,
+    lease = t.lease + 1,
+    due_at = NULL
+WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
+  AND (t.visible_at = 'infinity'::timestamptz
+       OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
+RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
+
+-- part: claim_delivered
+-- What comes back as delivered: leased rows, and dead-lettered ones with their
+-- dead_letter id.
+SELECT id, queue, priority, read_ct, lease, payload, NULL::bigint AS dead_letter_id
+FROM claimed
+UNION ALL
+SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
+FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
+
+-- part: claim_answer
+-- The answer, in three parts: delivered in claim order (an oversized payload not sent),
+-- held, then the acks that deleted nothing: refused by the fencing (the lease lapsed and
+-- the message was claimed again, or released).
 SELECT r.id, r.queue, r.priority, r.read_ct, r.lease, r.payload, r.dead_letter_id, r.doom,
        r.note
 FROM (
@@ -393,13 +472,9 @@ FROM (
            NULL::text, 'held', 1, held.visible_at
     FROM held
     UNION ALL
-    -- Acks this statement carried that deleted nothing: refused by the fencing (the
-    -- lease lapsed and the message was claimed again, or released).
     SELECT a.id, a.queue, 0, 0, a.lease, NULL::json, NULL::bigint, NULL::text, 'refused',
            2, NULL::timestamptz
-    FROM ROWS FROM (pg_catalog.unnest(%(ack_ids)s::bigint[]),
-                    pg_catalog.unnest(%(ack_leases)s::integer[]),
-                    pg_catalog.unnest(%(ack_queues)s::text[])) AS a(id, lease, queue)
+    FROM {part:claim_acks}
     WHERE a.id <> ALL(ARRAY(SELECT id FROM acked))
 ) AS r
 ORDER BY r.part, r.priority DESC, r.visible_at, r.id

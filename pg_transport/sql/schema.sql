@@ -241,9 +241,11 @@ REVOKE ALL ON FUNCTION {schema}.message_place() FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.message_leave() FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.message_commit_place() FROM PUBLIC;
 
--- Before any message is inserted: the publisher's boundary. A role that may not move
--- messages (a publisher-only role) inserts task messages only, with nothing a claim alone
--- writes and the times a claim waits on within their bounds (0013_publish_boundary.sql).
+-- Before any message or dead letter is inserted: the publisher's boundary. A role that
+-- may not move messages (a publisher-only role) inserts task messages only, with nothing
+-- a claim alone writes and the times a claim waits on within their bounds
+-- (0013_publish_boundary.sql); one function for both tables, so which queues are the
+-- workers' is said once (0015_admit_once.sql).
 -- Not SECURITY DEFINER: current_user is the role that inserts, whose rights are judged.
 -- Named to sort before message_place: a place in a key is judged as the role gave it.
 CREATE FUNCTION {schema}.message_admit() RETURNS trigger
@@ -251,12 +253,19 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     problem text;
 BEGIN
+    -- A worker's control or reply queue (kombu pidbox) or an event receiver's (celeryev):
+    -- refused as a message, and as a dead letter, which an operator's `pgq dead requeue`
+    -- (as the workers' role) would deliver.
     IF NEW.queue LIKE '%.pidbox' OR NEW.queue LIKE 'celeryev.%' THEN
         RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', CONSTRAINT = TG_NAME,
             MESSAGE = pg_catalog.format(
                 'role %I may publish task messages only, not to %L: a worker''s control or '
                 'reply queue (kombu pidbox) or an event queue (celeryev) takes messages '
                 'from the workers'' role only', current_user, NEW.queue);
+    END IF;
+    IF TG_TABLE_NAME = 'dead_letter' THEN
+        -- A dead letter's columns are not a claim's: nothing else to judge.
+        RETURN NEW;
     END IF;
     problem := CASE
         -- What only a claim writes.
@@ -266,7 +275,7 @@ BEGIN
         WHEN NEW.due_at IS NOT NULL THEN 'due_at is set by a claim'
         WHEN NEW.enqueued_at <> pg_catalog.now() THEN 'enqueued_at must be now()'
         -- The times a claim waits on, within the bounds a publish keeps
-        -- (pg_transport.ordering: MAX_KEY_HOLD, MAX_FOLLOWS_TIMEOUT).
+        -- (pg_transport.message.ordering: MAX_KEY_HOLD, MAX_FOLLOWS_TIMEOUT).
         WHEN NEW.visible_at < pg_catalog.now() THEN 'visible_at must not be before now()'
         WHEN NOT pg_catalog.isfinite(NEW.visible_at) THEN 'visible_at must be a finite time'
         WHEN NEW.okey IS NOT NULL
@@ -322,26 +331,11 @@ CREATE INDEX dead_letter_queue_idx ON {schema}.dead_letter (queue, id);
 
 -- A dead letter is requeued by an operator (`pgq dead requeue`, as the workers' role):
 -- one a publisher-only role wrote for a control queue would reach a worker that way.
-CREATE FUNCTION {schema}.dead_letter_admit() RETURNS trigger
-LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF NEW.queue LIKE '%.pidbox' OR NEW.queue LIKE 'celeryev.%' THEN
-        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege', CONSTRAINT = TG_NAME,
-            MESSAGE = pg_catalog.format(
-                'role %I may publish task messages only, not to %L: a worker''s control or '
-                'reply queue (kombu pidbox) or an event queue (celeryev) takes messages '
-                'from the workers'' role only', current_user, NEW.queue);
-    END IF;
-    RETURN NEW;
-END
-$$;
-
+-- Judged by message_admit(), which knows the queues; its refusal names this trigger.
 CREATE TRIGGER dead_letter_admit BEFORE INSERT ON {schema}.dead_letter
 FOR EACH ROW
 WHEN (NOT pg_catalog.has_column_privilege('{schema}.message'::regclass, 'visible_at', 'UPDATE'))
-EXECUTE FUNCTION {schema}.dead_letter_admit();
-
-REVOKE ALL ON FUNCTION {schema}.dead_letter_admit() FROM PUBLIC;
+EXECUTE FUNCTION {schema}.message_admit();
 
 -- A fan-in barrier. remaining counts the parts not finished yet; the part that
 -- takes it to 0 flips armed -> fired and inserts the callback message in the

@@ -29,7 +29,7 @@ from tornado.ioloop import IOLoop
 
 from pg_transport.db.pool import Connector
 from pg_transport.errors import PgqError
-from pg_transport.ops.cli_common import age, identity_text, one_line
+from pg_transport.ops.format import age, identity_text, one_line
 from pg_transport.store import Store
 from pg_transport.web.auth import Sessions, SignInLimit
 from pg_transport.web.consumers import Consumers

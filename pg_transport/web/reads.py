@@ -11,8 +11,8 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.consume import poison
 from pg_transport.db.pool import Connector
+from pg_transport.message import poison
 from pg_transport.sql import load_named
 
 __all__ = [
@@ -147,7 +147,7 @@ class Reads:
     def __init__(self, connector: Connector, schema: str) -> None:
         self.connector = connector
         self.schema = schema
-        self.q = load_named("web.sql", schema)
+        self.q = load_named("web.sql", schema, "pg_transport.web")
 
     def _all(self, name: str, params: dict[str, Any] | None = None) -> list[Any]:
         query = self.q[name]

@@ -22,6 +22,7 @@ import psycopg
 from pg_transport.db.pool import Connector
 from pg_transport.errors import PgqError
 from pg_transport.ops.status import QueueStatus
+from pg_transport.ops.status import queries as status_queries
 from pg_transport.sql import load_named
 
 __all__ = [
@@ -86,8 +87,8 @@ class QueueRates:
 
 def take(connector: Connector, schema: str, interval: float) -> datetime | None:
     """Take this interval's tick if no console has; the tick's time, or None if taken."""
-    web = load_named("web.sql", schema)
-    status_queues = load_named("status.sql", schema)["status_queues"]
+    web = load_named("web.sql", schema, "pg_transport.web")
+    status_queues = status_queries(schema)["status_queues"]
 
     def work(conn: psycopg.Connection[Any]) -> datetime | None:
         with conn.transaction():
@@ -123,7 +124,7 @@ def take(connector: Connector, schema: str, interval: float) -> datetime | None:
 
 
 def latest(connector: Connector, schema: str) -> Latest:
-    query = load_named("web.sql", schema)["web_latest"]
+    query = load_named("web.sql", schema, "pg_transport.web")["web_latest"]
 
     def work(conn: psycopg.Connection[Any]) -> list[Any]:
         return conn.execute(query).fetchall()
@@ -151,7 +152,7 @@ def latest(connector: Connector, schema: str) -> Latest:
 def changes(connector: Connector, schema: str, latest: Latest) -> dict[str, float]:
     """Per queue: how fast its waiting messages (ready, in flight, delayed) grew (or, below
     zero, shrank) per second between the tick before the latest and the latest."""
-    query = load_named("web.sql", schema)["web_previous"]
+    query = load_named("web.sql", schema, "pg_transport.web")["web_previous"]
 
     def work(conn: psycopg.Connection[Any]) -> list[Any]:
         return conn.execute(query).fetchall()
@@ -210,7 +211,7 @@ def history(
     connector: Connector, schema: str, queue: str | None, seconds: float = HISTORY_SECONDS
 ) -> tuple[list[tuple[datetime, int, int]], list[Rates]]:
     """Depths (waiting, ready) per tick of one queue or all, and the rates, oldest first."""
-    q = load_named("web.sql", schema)
+    q = load_named("web.sql", schema, "pg_transport.web")
 
     def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], list[Any]]:
         depths = conn.execute(q["web_depths"], {"seconds": seconds, "queue": queue}).fetchall()

@@ -41,8 +41,8 @@ from celery import Celery
 from kombu import Queue
 from psycopg.conninfo import conninfo_to_dict
 
-from pg_transport import health
 from pg_transport.db.pool import url_to_conninfo
+from pg_transport.ops import health
 from tests.acceptance.harness import Env, Worker, wait_for
 from tests.integration.test_cli import pgq_command
 from tests.integration.test_metrics import by_queue, parse_exposition

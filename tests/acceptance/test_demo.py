@@ -15,6 +15,7 @@ import pytest
 
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector
+from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Store
 from tests.pg import drop_schema, new_schema_name
 
@@ -77,7 +78,9 @@ def decoy(pg_url: str) -> Iterator[Store]:
     connector = Connector(pg_url)
     ensure_schema(connector, name, auto_migrate=True)
     store = Store(connector, name)
-    store.publisher.publish("pgq-demo", {"body": "not the demo's", "properties": {}, "headers": {}})
+    Publisher(connector, name).publish(
+        "pgq-demo", {"body": "not the demo's", "properties": {}, "headers": {}}
+    )
     yield store
     connector.close()
     drop_schema(pg_url, name)

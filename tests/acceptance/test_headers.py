@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from psycopg import sql
 from psycopg.types.json import Json
 
-from pg_transport import health
+from pg_transport.ops import health
 from pg_transport.ops.cli import main
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 

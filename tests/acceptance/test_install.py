@@ -221,7 +221,7 @@ def test_the_scheme_is_found_where_pth_files_are_not_processed(
         f"c = kombu.Connection({url!r}); c.connect(); print(type(c.transport).__module__)"
     )
     assert worker_side.returncode == 0, worker_side.stderr
-    assert worker_side.stdout.strip() == "pg_transport.transport", worker_side.stdout
+    assert worker_side.stdout.strip() == "pg_transport.kombu.transport", worker_side.stdout
     command = run(
         "import sys; from celery.bin.celery import main\n"
         f"sys.argv = ['celery', 'pgq', 'status', '--url', {url!r}]\nmain()"

@@ -424,7 +424,7 @@ def test_a_follower_whose_predecessor_never_comes_runs_after_its_wait(oenv: Env)
 
 PUBLISH = """
 import sys, threading, uuid
-from pg_transport.ordering import OrderingError
+from pg_transport.message.ordering import OrderingError
 from tests.acceptance.ordering_app import customer_step
 
 def publish():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pg_transport import health
+from pg_transport.ops import health
 from tests.acceptance.harness import Env, start_worker, wait_for, workers
 from tests.bouncer import Bouncer, BouncerUnavailable, pgbouncer
 

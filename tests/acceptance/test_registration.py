@@ -43,7 +43,7 @@ def test_scheme_resolves_without_importing_the_package(env: Env) -> None:
     assert result == {
         "before": False,
         "payload": {"hello": "world"},
-        "transport": "pg_transport.transport",
+        "transport": "pg_transport.kombu.transport",
     }
 
 
@@ -73,7 +73,7 @@ def test_import_registers_too() -> None:
         env=env,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["unknown-before", "pg_transport.transport"]
+    assert out.stdout.split() == ["unknown-before", "pg_transport.kombu.transport"]
 
 
 BACKEND_PROBE = """

@@ -10,7 +10,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from pg_transport import health
+from pg_transport.ops import health
 from tests.acceptance.app import app
 
 __all__ = ["app"]

@@ -5,7 +5,7 @@ One ``INSERT … SELECT generate_series`` fills a test schema's ``message`` tabl
 backlog over three queues (ready, in flight, delayed), then each query is timed (median
 of several runs) and explained. It prints one JSON document, to compare run with run:
 
-- ``status``: the status query as shipped (sql/status.sql), with its EXPLAIN summary;
+- ``status``: the status query as shipped (ops/status.sql), with its EXPLAIN summary;
 - ``autoscaling``: the per-queue depth and age queries of docs/monitoring.md, and the
   exact oldest-ready age (status's figure) of one queue for comparison;
 - ``proposal``: that exact age and a per-queue status query after adding the index
@@ -178,7 +178,7 @@ def test_status_and_autoscaling_queries_at_one_million_messages(
 ) -> None:
     report: dict[str, Any] = {"rows": ROWS}
     want = expected(ROWS)  # here, not at import: collection must stay quick
-    status_sql = load_named("status.sql", schema)["status_queues"]
+    status_sql = load_named("status.sql", schema, "pg_transport.ops")["status_queues"]
     with psycopg.connect(pg_url, autocommit=True) as conn:
         # -- as shipped: pgq status / pgq metrics --
         seconds, status = timed(lambda: collect(filled))

@@ -13,6 +13,7 @@ from psycopg import sql
 
 from pg_transport.db.migrate import current_version, ensure_schema, latest_version
 from pg_transport.db.pool import Connector
+from pg_transport.publish.publisher import Publisher
 from pg_transport.sql import load_schema
 from pg_transport.store import Store
 
@@ -35,13 +36,26 @@ def build_schema(conn: psycopg.Connection[Any], schema: str) -> None:
         )
 
 
+class PublishingStore(Store):
+    """A store with the publisher a transport composes beside it (``publisher``), so a
+    test claims and publishes through one object as the transport does through two."""
+
+    def __init__(
+        self, connector: Connector, schema: str, *, publisher_flushes: bool = True, **options: Any
+    ) -> None:
+        super().__init__(connector, schema, **options)
+        self.publisher = Publisher(
+            connector, schema, flushes=publisher_flushes, max_message_bytes=self.max_message_bytes
+        )
+
+
 @pytest.fixture
-def store(pg_url: str, schema: str) -> Iterator[Store]:
+def store(pg_url: str, schema: str) -> Iterator[PublishingStore]:
     connector = Connector(pg_url)
     with connector.connection() as conn:
         build_schema(conn, schema)
     ensure_schema(connector, schema, auto_migrate=True)  # (finds it at the latest version)
-    yield Store(connector, schema)
+    yield PublishingStore(connector, schema)
     connector.close()
 
 

@@ -137,7 +137,7 @@ def test_a_batch_starts_on_a_fresh_session_when_the_pooled_one_was_reaped(
 ) -> None:
     queue.put({"n": 0})
     # The session the next publish takes from the pool (the last one given back).
-    with conn.transport.store.publisher.connector.connection() as pooled:
+    with conn.transport.publisher.connector.connection() as pooled:
         pid = pooled.info.backend_pid
     assert rows("SELECT pg_terminate_backend(%s, 10000)", pid) == [(True,)]
     with pg_transport.batch():
@@ -303,7 +303,7 @@ def test_a_batch_behind_a_transaction_pooler(broker_url: str, schema: str, rows:
     # use_notify off, as behind PgBouncer: nothing prepared, one transaction all the same.
     options = {"schema": schema, "use_notify": False}
     with Connection(broker_url, transport_options=options) as c:
-        assert c.transport.store.publisher.connector.prepare_threshold is None
+        assert c.transport.publisher.connector.prepare_threshold is None
         q = c.SimpleQueue("pooled")
         with pg_transport.batch():
             for n in range(5):

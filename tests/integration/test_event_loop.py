@@ -249,10 +249,10 @@ def test_acks_on_the_loop_s_thread_land_before_it_polls_with_no_wake_up_pipe(
 ) -> None:
     sent, got = started(conn, hub, monkeypatch, "inline", prefetch=2, messages=6)
     turn_until(hub, lambda: len(got) == 2 and not engine(conn).busy)
-    pipe = engine(conn).pipe
+    consumer = engine(conn)
     pipe_wakes: list[int] = []
-    real_wake = pipe.wake
-    monkeypatch.setattr(pipe, "wake", lambda: pipe_wakes.append(1) or real_wake())
+    real_poke = consumer.poke
+    monkeypatch.setattr(consumer, "poke", lambda: pipe_wakes.append(1) or real_poke())
     claims, riding = sent.claim, sent.acks_riding
     # As Celery's prefork and solo pools ack: in callbacks the loop runs, on its thread.
     hub.call_soon(got[0].ack)
@@ -339,7 +339,7 @@ def _claim_blocked_behind(
     )
     admin.execute("BEGIN")
     admin.execute(f"SELECT 1 FROM {rows.schema}.message WHERE id = %s FOR UPDATE", [ident])
-    transport.engine.acks.add(Lease(ident, 1, "elsewhere"))
+    transport.engine.ack(Lease(ident, 1, "elsewhere"))
     transport.engine.on_poll()
     assert transport.engine.busy
     rows.wait_for_lock(transport.engine.session.backend_pid, "the claim never waited for the lock")

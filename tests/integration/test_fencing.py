@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from pg_transport import fencing, health
+from pg_transport import fencing
 from pg_transport.config import Options
 from pg_transport.db.retry import FENCED_RETRY_SECONDS
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
+from pg_transport.ops import health
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.proxy import CuttingProxy

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pg_transport.db.pool import Connector
-from pg_transport.rows import FOLLOWS_MISSING
+from pg_transport.message.rows import FOLLOWS_MISSING
 from pg_transport.store import Claimed, Store, claim_params
 from tests.integration.conftest import Peek
 
@@ -419,7 +419,7 @@ def test_a_follower_delivered_past_its_wait_is_told_and_signalled(
 
 
 def test_bad_ordering_headers_are_refused_naming_the_header(store: Store, peek: Peek) -> None:
-    from pg_transport.ordering import OrderingError
+    from pg_transport.message.ordering import OrderingError
 
     bad = [
         ({"pgq-ordering-key": ""}, "pgq-ordering-key"),

@@ -201,7 +201,7 @@ def test_status_reads_the_parked_rows_of_a_backlog_and_nothing_else(
         " SELECT 'q2', '{{}}', 'k', 'infinity', now() FROM generate_series(1, 5)"
     )
     peek("VACUUM ANALYZE {schema}.message")
-    status = load_named("status.sql", backlog.schema)
+    status = load_named("status.sql", backlog.schema, "pg_transport.ops")
     query = status["status_blocked"]
 
     def explained(conn: psycopg.Connection[Any]) -> dict[str, Any]:

@@ -605,9 +605,7 @@ def test_publisher_publishes_every_way_and_the_worker_gets_it(granted: Roles) ->
         )
         resent["properties"]["delivery_info"].update(exchange="", routing_key="jobs")
         for _ in range(2):
-            channel.connection.store.publisher.publish(
-                "jobs", resent, publish_key=f"k-{granted.tag}"
-            )
+            channel.connection.publisher.publish("jobs", resent, publish_key=f"k-{granted.tag}")
     app = publisher_app(granted, ["jobs"])
     eta_id = app.send_task("t.later", queue="jobs", countdown=3600, priority=3).id
     app.close()
@@ -801,16 +799,16 @@ def a_busy_schema(roles: Roles, secret: str) -> None:
     blocked (one message in flight, two parked behind it) and a follower parked; barriers
     armed and fired; each carrying ``secret``."""
     with Connection(roles.url(roles.worker), transport_options=options(roles)) as conn:
-        store = conn.transport.store
+        store, publisher = conn.transport.store, conn.transport.publisher
         for n in range(3):
-            store.publisher.publish("jobs", {"secret": secret, "n": n})
-        store.publisher.publish("jobs", {"secret": secret}, delay=3600)
-        store.publisher.publish("reports", {"secret": secret}, priority=5)
+            publisher.publish("jobs", {"secret": secret, "n": n})
+        publisher.publish("jobs", {"secret": secret}, delay=3600)
+        publisher.publish("reports", {"secret": secret}, priority=5)
         for n in range(3):
             headers = {"id": f"k{n}", "pgq-ordering-key": "cust-42"}
-            store.publisher.publish("ordered", {"secret": secret, "headers": headers})
+            publisher.publish("ordered", {"secret": secret, "headers": headers})
         headers = {"id": "f", "pgq-follows": "k0"}
-        store.publisher.publish("ordered", {"secret": secret, "headers": headers})
+        publisher.publish("ordered", {"secret": secret, "headers": headers})
         store.claim(["jobs"], [300.0], 1)
         assert len(store.claim(["ordered"], [300.0], 4)) == 1
         [doomed] = store.claim(["reports"], [300.0], 1)

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 from kombu import Connection, Exchange, Queue
 
-from pg_transport.channel import PUBLISH_ID
+from pg_transport.kombu.channel import PUBLISH_ID
 from tests.integration.conftest import Peek
 from tests.proxy import CuttingProxy
 

@@ -1,7 +1,8 @@
-"""The publisher's boundary, kept by the database (migration 0013_publish_boundary.sql):
-a role granted what docs/least-privilege.md gives ``pgq_publisher`` publishes task
-messages and nothing else — nothing a worker's control, reply or event queue receives,
-and no value of a column the claim trusts. Real roles, made by the page's own blocks.
+"""The publisher's boundary, kept by the database (migration 0013_publish_boundary.sql,
+one function since 0015_admit_once.sql): a role granted what docs/least-privilege.md
+gives ``pgq_publisher`` publishes task messages and nothing else — nothing a worker's
+control, reply or event queue receives, and no value of a column the claim trusts. Real
+roles, made by the page's own blocks.
 
 And, for every writer, the times a claim waits on keep their bounds: a message of an
 ordering key holds its key a day at most, so no publish blocks a key for good (refused
@@ -24,7 +25,7 @@ from psycopg import sql
 import pg_transport
 import pg_transport.sql
 from pg_transport.errors import NotPermitted
-from pg_transport.ordering import MAX_FOLLOWS_TIMEOUT, MAX_KEY_HOLD, OrderingError
+from pg_transport.message.ordering import MAX_FOLLOWS_TIMEOUT, MAX_KEY_HOLD, OrderingError
 from tests.integration.test_privileges import (
     Roles,
     grant,
@@ -244,6 +245,58 @@ def test_raw_inserts_of_what_the_claim_trusts_are_refused(granted: Roles, table_
     assert len(stored(granted)) == 4
 
 
+# Queue names and whether they are a worker's (kombu pidbox, celeryev) or a task queue.
+QUEUE_NAMES = [
+    (CONTROL, True),
+    (REPLY, True),
+    (EVENTS, True),
+    ("celeryev.", True),
+    ("x.pidbox", True),
+    ("pidbox", False),  # a name that merely ends in pidbox
+    ("jobs.pidbox.x", False),
+    ("celeryev", False),
+    ("my.celeryev.x", False),
+    ("jobs", False),
+]
+
+
+def test_messages_and_dead_letters_refuse_the_same_queues(granted: Roles) -> None:
+    """The publisher's boundary says once which queues are the workers': as the
+    publisher, straight in SQL, a message and a dead letter are refused for exactly the
+    same queue names, each refusal naming its own table's trigger."""
+    s = sql.Identifier(granted.schema)
+    verdicts: dict[str, dict[str, bool]] = {"message": {}, "dead_letter": {}}
+    with granted.connect(granted.publisher) as conn:
+        for queue, _ in QUEUE_NAMES:
+            for table, write in (
+                ("message", lambda q: insert(conn, granted.schema, {"queue": f"'{q}'"})),
+                (
+                    "dead_letter",
+                    lambda q: conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {}.dead_letter (message_id, queue, priority, read_ct,"
+                            " enqueued_at, reason, payload) VALUES (1, %s, 0, 0, now(), 'unrouted',"
+                            " '{{}}')"
+                        ).format(s),
+                        [q],
+                    ),
+                ),
+            ):
+                try:
+                    write(queue)
+                except psycopg.errors.InsufficientPrivilege as exc:
+                    assert exc.diag.constraint_name == f"{table}_admit", (table, queue)
+                    assert f"not to '{queue}'" in (exc.diag.message_primary or "")
+                    verdicts[table][queue] = True
+                else:
+                    verdicts[table][queue] = False
+    assert verdicts["message"] == verdicts["dead_letter"] == dict(QUEUE_NAMES)
+    admitted = [q for q, workers in QUEUE_NAMES if not workers]
+    assert sorted(stored(granted)) == sorted(
+        [("dead_letter", q) for q in admitted] + [("message", q) for q in admitted]
+    )
+
+
 def test_a_role_that_moves_messages_is_not_bounded(granted: Roles) -> None:
     """A worker (or the owner) could write any of it with the UPDATE a claim needs: its
     inserts are not judged (pgq's own publishes keep the key's bound in Python)."""
@@ -298,9 +351,13 @@ def test_the_bounds_are_the_same_in_python_and_sql() -> None:
     sql_dir = Path(pg_transport.sql.__file__).parent
     assert timedelta(days=1).total_seconds() == MAX_KEY_HOLD
     assert timedelta(days=365).total_seconds() == MAX_FOLLOWS_TIMEOUT
-    for path in (sql_dir / "schema.sql", sql_dir / "migrations" / "0013_publish_boundary.sql"):
+    for path in (
+        sql_dir / "schema.sql",
+        sql_dir / "migrations" / "0013_publish_boundary.sql",
+        sql_dir / "migrations" / "0015_admit_once.sql",
+    ):
         text = path.read_text()
-        start = text.index("CREATE FUNCTION {schema}.message_admit()")
+        start = text.index("FUNCTION {schema}.message_admit()")
         body = text[start : text.index("$$;", start)]
         assert body.count("interval '1 day'") == 2, path
         assert body.count("interval '365 days'") == 1, path

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pg_transport.topic import MAX_KEY_BYTES, binding_pattern, literal_pattern
+from pg_transport.message.topic import MAX_KEY_BYTES, binding_pattern, literal_pattern
 from tests.unit.test_topic import amqp_matches, words
 
 # Any character Postgres text can hold, with the regex-significant ones often.

@@ -46,13 +46,13 @@ def test_consumer_sessions_commit_asynchronously_publish_sessions_do_not(
         assert setting(pooled.transport.relaxed, "synchronous_commit") == "on"
         assert setting(pooled.transport.relaxed, "plan_cache_mode") == "auto"
     # Publishes wait for their WAL flush unless durable_publish is off; the store knows.
-    assert transport.store.publisher.connector is transport.connector
-    assert transport.store.publisher.flushes
+    assert transport.publisher.connector is transport.connector
+    assert transport.publisher.flushes
     options = {"schema": schema, "durable_publish": False}
     with Connection(broker_url, transport_options=options) as fast:
         fast.connect()
-        assert setting(fast.transport.store.publisher.connector, "synchronous_commit") == "off"
-        assert not fast.transport.store.publisher.flushes
+        assert setting(fast.transport.publisher.connector, "synchronous_commit") == "off"
+        assert not fast.transport.publisher.flushes
         assert pooled.transport.connector.prepare_threshold is None
         with pooled.transport.connector.connection() as c:
             assert c.prepare_threshold is None

@@ -41,7 +41,8 @@ from tests.integration.test_cli import invoke
 SQL_FILES = [
     *(
         p
-        for p in Path(pg_transport.__file__).parent.joinpath("sql").glob("*.sql")
+        for package in ("sql", "beat", "web", "ops")
+        for p in Path(pg_transport.__file__).parent.joinpath(package).glob("*.sql")
         if p.name != "schema.sql"
     ),
     Path(pg_transport.__file__).parent.parent / "barrier" / "guards.sql",

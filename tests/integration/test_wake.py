@@ -20,7 +20,7 @@ import pytest
 from pg_transport.db.pool import Connector
 from pg_transport.publish.publisher import WAYS, way_of
 from pg_transport.store import Store
-from tests.integration.conftest import Peek
+from tests.integration.conftest import Peek, PublishingStore
 
 PAYLOAD = {"body": "x", "properties": {"delivery_info": {}}, "headers": {}}
 
@@ -48,7 +48,7 @@ def slow_connector(pg_url: str, peek: Peek) -> Iterator[Connector]:
 @pytest.fixture
 def slow(slow_connector: Connector, store: Store) -> Store:
     """A publisher whose commits take 100 ms to flush (the schema made by ``store``)."""
-    publisher = Store(slow_connector, store.schema)
+    publisher = PublishingStore(slow_connector, store.schema)
     publisher.publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
     return publisher
 
@@ -186,7 +186,7 @@ def unflushed(pg_url: str, store: Store) -> Iterator[Store]:
     """A publisher as ``durable_publish`` off makes it: its sessions commit without
     waiting for their flush."""
     connector = Connector(pg_url, setup=("SET synchronous_commit = off",))
-    publisher = Store(connector, store.schema, publisher_flushes=False)
+    publisher = PublishingStore(connector, store.schema, publisher_flushes=False)
     publisher.publisher.publish("q", PAYLOAD)  # a session, with its statements prepared
     yield publisher
     connector.close()

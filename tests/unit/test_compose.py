@@ -21,9 +21,9 @@ import click
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from pg_transport import health
 from pg_transport.config import Options, env_queue_key
 from pg_transport.db.pool import url_to_conninfo
+from pg_transport.ops import health
 from pg_transport.ops.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

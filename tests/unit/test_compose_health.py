@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from pg_transport import health
+from pg_transport.ops import health
 from pg_transport.ops.cli import main
 from tests.clock import Clock
 

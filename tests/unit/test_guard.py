@@ -9,7 +9,7 @@ from typing import Any
 from celery.worker import state
 from kombu.asynchronous.semaphore import LaxBoundedSemaphore
 
-from pg_transport.guard import guard
+from pg_transport.kombu.guard import guard
 
 
 class Worker:

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pg_transport import identity
-from pg_transport.consume.poison import decode
+from pg_transport.message.poison import decode
 
 TASK = "app.tasks.run_pipeline"
 

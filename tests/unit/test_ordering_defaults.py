@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from pg_transport.ordering import (
+from pg_transport.kombu.hooks import apply_task_defaults
+from pg_transport.message.ordering import (
     FOLLOWABLE,
     ORDERING_KEY,
     OrderingError,
-    apply_task_defaults,
     placement,
 )
 

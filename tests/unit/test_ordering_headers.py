@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from pg_transport import ordering
-from pg_transport.ordering import OrderingError, apply_task_defaults, move_options, placement
+from pg_transport.kombu.hooks import apply_task_defaults
+from pg_transport.message import ordering
+from pg_transport.message.ordering import OrderingError, move_options, placement
 
 
 def test_no_ordering_header_costs_nothing() -> None:

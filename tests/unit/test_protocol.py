@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kombu.asynchronous.timer import to_timestamp
 from kombu.message import Message
 
-from pg_transport.consume import envelope, protocol
+from pg_transport.message import envelope, protocol
 
 app = Celery("protocol", set_as_current=False)
 

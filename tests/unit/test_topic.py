@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pg_transport.topic import (
+from pg_transport.message.topic import (
     MAX_KEY_BYTES,
     InvalidBindingKey,
     binding_pattern,

@@ -8,7 +8,7 @@ was busy the request ran later, from the pool's own callback, and the raise ther
 the worker (``Unrecoverable error``). Either way the message stays delivered and unacked,
 its lease renewed by a worker that will never run it.
 
-:mod:`~pg_transport.consume.protocol` refuses the malformed messages known to do this
+:mod:`~pg_transport.message.protocol` refuses the malformed messages known to do this
 before Celery sees them. This module is the guarantee for the rest: a consumer bootstep,
 added to every worker whose broker is pgq, runs each hand-over under a guard. A raise
 gives the pool slot back and dead-letters the message with the exception as the reason;
@@ -25,13 +25,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import bootsteps, signals
+from celery import bootsteps
 from celery.worker import state
 
-from pg_transport import backoff
-from pg_transport.qos import QoS
+from pg_transport.kombu.qos import QoS
 
-__all__ = ["DeliveryGuard", "connect", "drop", "guard", "lapsed"]
+__all__ = ["DeliveryGuard", "drop", "guard", "lapsed"]
 
 logger = logging.getLogger("pg_transport.guard")
 
@@ -155,22 +154,3 @@ class DeliveryGuard(bootsteps.Step):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         guard(parent)
-
-
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
-    """Add the guard to a worker whose broker is pgq (its consumer is built after)."""
-    from pg_transport.transport import Transport
-
-    try:
-        ours = issubclass(sender.app.connection_for_read().get_transport_cls(), Transport)
-    except Exception:  # a broker URL kombu cannot resolve: Celery will say so
-        return
-    if ours:
-        sender.app.steps["consumer"].add(DeliveryGuard)
-        # A worker the broker refuses backs off (not the pool's children, nor clients).
-        backoff.enable()
-
-
-def connect() -> None:
-    """Add the guard to every pgq worker this process starts (idempotent)."""
-    signals.worker_init.connect(_on_worker_init, weak=False, dispatch_uid="pgq-delivery-guard")

@@ -5,7 +5,7 @@ message layout (``body``, ``properties``, ``headers``, ...), but a publisher rol
 insert anything a JSON column takes. kombu and Celery index into that layout without
 asking, so a row that does not have it would raise inside the consumer loop. The
 consumer checks it here first and dead-letters a row that fails, with the reason; then
-what Celery reads of a task message (:mod:`~pg_transport.consume.protocol`).
+what Celery reads of a task message (:mod:`~pg_transport.message.protocol`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import base64
 import binascii
 from typing import Any
 
-from pg_transport.consume import protocol
+from pg_transport.message import protocol
 
 __all__ = ["fault"]
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "FOLLOWS_MISSING",
     "HELD",
     "REFUSED",
@@ -24,6 +25,9 @@ __all__ = [
     "storable",
     "text",
 ]
+
+#: Largest payload (its JSON text, in bytes) published or delivered by default.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 #: The claim's notes (its ninth column).
 HELD = "held"

@@ -7,7 +7,8 @@ A message asks in its headers (docs/ordering.md), which a Celery task's retry ke
 * ``pgq-follows``: the task id of a message this one must not run before (until it is
   acked or dead-lettered), waiting at most ``pgq-follows-timeout`` seconds (default: the
   transport option ``follows_timeout``); past it, it runs with ``pgq-follows-missing``
-  set to that task id and :data:`pg_transport.signals.follows_missing` is sent.
+  set to that task id and :data:`pg_transport.signals.follows_missing` is sent
+  (:mod:`pg_transport.consume.follows`).
 * ``pgq-followable``: record this message's end for followers published after it ended
   (a keyed message or a follower is findable while it is queued; its end is recorded when
   a follower named it, or when it is followable).
@@ -16,20 +17,20 @@ Celery's ``apply_async`` passes options it does not know on to the publish as me
 properties: ``ordering_key=``, ``follows=``, ``follows_timeout=`` and ``followable=`` are
 moved into those headers (:func:`move_options`). A task's own defaults (task attributes
 ``ordering_key``, a keyword argument's name or a callable of the call's arguments, and
-``followable``) are applied when it is sent (:func:`apply_task_defaults`).
+``followable``) are applied when it is sent (:func:`task_defaults`, from Celery's
+``before_task_publish``: :mod:`pg_transport.kombu.hooks`).
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pg_transport.config import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 from pg_transport.errors import PgqError
-from pg_transport.rows import Claimed
 
 __all__ = [
     "DEFAULT_FOLLOWS_RETENTION",
@@ -42,10 +43,10 @@ __all__ = [
     "ORDERING_KEY",
     "OrderingError",
     "Placement",
-    "apply_task_defaults",
     "check_hold",
     "move_options",
     "placement",
+    "task_defaults",
 ]
 
 ORDERING_KEY = "pgq-ordering-key"
@@ -55,8 +56,6 @@ FOLLOWABLE = "pgq-followable"
 #: Set on a follower delivered past its wait: the task id it followed.
 FOLLOWS_MISSING = "pgq-follows-missing"
 
-logger = logging.getLogger("pg_transport.ordering")
-
 # apply_async's options -> the headers they become.
 OPTIONS = {
     "ordering_key": ORDERING_KEY,
@@ -65,15 +64,11 @@ OPTIONS = {
     "followable": FOLLOWABLE,
 }
 
-# Set by apply_task_defaults when a task's default key cannot be had for a call: why.
+# Set by task_defaults when a task's default key cannot be had for a call: why.
 # Celery logs what a before_task_publish receiver raises and publishes anyway (unordered,
 # with no error for the caller); the publish refuses the message instead (placement).
 DEFAULT_REFUSED = "pgq-ordering-refused"
 
-#: Seconds a follower waits for its predecessor when neither it nor the transport says.
-DEFAULT_FOLLOWS_TIMEOUT = 300.0
-#: Seconds the end of a followed task is remembered, unless the transport says.
-DEFAULT_FOLLOWS_RETENTION = 86400.0
 # Keys and task ids are index keys: well under Postgres' limit for one.
 MAX_KEY_BYTES = 1024
 # Longest wait a follower may ask for (a year: longer overflows nothing, but means nothing).
@@ -245,40 +240,12 @@ def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
     )
 
 
-def _task_named(name: str) -> Any:
-    """The task ``name`` as its app knows it. Celery's ``before_task_publish`` does not
-    say which app sends: the current one (per thread, so a thread that made no app has
-    Celery's fallback, which holds only shared tasks), then every app's registry as it
-    is (a task made before its app is finalized is there; the look finalizes nothing)."""
-    from celery import current_app
-    from celery._state import _get_active_apps
-
-    task = current_app.tasks.get(name)
-    if task is not None:
-        return task
-    for app in list(_get_active_apps()):
-        task = app._tasks.get(name)
-        if task is not None:
-            return task
-    return None
-
-
-def apply_task_defaults(
-    sender: str | None = None,
-    body: Any = None,
-    headers: dict[str, Any] | None = None,
-    **_: Any,
-) -> None:
-    """Celery's ``before_task_publish``: a task's ``ordering_key`` and ``followable``
-    attributes as headers, unless the call gave them. A key this call cannot give (the
-    argument not passed, a value that is no key, a callable that raises) makes the
-    publish refuse the message with :class:`OrderingError`: raised here, Celery would
-    only log it and publish the message unordered."""
-    if headers is None or sender is None:
-        return
-    task = _task_named(sender)
-    if task is None:
-        return
+def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
+    """A task's ``ordering_key`` and ``followable`` attributes as ``headers``, unless the
+    call gave them. A key this call cannot give (the argument not passed, a value that is
+    no key, a callable that raises) makes the publish refuse the message with
+    :class:`OrderingError` (:data:`DEFAULT_REFUSED`): raised from Celery's
+    ``before_task_publish``, it would only be logged and the message published unordered."""
     # Read unbound: Celery keeps a task's options as class attributes, and a function
     # there would come back as a method of the task.
     spec: Callable[..., Any] | str | None = inspect.getattr_static(task, "ordering_key", None)
@@ -298,44 +265,3 @@ def apply_task_defaults(
             )
     if getattr(task, "followable", False) and FOLLOWABLE not in headers:
         headers[FOLLOWABLE] = True
-
-
-def follows_missing(claimed: Claimed) -> None:
-    """A follower is delivered past its wait: say so in its headers (``pgq-follows-missing``:
-    the task id it followed) and send :data:`~pg_transport.signals.follows_missing`. A
-    receiver that raises is logged; the message is delivered all the same."""
-    payload = claimed.payload
-    if payload is None:
-        return
-    headers = payload.get("headers")
-    if not isinstance(headers, dict):
-        headers = payload["headers"] = {}
-    follows = headers.get(FOLLOWS)
-    headers[FOLLOWS_MISSING] = follows
-    task = headers.get("task")
-    logger.warning(
-        "pgq: message %d of queue %r (task %r) follows task %r, which was not seen to "
-        "finish within its wait: delivered now",
-        claimed.id,
-        claimed.queue,
-        task,
-        follows,
-    )
-    from pg_transport.signals import follows_missing as signal
-
-    for receiver, outcome in signal.send_robust(
-        sender=task if isinstance(task, str) else claimed.queue,
-        queue=claimed.queue,
-        task_id=headers.get("id"),
-        follows=follows,
-        payload=payload,
-    ):
-        if isinstance(outcome, Exception):
-            logger.error("pgq: follows_missing receiver %r raised %r", receiver, outcome)
-
-
-def connect() -> None:
-    """Connect :func:`apply_task_defaults` to Celery's ``before_task_publish`` (once)."""
-    from celery.signals import before_task_publish
-
-    before_task_publish.connect(apply_task_defaults, weak=False, dispatch_uid="pgq-ordering")

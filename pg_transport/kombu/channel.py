@@ -21,13 +21,14 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
-from pg_transport import identity, ordering, topic
-from pg_transport.config import MAX_SECONDS
-from pg_transport.consume import envelope, poison
+from pg_transport import poisoned
+from pg_transport.config import MAX_SECONDS, Options
 from pg_transport.errors import InvalidMessage
-from pg_transport.eta import eta_delay
-from pg_transport.producer_batch import PublishBatch
-from pg_transport.qos import Message, QoS, lease_of
+from pg_transport.kombu.producer_batch import PublishBatch
+from pg_transport.kombu.qos import Message, QoS, lease_of
+from pg_transport.message import envelope, identity, ordering, poison, topic
+from pg_transport.message.eta import eta_delay
+from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Claimed, Lease, Store
 
 __all__ = [
@@ -62,7 +63,7 @@ def publish_id(props: dict[str, Any]) -> str:
     id (``self.retry()``, ``Task.replace()``). A publish whose commit landed but whose
     answer was lost, sent again by whoever, then finds its key taken and inserts nothing.
     The id is removed again before a consumer sees the message (see
-    :meth:`pg_transport.transport.Transport.as_payload`): a message published anew
+    :meth:`pg_transport.kombu.transport.Transport.as_payload`): a message published anew
     from a delivered one's properties is a new publish."""
     found = props.get(PUBLISH_ID)
     if not isinstance(found, str) or not found:
@@ -103,24 +104,18 @@ class Channel(virtual.Channel):
 
     def __init__(self, connection: Any, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
-        self._vt_cache: dict[str, float] = {}
-        self._attempts_cache: dict[str, int] = {}
         # Kept past close: acks of tasks that outlive a lost connection still land.
         self.store: Store = connection.store
+        self.publisher: Publisher = connection.publisher
         # Queues consumed with no_ack: their messages are deleted as they are taken.
         self._noack_queues: set[str] = set()
+        self._options: Options = connection.options
 
     def visibility_timeout(self, queue: str) -> float:
-        vt = self._vt_cache.get(queue)
-        if vt is None:
-            vt = self._vt_cache[queue] = self.connection.options.visibility_timeout_for(queue)
-        return vt
+        return self._options.visibility_timeout_for(queue)  # (cached there)
 
     def max_attempts(self, queue: str) -> int:
-        attempts = self._attempts_cache.get(queue)
-        if attempts is None:
-            attempts = self._attempts_cache[queue] = self.connection.options.max_attempts_for(queue)
-        return attempts
+        return self._options.max_attempts_for(queue)
 
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
@@ -135,7 +130,7 @@ class Channel(virtual.Channel):
                 identity=found,
                 reasons=decoded.reasons + why,
             )
-            poison.tell_dead_lettered(
+            poisoned.tell_dead_lettered(
                 dead_letter_id=dead_id,
                 queue=token.queue,
                 payload=self.connection.raw_payload(message),
@@ -179,7 +174,7 @@ class Channel(virtual.Channel):
         tag = publish_id(props)
         # The same key the routed publish computes in SQL: md5(id || queue).
         key = md5(f"{tag}{queue}".encode()).hexdigest()
-        self.store.publisher.publish(
+        self.publisher.publish(
             queue,
             message,
             priority=self._get_message_priority(message),
@@ -277,7 +272,7 @@ class Channel(virtual.Channel):
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
-        kind, matched = self.store.publisher.publish_routed(
+        kind, matched = self.publisher.publish_routed(
             exchange,
             routing_key or "",
             message,
@@ -302,7 +297,7 @@ class Channel(virtual.Channel):
             # Broadcasts with no listener and replies to a client that left.
             logger.debug("no queue bound for %s: dropped", what)
             return
-        dead_id = self.store.publisher.dead_letter_unroutable(
+        dead_id = self.publisher.dead_letter_unroutable(
             check_queue_name(routing_key),
             message,
             priority=self._get_message_priority(message),
@@ -322,7 +317,7 @@ class Channel(virtual.Channel):
             if why is None:
                 payload: dict[str, Any] = self.connection.as_payload(found)
                 return payload
-            self.connection.engine.undeliverable.submit(found, why)
+            self.connection.engine.reject_undeliverable(found, why)
 
     def _size(self, queue: str) -> int:
         return self.store.size(queue)
@@ -385,7 +380,7 @@ class Channel(virtual.Channel):
             why = fault(found)
             if why is None:
                 return self.Message(self.connection.as_payload(found), channel=self)
-            self.connection.engine.undeliverable.submit(found, why, held=False)
+            self.connection.engine.reject_undeliverable(found, why, held=False)
 
     def consuming(self) -> tuple[list[str], list[str]]:
         """The queues this channel consumes: (acknowledged, no_ack)."""

@@ -20,7 +20,7 @@ import psycopg
 from kombu.transport import virtual
 
 from pg_transport.errors import BrokerUnavailable
-from pg_transport.rows import Lease
+from pg_transport.message.rows import Lease
 
 __all__ = ["TOKEN", "Message", "QoS", "lease_of"]
 
@@ -155,7 +155,7 @@ class QoS(virtual.QoS):
                 # may keep trying for as long as a failover takes.
                 if transport is not None and transport.lost:
                     transport.engine.land_acks([token], background=True)
-                elif transport is None or not transport.engine.acks.add(token):
+                elif transport is None or not transport.engine.ack(token):
                     self.channel.store.ack([token])
         except UNAVAILABLE as exc:
             self._lapse("ack", held, exc)
@@ -203,7 +203,7 @@ class QoS(virtual.QoS):
         transport = self.channel.connection
         engine = transport.engine if transport is not None else None
         if engine is not None and engine.on_loop_thread():
-            engine.undeliverable.later(what, work)
+            engine.later(what, work)
             return
         try:
             work()

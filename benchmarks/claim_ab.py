@@ -1,0 +1,136 @@
+"""Two versions of the claim statement, claim by claim in turn: what a change to it costs.
+
+    python -m benchmarks.claim_ab --against OTHER.sql [--messages 8000] [--keys 0,1000]
+        [--window 8] [--rounds 3] [--json]
+
+``OTHER.sql`` is another ``queries.sql`` (say main's: ``git show
+main:pg_transport/sql/queries.sql > /tmp/main.sql``); its ``claim`` is the *other*
+statement, this tree's is *this*. In a throwaway schema (``benchmarks.scratch``), for
+each ``--keys`` (0: no ordering key; n: round-robin over n keys) and each round,
+``--messages`` Celery-sized messages are drained by claims of ``--window`` with the
+previous claim's acks riding on each, as a worker's engine sends them, the two
+statements taking turns claim by claim (which goes first alternates by round). Both
+share one pool of sessions, one table and the same moments, so the load of a busy
+machine falls on both alike; whole runs timed one after the other do not (they differ
+by a factor of two on a loaded machine). Reported: the median ms of a claim under each
+statement and this ÷ other, per round and of all claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from benchmarks.brokers import default_pg_url
+from benchmarks.scratch import CELERY_PAYLOAD, scratch
+from pg_transport.db.wire import Statement
+from pg_transport.sql.loader import compose, parse_named
+from pg_transport.store import Claimed, Lease
+
+__all__ = ["drain", "main", "measure"]
+
+
+def drain(
+    s: Any, queue: str, messages: int, window: int, statements: list[Statement]
+) -> dict[str, list[float]]:
+    """Claim and ack every message of ``queue``, the statements taking turns; the ms of
+    each claim, per statement name."""
+    times: dict[str, list[float]] = {st.name: [] for st in statements}
+    acks: list[Lease] = []
+    done, turn = 0, 0
+    while done < messages:
+        statement = statements[turn % len(statements)]
+        turn += 1
+        s.store.claim_statement = statement
+        start = time.perf_counter()
+        batch: list[Claimed] = s.store.claim([queue], [30.0], window, [5], acks=acks)
+        times[statement.name].append((time.perf_counter() - start) * 1000.0)
+        if not batch:
+            break
+        acks = [c.token for c in batch]
+        done += len(batch)
+    s.store.ack(acks)
+    if done != messages:
+        raise RuntimeError(f"drained {done} of {messages}")
+    return times
+
+
+def measure(
+    pg_url: str, other: str, messages: int, keys: list[int], window: int, rounds: int
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with scratch(pg_url) as s:
+        this_text = s.store.q["claim"]
+        other_text = compose(parse_named(other)["claim"], s.schema).as_string(None)
+        this, that = Statement("this", this_text), Statement("other", other_text)
+        for n in keys:
+            every: dict[str, list[float]] = {"this": [], "other": []}
+            for r in range(rounds):
+                queue = f"q{n}_{r}"
+                s.sql(
+                    "INSERT INTO {schema}.message (queue, payload, okey)"
+                    " SELECT %s, %s::json, CASE WHEN %s THEN 'k' || n %% %s END"
+                    " FROM generate_series(0, %s - 1) AS n",
+                    queue,
+                    json.dumps(CELERY_PAYLOAD),
+                    n > 0,
+                    max(n, 1),
+                    messages,
+                )
+                s.sql("ANALYZE {schema}.message")
+                order = [this, that] if r % 2 == 0 else [that, this]
+                times = drain(s, queue, messages, window, order)
+                for name, ms in times.items():
+                    every[name] += ms
+                rows.append(_row(n, str(r + 1), times))
+            rows.append(_row(n, "all", every))
+    return rows
+
+
+def _row(keys: int, round_: str, times: dict[str, list[float]]) -> dict[str, Any]:
+    this, other = median(times["this"]), median(times["other"])
+    return {
+        "keys": keys,
+        "round": round_,
+        "claims": len(times["this"]) + len(times["other"]),
+        "this_ms": this,
+        "other_ms": other,
+        "ratio": this / other,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.claim_ab", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("--against", required=True, help="another queries.sql")
+    parser.add_argument("--pg-url", default=default_pg_url(), help="libpq URL of the server")
+    parser.add_argument("--messages", type=int, default=8000, help="per drain (8000)")
+    parser.add_argument("--keys", default="0,1000", help="ordering keys per drain (0,1000)")
+    parser.add_argument("--window", type=int, default=8, help="messages per claim (8)")
+    parser.add_argument("--rounds", type=int, default=3, help="drains per --keys (3)")
+    parser.add_argument("--json", action="store_true", help="print JSON rows")
+    args = parser.parse_args(argv)
+    other = Path(args.against).read_text(encoding="utf-8")
+    keys = [int(k) for k in args.keys.split(",")]
+    rows = measure(args.pg_url, other, args.messages, keys, args.window, args.rounds)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{args.messages} messages a drain, claims of {args.window}, acks riding")
+    print("keys   round  claims  this ms  other ms  this ÷ other")
+    for row in rows:
+        print(
+            f"{row['keys']:>5}  {row['round']:>5}  {row['claims']:>6}  {row['this_ms']:>7.3f}"
+            f"  {row['other_ms']:>8.3f}  {row['ratio']:>12.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

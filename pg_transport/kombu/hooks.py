@@ -1,0 +1,100 @@
+"""Every Celery signal pgq connects, in one place (:func:`connect`, as ``pg_transport``
+is imported; each receiver once, whatever the number of calls).
+
+- ``before_task_publish``: a task's ordering defaults become headers
+  (:func:`pg_transport.message.ordering.task_defaults`).
+- ``celeryd_init``: a worker with a bad pgq setting stops with one line
+  (:mod:`pg_transport.preflight`), and its sessions carry its node name
+  (``application_name pgq:<pid>:worker:<node>``, from Celery's ``celeryd_init``, not
+  ``worker_init``: only a process started as a worker, not one embedded in a test
+  process, which goes on publishing after).
+- ``import_modules``: the same check for a worker or beat, before beat's banner.
+- ``worker_init``: a worker whose broker is pgq gets the delivery guard
+  (:mod:`pg_transport.kombu.guard`) and backs off when the broker refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals
+
+from pg_transport import backoff, preflight
+from pg_transport.db.pool import set_process_role
+from pg_transport.message import ordering
+
+__all__ = ["apply_task_defaults", "connect"]
+
+
+def _task_named(name: str) -> Any:
+    """The task ``name`` as its app knows it. Celery's ``before_task_publish`` does not
+    say which app sends: the current one (per thread, so a thread that made no app has
+    Celery's fallback, which holds only shared tasks), then every app's registry as it
+    is (a task made before its app is finalized is there; the look finalizes nothing)."""
+    from celery import current_app
+    from celery._state import _get_active_apps
+
+    task = current_app.tasks.get(name)
+    if task is not None:
+        return task
+    for app in list(_get_active_apps()):
+        task = app._tasks.get(name)
+        if task is not None:
+            return task
+    return None
+
+
+def apply_task_defaults(
+    sender: str | None = None,
+    body: Any = None,
+    headers: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """Celery's ``before_task_publish``: the sending task's ordering defaults as headers
+    (:func:`pg_transport.message.ordering.task_defaults`)."""
+    if headers is None or sender is None:
+        return
+    task = _task_named(sender)
+    if task is not None:
+        ordering.task_defaults(task, body, headers)
+
+
+def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if instance is not None:
+        preflight.check_or_stop(instance.app)
+
+
+def _check_modules(sender: Any = None, **_: Any) -> None:
+    if sender is not None and hasattr(sender, "conf"):
+        preflight.check_or_stop(sender)
+
+
+def _name_sessions(sender: Any = None, **_: Any) -> None:
+    if isinstance(sender, str) and sender:
+        set_process_role("worker", sender)
+
+
+def _guard_worker(sender: Any = None, **_: Any) -> None:
+    """Add the guard to a worker whose broker is pgq (its consumer is built after)."""
+    from pg_transport.kombu.guard import DeliveryGuard
+    from pg_transport.kombu.transport import Transport
+
+    try:
+        ours = issubclass(sender.app.connection_for_read().get_transport_cls(), Transport)
+    except Exception:  # a broker URL kombu cannot resolve: Celery will say so
+        return
+    if ours:
+        sender.app.steps["consumer"].add(DeliveryGuard)
+        # A worker the broker refuses backs off (not the pool's children, nor clients).
+        backoff.enable()
+
+
+def connect() -> None:
+    """Connect every receiver (idempotent: each has a dispatch uid)."""
+    signals.before_task_publish.connect(
+        apply_task_defaults, weak=False, dispatch_uid="pgq-ordering"
+    )
+    signals.celeryd_init.connect(_check_worker, weak=False, dispatch_uid="pgq-preflight-worker")
+    signals.import_modules.connect(_check_modules, weak=False, dispatch_uid="pgq-preflight-modules")
+    signals.celeryd_init.connect(_name_sessions, weak=False, dispatch_uid="pgq-process-node")
+    signals.worker_init.connect(_guard_worker, weak=False, dispatch_uid="pgq-delivery-guard")
