@@ -176,7 +176,7 @@ def queue_rates(
     connector: Connector, schema: str, seconds: float = HISTORY_SECONDS
 ) -> dict[str, QueueRates]:
     """The rates of each queue of the latest tick over the last ``seconds``."""
-    query = load_named("web.sql", schema)["web_queue_rates"]
+    query = load_named("web.sql", schema, "pg_transport.web")["web_queue_rates"]
 
     def work(conn: psycopg.Connection[Any]) -> list[Any]:
         return conn.execute(query, {"seconds": seconds}).fetchall()
