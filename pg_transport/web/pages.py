@@ -9,6 +9,7 @@ import tornado.web
 
 from pg_transport.ops import status as status_report
 from pg_transport.ops.plugins import plugin
+from pg_transport.web import consumers as consuming
 from pg_transport.web import sampler
 from pg_transport.web.base import STALE_INTERVALS, Base, checked_time, until
 from pg_transport.web.chart import chart
@@ -47,9 +48,16 @@ class QueuesPage(Base):
             queues = status_report.collect(c.store).queues if live else latest.queues
             change = {} if live else sampler.changes(c.connector, c.schema, latest)
             depths, rates = sampler.history(c.connector, c.schema, None, window)
-            consumers = c.consumers.seen() if c.consumers is not None else None
+            per_queue = sampler.queue_rates(c.connector, c.schema, window)
+            consumers = c.consumers.seen(c.reads.now) if c.consumers is not None else None
+            # Which worker nodes Postgres knows connected (their sessions' names): those
+            # the answers leave out are named, not silently missing from the counts.
+            processes = c.reads.processes()
             return {
                 "consumers": consumers,
+                "connected": consuming.connected(processes),
+                "silent": [] if consumers is None else consuming.silent(consumers, processes),
+                "per_queue": per_queue,
                 "latest": latest,
                 "queues": queues,
                 "live": live,
@@ -94,6 +102,9 @@ class QueuesPage(Base):
             own=own,
             kind_of=status_report.celery_own,
             consumers=data["consumers"],
+            connected=data["connected"],
+            silent=data["silent"],
+            per_queue=data["per_queue"],
             change=data["change"],
             sampled_at=latest.at,
             live=data["live"],

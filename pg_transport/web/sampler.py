@@ -25,7 +25,17 @@ from pg_transport.ops.status import QueueStatus
 from pg_transport.ops.status import queries as status_queries
 from pg_transport.sql import load_named
 
-__all__ = ["HISTORY_SECONDS", "Latest", "Rates", "Sampler", "changes", "rates", "take"]
+__all__ = [
+    "HISTORY_SECONDS",
+    "Latest",
+    "QueueRates",
+    "Rates",
+    "Sampler",
+    "changes",
+    "queue_rates",
+    "rates",
+    "take",
+]
 
 logger = logging.getLogger("pg_transport.web")
 
@@ -51,6 +61,28 @@ class Rates:
     at: datetime
     inserted: float | None
     deleted: float | None
+
+
+@dataclass(frozen=True)
+class QueueRates:
+    """One queue's rates, per second, between the first tick of a window and the latest:
+    how fast its waiting messages (ready, in flight, delayed) grew (+) or shrank (-), and
+    its dead letters (dead-lettered, less those requeued or purged). A queue that appeared
+    since counts from none. None where the window holds a single tick.
+
+    What the samples say, and no more: a queue's publishes and acks are not counted
+    apart (the message table's rates are the schema's), so a queue whose workers keep
+    up shows a change near zero however busy it is."""
+
+    span: float
+    change: float | None
+    dead: float | None
+
+    def empties_in(self, waiting: int) -> float | None:
+        """Seconds until ``waiting`` messages are gone at the window's rate, if it shrinks."""
+        if self.change is None or self.change >= 0 or waiting <= 0:
+            return None
+        return waiting / -self.change
 
 
 def take(connector: Connector, schema: str, interval: float) -> datetime | None:
@@ -138,6 +170,25 @@ def changes(connector: Connector, schema: str, latest: Latest) -> dict[str, floa
         q.queue: (q.ready + q.in_flight + q.delayed - then.get(q.queue, 0)) / span
         for q in latest.queues
     }
+
+
+def queue_rates(
+    connector: Connector, schema: str, seconds: float = HISTORY_SECONDS
+) -> dict[str, QueueRates]:
+    """The rates of each queue of the latest tick over the last ``seconds``."""
+    query = load_named("web.sql", schema, "pg_transport.web")["web_queue_rates"]
+
+    def work(conn: psycopg.Connection[Any]) -> list[Any]:
+        return conn.execute(query, {"seconds": seconds}).fetchall()
+
+    out = {}
+    for queue, span, waiting, dead in connector.run(work, idempotent=True):
+        span = float(span or 0.0)
+        if span <= 0:
+            out[str(queue)] = QueueRates(span, None, None)
+        else:
+            out[str(queue)] = QueueRates(span, int(waiting) / span, int(dead) / span)
+    return out
 
 
 def rates(ticks: list[tuple[datetime, datetime, int | None, int | None]]) -> list[Rates]:

@@ -189,3 +189,26 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
        OR (created_at, id) < (%(before_at)s::timestamptz, %(before_id)s::text))
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s + 1
+
+-- name: web_queue_rates
+-- Per queue of the latest tick, between the first tick of the last `seconds` and the
+-- latest: the seconds between the two, and how its messages waiting (ready + in flight +
+-- delayed) and its dead letters changed. A queue missing from the first tick had none of
+-- either then (a tick samples every queue declared or holding messages or dead letters).
+-- Two ticks by primary key, then two samples per queue.
+WITH t0 AS (
+    SELECT at, taken_at FROM {schema}.console_tick
+    WHERE at >= pg_catalog.now() - pg_catalog.make_interval(secs => %(seconds)s::float8)
+    ORDER BY at LIMIT 1
+), t1 AS (
+    SELECT at, taken_at FROM {schema}.console_tick ORDER BY at DESC LIMIT 1
+)
+SELECT s1.queue, pg_catalog.date_part('epoch', t1.taken_at - t0.taken_at)::float8,
+       (s1.ready + s1.in_flight + s1.delayed)
+           - COALESCE(s0.ready + s0.in_flight + s0.delayed, 0),
+       s1.dead - COALESCE(s0.dead, 0)
+FROM t0
+CROSS JOIN t1
+JOIN {schema}.console_sample AS s1 ON s1.at = t1.at
+LEFT JOIN {schema}.console_sample AS s0 ON s0.at = t0.at AND s0.queue = s1.queue
+ORDER BY s1.queue

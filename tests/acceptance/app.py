@@ -22,6 +22,7 @@ app.conf.update(
     worker_hijack_root_logger=False,
     task_default_priority=None,
     control_queue_expires=float(os.environ.get("TEST_CONTROL_EXPIRES", "10")),
+    worker_enable_remote_control=os.environ.get("TEST_REMOTE_CONTROL", "1") == "1",
 )
 
 _conn: psycopg.Connection | None = None

@@ -59,6 +59,12 @@ def cell(browser: Any, queue: str, column: str) -> str | None:
         return None
 
 
+def rate(browser: Any, queue: str, column: str) -> float:
+    """A rate the queues page shows (nan where it shows none: ``-``)."""
+    text = cell(browser, queue, column)
+    return float("nan") if text in (None, "-") else float(text)
+
+
 def showing(browser: Any, url: str, predicate: Any, what: str, timeout: float = 30) -> None:
     """Reload ``url`` until ``predicate(browser)`` holds (the page shows an outcome)."""
 
@@ -103,9 +109,10 @@ def add_dead(env: Env, count: int, queue: str = "web.dead") -> list[int]:
 
 def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: Any) -> None:
     client = env.client()
+    # Published before the console starts: its first sample of web.fill is of all 40.
+    for i in range(40):
+        client.send_task(MARK, kwargs={"label": f"m{i}"}, queue="web.fill")
     with web.console(env) as console:
-        for i in range(40):
-            client.send_task(MARK, kwargs={"label": f"m{i}"}, queue="web.fill")
         page = console.url + "/queues"
         showing(browser, page, lambda b: cell(b, "web.fill", "ready") == "40", "40 ready")
         # The queue's own page lists the next messages a claim takes, task name and all.
@@ -115,6 +122,8 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
         assert len(browser.find_elements("css selector", "#ready tbody tr")) == 20
         assert MARK in browser.find_element("id", "ready").text
 
+        # A worker that does not answer remote control: Postgres knows it is connected.
+        quiet = start_worker(env, "quiet", queues="web.quiet", environ={"TEST_REMOTE_CONTROL": "0"})
         worker = start_worker(env, "drain", queues="web.fill")
         try:
             wait_for(lambda: len(env.runs()) == 40, 60, "the worker to run all 40")
@@ -152,6 +161,16 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
                 lambda b: cell(b, "web.fill", "consumers") == f"1 {node}",
                 "the worker among web.fill's consumers",
             )
+            quiet_node = f"quiet@{socket.gethostname()}"
+            showing(
+                browser,
+                page,
+                lambda b: any(
+                    quiet_node in e.text for e in b.find_elements("id", "silent-workers")
+                ),
+                "the worker without remote control named as connected, not counted",
+            )
+            assert cell(browser, "web.fill", "consumers") == f"1 {node}"
             showing(
                 browser,
                 page,
@@ -160,8 +179,25 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
                 ),
                 "the queue drained",
             )
+            # Its rate over the samples of the window: from 40 waiting (the first
+            # sample) to none, so below zero; nothing dead-lettered yet.
+            showing(
+                browser,
+                page,
+                lambda b: rate(b, "web.fill", "rate") < 0,
+                "web.fill's rate below zero",
+            )
+            assert cell(browser, "web.fill", "dead-rate") == "+0.00"
+            add_dead(env, 2, queue="web.fill")
+            showing(
+                browser,
+                page,
+                lambda b: rate(b, "web.fill", "dead-rate") > 0,
+                "web.fill's dead letters per second above zero",
+            )
         finally:
             worker.stop()
+            quiet.stop()
         # The history the chart draws: kept in Postgres, full then empty.
         depths = env.scalar(
             "SELECT array_agg(ready + in_flight ORDER BY at) FROM {schema}.console_sample"
@@ -337,6 +373,24 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
                 "the monitor's counts",
             )
             assert cell(browser, "web.mon", "dead") == "2"
+            # It may not publish, so it cannot ask the workers what they consume: the
+            # column says it does not know, and the page lists the worker nodes Postgres
+            # knows connected (their sessions' names).
+            worker = start_worker(env, "seen", queues="web.other")
+            try:
+                node = f"seen@{socket.gethostname()}"
+                showing(
+                    browser,
+                    console.url + "/queues",
+                    lambda b: any(
+                        node in e.text for e in b.find_elements("id", "connected-workers")
+                    ),
+                    "the connected worker listed for the monitor",
+                )
+                assert cell(browser, "web.mon", "consumers") == "?"
+                assert browser.find_element("id", "no-consumers")
+            finally:
+                worker.stop()
             browser.get(console.url + "/queue?name=web.mon")
             assert browser.find_element("id", "no-payloads")
             assert len(browser.find_elements("css selector", "#ready tbody tr")) == 5

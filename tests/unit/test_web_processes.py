@@ -45,3 +45,29 @@ def test_consumers_are_read_from_the_workers_answers_skipping_malformed_ones() -
     }
     assert invert(replies) == {"celery": ["w1@h"], "jobs": ["w1@h", "w2@h"]}
     assert invert(None) == {}
+
+
+def test_a_connected_node_that_did_not_answer_is_named() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from pg_transport.web.consumers import Seen, connected, silent
+    from pg_transport.web.reads import ProcessRow
+
+    asked = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+    def row(name: str, since: datetime) -> ProcessRow:
+        return ProcessRow(name, *process_kind(name), None, None, None, 1, 0, since)
+
+    before, after = asked - timedelta(seconds=5), asked + timedelta(seconds=5)
+    rows = [
+        row("pgq:1:worker:w1@h", before),  # answered
+        row("pgq:2:worker:quiet@h", before),  # connected, did not answer
+        row("pgq-results:2:worker:quiet@h", after),
+        row("pgq:3:worker:new@h", after),  # started after the question: not asked yet
+        row("pgq:4", before),  # a publisher: no node
+    ]
+    seen = Seen({"celery": ["w1@h"]}, 1, 1.0, answered=frozenset({"w1@h"}), asked=asked)
+    assert silent(seen, rows) == ["quiet@h"]
+    assert connected(rows) == ["new@h", "quiet@h", "w1@h"]
+    # Nobody could be asked: nobody is called silent (the page lists who is connected).
+    assert silent(Seen(at=1.0, error="NotPermitted: no", asked=asked), rows) == []
