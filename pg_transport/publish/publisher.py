@@ -139,17 +139,15 @@ class Publisher:
         instead; inside the application's (:mod:`~pg_transport.publish.joined`), that
         one."""
         params = self._publish_params(queue, payload, priority, delay, publish_key, ttl)
-        caller = joined.current()
-        if caller is not None:
-            self.on_caller(caller, lambda conn: self._insert_on(conn, params))
-            joined.note_published(payload)
-            return
         open_batch = batching.current()
-        if open_batch is not None:
+        if open_batch is not None and joined.current() is None:
+            # kept, and written with the batch's other messages by one statement
             open_batch.add(self._batch_key(), self.connector, self._insert_rows, params)
             return
-        self.connector.run(
-            lambda conn: self._insert_on(conn, params), idempotent=publish_key is not None
+        self._dispatch(
+            lambda conn: self._insert_on(conn, params),
+            idempotent=publish_key is not None,
+            payload=payload,
         )
 
     def publish_on(
@@ -208,7 +206,7 @@ class Publisher:
     def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         """Run a publish on ``conn``, the way :func:`way_of` picks for it."""
         with self._permitted(conn):
-            WAYS[way_of(conn, flushes=self.flushes, due_now=params["notify"])](self, conn, params)
+            WAYS[way_of(conn, flushes=self.flushes)](self, conn, params)
 
     def _insert_rows(self, conn: psycopg.Connection[Any], rows: list[dict[str, Any]]) -> None:
         """Insert the messages of a batch (``rows``: what :meth:`_publish_params` made of
@@ -338,18 +336,7 @@ class Publisher:
             assert row is not None
             return row[0], int(row[1] or 0)
 
-        caller = joined.current()
-        if caller is not None:
-            found_routed = self.on_caller(caller, routed)
-            joined.note_published(payload)
-            return found_routed
-        open_batch = batching.current()
-        if open_batch is not None:
-            found: tuple[str | None, int] = open_batch.run(
-                self._batch_key(), self.connector, routed
-            )
-            return found
-        return self.connector.run(routed, idempotent=publish_tag is not None)
+        return self._dispatch(routed, idempotent=publish_tag is not None, payload=payload)
 
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str
@@ -365,29 +352,31 @@ class Publisher:
             with self._permitted(conn):
                 return _scalar_on_(conn, self.q["dead_letter_unroutable"], params)
 
+        # Kept only if the application's transaction commits, or the batch's messages are.
+        return int(self._dispatch(keep, idempotent=False))
+
+    def _dispatch(
+        self,
+        work: Callable[[psycopg.Connection[Any]], T],
+        *,
+        idempotent: bool,
+        payload: dict[str, Any] | None = None,
+    ) -> T:
+        """Run ``work`` where this thread's publishes go: in the application's transaction
+        (:mod:`~pg_transport.publish.joined`; ``payload`` noted as published in it), in the
+        open batch's (:mod:`~pg_transport.publish.batching`), or on a session of this
+        publisher's own, sent again after a lost connection only when ``idempotent``."""
         caller = joined.current()
-        if caller is not None:  # kept only if the application's transaction commits
-            return int(
-                self.on_caller(
-                    caller,
-                    keep,
-                )
-            )
+        if caller is not None:
+            result = self.on_caller(caller, work)
+            if payload is not None:
+                joined.note_published(payload)
+            return result
         open_batch = batching.current()
-        if open_batch is not None:  # kept only if the batch's message is published
-            return int(
-                open_batch.run(
-                    self._batch_key(),
-                    self.connector,
-                    keep,
-                )
-            )
-        return int(
-            self.connector.run(
-                keep,
-                idempotent=False,
-            )
-        )
+        if open_batch is not None:
+            found: T = open_batch.run(self._batch_key(), self.connector, work)
+            return found
+        return self.connector.run(work, idempotent=idempotent)
 
     def on_caller(self, caller: Caller, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run ``work`` in the application's transaction ``caller``, once its connection
@@ -407,11 +396,11 @@ def _as_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> str:
+def way_of(conn: psycopg.Connection[Any], *, flushes: bool) -> str:
     """How a publish goes on ``conn`` (see the module's docstring): ``joined`` on an
-    application's connection; on pgq's own, ``batched`` in a pipeline, ``apart`` for a
-    message due now on a session that prepares (not a transaction pooler's), idle,
-    whose commits wait for their flush; else ``together``."""
+    application's connection; on pgq's own, ``batched`` in a pipeline, ``apart`` on a
+    session that prepares (not a transaction pooler's), idle, whose commits wait for
+    their flush; else ``together``."""
     if not is_own(conn):
         return "joined"
     if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
@@ -420,7 +409,7 @@ def way_of(conn: psycopg.Connection[Any], *, flushes: bool, due_now: bool) -> st
         conn.prepare_threshold is not None
         and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
     )
-    return "apart" if flushes and due_now and own_idle else "together"
+    return "apart" if flushes and own_idle else "together"
 
 
 #: Each way of publishing, by the name :func:`way_of` gives it.

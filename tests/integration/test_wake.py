@@ -258,19 +258,18 @@ def test_each_publish_goes_the_way_its_connection_allows(pg_url: str, store: Sto
     pooled = Connector(pg_url, prepare_threshold=None)  # as behind a transaction pooler
     try:
         with own.connection() as conn:
-            assert way_of(conn, flushes=True, due_now=True) == "apart"
-            assert way_of(conn, flushes=False, due_now=True) == "together"  # durable off
-            assert way_of(conn, flushes=True, due_now=False) == "together"  # an ETA: no wake
+            assert way_of(conn, flushes=True) == "apart"
+            assert way_of(conn, flushes=False) == "together"  # durable off
             with conn.transaction():  # the caller's transaction: one statement in it
-                assert way_of(conn, flushes=True, due_now=True) == "together"
+                assert way_of(conn, flushes=True) == "together"
             with conn.pipeline():  # a batch
-                assert way_of(conn, flushes=True, due_now=True) == "batched"
+                assert way_of(conn, flushes=True) == "batched"
         with pooled.connection() as conn:
-            assert way_of(conn, flushes=True, due_now=True) == "together"
+            assert way_of(conn, flushes=True) == "together"
         with psycopg.connect(pg_url) as app_conn:  # an application's: never prepared
-            assert way_of(app_conn, flushes=True, due_now=True) == "joined"
+            assert way_of(app_conn, flushes=True) == "joined"
             with app_conn.pipeline():
-                assert way_of(app_conn, flushes=True, due_now=True) == "joined"
+                assert way_of(app_conn, flushes=True) == "joined"
     finally:
         own.close()
         pooled.close()
