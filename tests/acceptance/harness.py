@@ -304,18 +304,25 @@ class Fleet:
         try:
             yield self.env
         finally:
-            wait_for(
-                lambda: self.env.scalar("SELECT count(*) FROM {schema}.message") == 0,
-                self.settle_timeout,
-                "the last test's messages to be acked before the next test",
-            )
-            with psycopg.connect(self.env.pg_url, autocommit=True) as conn:
-                for table in self.tables:
-                    conn.execute(
-                        sql.SQL("DELETE FROM {}.{}").format(
-                            sql.Identifier(self.env.schema), sql.Identifier(table)
-                        )
+            try:
+                wait_for(
+                    lambda: self.env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                    self.settle_timeout,
+                    "the last test's messages to be acked before the next test",
+                )
+            finally:
+                # (After a failed test, what it left is dropped too: the failure is its
+                # own, not the next test's.)
+                self._empty(("message", *self.tables))
+
+    def _empty(self, tables: tuple[str, ...]) -> None:
+        with psycopg.connect(self.env.pg_url, autocommit=True) as conn:
+            for table in tables:
+                conn.execute(
+                    sql.SQL("DELETE FROM {}.{}").format(
+                        sql.Identifier(self.env.schema), sql.Identifier(table)
                     )
+                )
 
 
 @contextmanager
