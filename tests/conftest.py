@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -126,6 +127,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    harness = sys.modules.get("tests.acceptance.harness")
+    if harness is not None and harness.STARTED:
+        terminalreporter.write_line(
+            f"pgq: {len(harness.STARTED)} celery worker processes started "
+            "(tests/acceptance/harness.py)"
+        )
     if _meter is None:
         return
     verdict = "over" if _meter.peak > MAX_CONNECTIONS else "within"

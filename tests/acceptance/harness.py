@@ -26,6 +26,11 @@ APP = "tests.acceptance.app"
 #: ends: at its next poll, up to polling_interval (1 s by default) after the signal, or
 #: at a wake-up (Worker.stop and stop_all send one). Modules that time nothing against
 #: the poll give their workers this too (Env.extra): their own SIGTERMs stop quickly.
+#: How a worker process is started: "launch" (tests/acceptance/launch.py: Celery's worker
+#: command without the ``celery`` umbrella's plugins) or "celery" (``python -m celery``).
+LAUNCH = "launch"
+#: The name of every worker process this run started, in order (the run reports how many).
+STARTED: list[str] = []
 QUICK_STOP = {"PGQ_POLLING_INTERVAL": "0.2"}
 
 
@@ -181,13 +186,15 @@ def start_worker(
     before it logs that it is ready); its exit then ends the wait instead of failing.
     """
     log = Path(tempfile.mkstemp(prefix=f"pgq-worker-{name}-", suffix=".log")[1])
+    STARTED.append(name)
+    launcher = (
+        ["-m", "celery", "-A", app, "worker"]
+        if LAUNCH == "celery"
+        else ["-m", "tests.acceptance.launch", app]
+    )
     cmd = [
         sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        app,
-        "worker",
+        *launcher,
         "-P",
         pool,
         "-c",
@@ -267,3 +274,61 @@ def terminate_backends_of(env: Env, worker: Worker) -> int:
             [f"pgq:{worker.proc.pid}", f"pgq:{worker.proc.pid}:%"],
         ).fetchone()
     return int(row[0]) if row else 0
+
+
+@dataclass
+class Fleet:
+    """Workers started once for a module's tests, on a schema of the module's own.
+
+    For tests that need a running worker of one configuration and nothing of its life
+    (no kill, no stop, no start-up timed): each test gets the fleet through
+    :meth:`serve`, which checks the workers are still running and, after the test, waits
+    until every message is gone from the queue (acked or dead-lettered: nothing the test
+    started still runs) and empties what tests count (task_runs, dead_letter), so that
+    the next test starts as on a fresh schema.
+    """
+
+    env: Env
+    workers: list[Worker]
+    #: How long after a test its messages may take to be acked (a test waits for its
+    #: own outcomes first; this bounds the acks that follow them).
+    settle_timeout: float = 60
+    #: What the module's tests count, emptied after each (beside pgq's own queue).
+    tables: tuple[str, ...] = ("task_runs", "dead_letter")
+
+    @contextmanager
+    def serve(self) -> Iterator[Env]:
+        for worker in self.workers:
+            if worker.proc.poll() is not None:
+                raise AssertionError(f"fleet worker {worker.name} exited:\n{worker.output()}")
+        try:
+            yield self.env
+        finally:
+            try:
+                wait_for(
+                    lambda: self.env.scalar("SELECT count(*) FROM {schema}.message") == 0,
+                    self.settle_timeout,
+                    "the last test's messages to be acked before the next test",
+                )
+            finally:
+                # (After a failed test, what it left is dropped too: the failure is its
+                # own, not the next test's.)
+                self._empty(("message", *self.tables))
+
+    def _empty(self, tables: tuple[str, ...]) -> None:
+        with psycopg.connect(self.env.pg_url, autocommit=True) as conn:
+            for table in tables:
+                conn.execute(
+                    sql.SQL("DELETE FROM {}.{}").format(
+                        sql.Identifier(self.env.schema), sql.Identifier(table)
+                    )
+                )
+
+
+@contextmanager
+def fleet(
+    env: Env, *names: str, tables: tuple[str, ...] = Fleet.tables, **kwargs: Any
+) -> Iterator[Fleet]:
+    """:class:`Fleet` of :func:`workers` ``names`` (started side by side, stopped at the end)."""
+    with workers(env, *names, **kwargs) as started:
+        yield Fleet(env, started, tables=tables)

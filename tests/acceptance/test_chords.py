@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 from celery import Celery, chord, group, states
 from celery.exceptions import ChordError
 
-from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for, workers
+from tests.acceptance.harness import (
+    QUICK_STOP,
+    Env,
+    Fleet,
+    fleet,
+    start_worker,
+    wait_for,
+    workers,
+)
 
 pytestmark = [
     pytest.mark.acceptance,
@@ -28,6 +37,20 @@ def env(env: Env) -> Env:
 
 APP = "tests.acceptance.results_app"
 T = "tests.acceptance.results_app."
+
+
+@pytest.fixture(scope="module")
+def chord_fleet(module_env: Env) -> Iterator[Fleet]:
+    """One worker for the tests that only need one running (no kill, no restart)."""
+    module_env.extra.update(QUICK_STOP)
+    with fleet(module_env, "chords", app=APP, concurrency=4) as started:
+        yield started
+
+
+@pytest.fixture
+def shared(chord_fleet: Fleet) -> Iterator[Env]:
+    with chord_fleet.serve() as env:
+        yield env
 
 
 def client(env: Env) -> Celery:
@@ -49,17 +72,17 @@ def no_chord_unlock(env: Env) -> None:
 
 
 @pytest.mark.parametrize("parts", [1, 10, 1000])
-def test_a_chord_fires_once_with_its_results_in_order(env: Env, parts: int) -> None:
+def test_a_chord_fires_once_with_its_results_in_order(shared: Env, parts: int) -> None:
+    env = shared
     app = client(env)
-    with workers(env, f"chord-{parts}", app=APP, concurrency=4):
-        header = [app.signature(T + "part", args=[i]) for i in range(parts)]
-        body = app.signature(T + "collect", kwargs={"label": f"n{parts}"})
-        result = chord(header, app=app)(body)
-        no_chord_unlock(env)
-        assert result.get(timeout=120) == sum(range(parts))
-        time.sleep(0.5)  # a second body would start within this
+    header = [app.signature(T + "part", args=[i]) for i in range(parts)]
+    body = app.signature(T + "collect", kwargs={"label": f"n{parts}"})
+    result = chord(header, app=app)(body)
+    no_chord_unlock(env)
+    assert result.get(timeout=120) == sum(range(parts))
+    wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "acks")
+    time.sleep(0.5)  # a second body would start within this
     assert labels(env, "callback:") == [f"callback:n{parts}"]
-    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
     assert result.parent is not None
     assert result.parent.get(timeout=10) == list(range(parts))
 
@@ -94,105 +117,108 @@ def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None
 
 @pytest.mark.parametrize("allow_header_errbacks", [False, True])
 def test_a_failing_part_fails_over_to_the_errbacks_once(
-    env: Env, allow_header_errbacks: bool
+    shared: Env, allow_header_errbacks: bool
 ) -> None:
+    env = shared
     app = client(env)
     app.conf.task_allow_error_cb_on_chord_header = allow_header_errbacks
-    with workers(env, "chord-fail", app=APP, concurrency=4):
-        header = [app.signature(T + "part", args=[i]) for i in range(4)]
-        header += [app.signature(T + "failing_part", args=[4])]
-        header += [app.signature(T + "failing_part", args=[5])]
-        errback = app.signature(T + "on_error", kwargs={"label": "chord"})
-        body = app.signature(T + "collect", kwargs={"label": "never"})
-        canvas = chord(header, body, app=app)
-        canvas.link_error(errback)
-        result = canvas.apply_async()
-        # get() raises the header's error first (it follows the parents, as with Redis)...
-        with pytest.raises(ValueError, match=r"part [45] fails"):
-            result.get(timeout=60)
-        # ...and the body itself fails with a ChordError naming the part.
-        with pytest.raises(ChordError, match=r"Dependency .* raised ValueError"):
-            result.get(timeout=60, follow_parents=False)
-        assert result.state == states.FAILURE
-        wait_for(lambda: labels(env, "errback:"), 30, "the errback")
-        time.sleep(0.5)
-    assert labels(env, "callback:") == []
+    header = [app.signature(T + "part", args=[i]) for i in range(4)]
+    header += [app.signature(T + "failing_part", args=[4])]
+    header += [app.signature(T + "failing_part", args=[5])]
+    errback = app.signature(T + "on_error", kwargs={"label": "chord"})
+    body = app.signature(T + "collect", kwargs={"label": "never"})
+    canvas = chord(header, body, app=app)
+    canvas.link_error(errback)
+    result = canvas.apply_async()
+    # get() raises the header's error first (it follows the parents, as with Redis)...
+    with pytest.raises(ValueError, match=r"part [45] fails"):
+        result.get(timeout=60)
+    # ...and the body itself fails with a ChordError naming the part.
+    with pytest.raises(ChordError, match=r"Dependency .* raised ValueError"):
+        result.get(timeout=60, follow_parents=False)
+    assert result.state == states.FAILURE
     # Once for the chord; with header errbacks allowed, Celery links the errback to
     # each header task too, and each failing part runs it.
-    assert len(labels(env, "errback:")) == (3 if allow_header_errbacks else 1)
+    expected = 3 if allow_header_errbacks else 1
+    wait_for(lambda: len(labels(env, "errback:")) >= expected, 30, "the errbacks")
+    wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "acks")
+    time.sleep(0.5)
+    assert labels(env, "callback:") == []
+    assert len(labels(env, "errback:")) == expected
 
 
-def test_the_chord_shapes_celery_documents(env: Env) -> None:
+def test_the_chord_shapes_celery_documents(shared: Env) -> None:
     """Immutable bodies and errbacks, a frozen chord applied again, a generator header,
     the body's parent and the errbacks as its children, add_to_chord: one fleet."""
+    env = shared
     app = client(env)
     sig = app.signature
-    with workers(env, "chord-shapes", app=APP, concurrency=4):
-        # chord(header)(body.si(...)): the body gets its own arguments only.
-        header = [sig(T + "part", args=[i]) for i in range(3)]
-        immutable = chord(header, app=app)(sig(T + "add", args=(2, 3), immutable=True))
-        assert immutable.get(timeout=60) == 5
-        # The body was sent by the part that completed the chord.
-        header_ids = [r.id for r in immutable.parent.results]
-        meta = app.backend.get_task_meta(immutable.id)
-        assert meta["parent_id"] in header_ids
+    # chord(header)(body.si(...)): the body gets its own arguments only.
+    header = [sig(T + "part", args=[i]) for i in range(3)]
+    immutable = chord(header, app=app)(sig(T + "add", args=(2, 3), immutable=True))
+    assert immutable.get(timeout=60) == 5
+    # The body was sent by the part that completed the chord.
+    header_ids = [r.id for r in immutable.parent.results]
+    meta = app.backend.get_task_meta(immutable.id)
+    assert meta["parent_id"] in header_ids
 
-        # link_error(errback.si(...)): the errback gets no body id; it is the body's child.
-        failing = chord([sig(T + "failing_part", args=[0])], sig(T + "collect"), app=app)
-        failing.link_error(sig(T + "note", args=("si-errback",), immutable=True))
-        failed = failing.apply_async()
-        with pytest.raises(ChordError):
-            failed.get(timeout=60, follow_parents=False)
-        wait_for(lambda: labels(env, "note:"), 30, "the immutable errback")
-        [child] = app.AsyncResult(failed.id).children
-        [errback] = child.results
-        assert errback.get(timeout=30) == "si-errback"
+    # link_error(errback.si(...)): the errback gets no body id; it is the body's child.
+    failing = chord([sig(T + "failing_part", args=[0])], sig(T + "collect"), app=app)
+    failing.link_error(sig(T + "note", args=("si-errback",), immutable=True))
+    failed = failing.apply_async()
+    with pytest.raises(ChordError):
+        failed.get(timeout=60, follow_parents=False)
+    wait_for(lambda: labels(env, "note:"), 30, "the immutable errback")
+    [child] = app.AsyncResult(failed.id).children
+    [errback] = child.results
+    assert errback.get(timeout=30) == "si-errback"
 
-        # A frozen chord applied again is a new run: its body runs again.
-        again = chord(
-            [sig(T + "part", args=[i]) for i in range(2)],
-            sig(T + "collect", kwargs={"label": "again"}),
-            app=app,
-        )
-        again.freeze()
-        assert again.apply_async().get(timeout=60) == 1
-        again.apply_async()
-        wait_for(lambda: len(labels(env, "callback:again")) == 2, 60, "the second run")
+    # A frozen chord applied again is a new run: its body runs again.
+    again = chord(
+        [sig(T + "part", args=[i]) for i in range(2)],
+        sig(T + "collect", kwargs={"label": "again"}),
+        app=app,
+    )
+    again.freeze()
+    assert again.apply_async().get(timeout=60) == 1
+    again.apply_async()
+    wait_for(lambda: len(labels(env, "callback:again")) == 2, 60, "the second run")
 
-        # A generator header is streamed, its results in header order.
-        generated = chord(
-            (sig(T + "part", args=[i]) for i in range(5)),
-            sig(T + "collect", kwargs={"label": "gen"}),
-            app=app,
-        )()
-        assert generated.get(timeout=60) == 10
+    # A generator header is streamed, its results in header order.
+    generated = chord(
+        (sig(T + "part", args=[i]) for i in range(5)),
+        sig(T + "collect", kwargs={"label": "gen"}),
+        app=app,
+    )()
+    assert generated.get(timeout=60) == 10
 
-        # add_to_chord: the body waits for the added task and gets its result last.
-        added = chord(
-            [sig(T + "adder", args=[0, 100]), sig(T + "part", args=[1])],
-            sig(T + "collect", kwargs={"label": "added"}),
-            app=app,
-        )()
-        assert added.get(timeout=60) == 101
+    # add_to_chord: the body waits for the added task and gets its result last.
+    added = chord(
+        [sig(T + "adder", args=[0, 100]), sig(T + "part", args=[1])],
+        sig(T + "collect", kwargs={"label": "added"}),
+        app=app,
+    )()
+    assert added.get(timeout=60) == 101
 
-        # A chain, a group or a chord as body, a chord in the header: sent by Celery's
-        # canvas in the completing part's transaction, from that part.
-        two = [sig(T + "part", args=[i]) for i in range(2)]
-        chained = chord(two, sig(T + "collect") | sig(T + "echo"), app=app)()
-        grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)()
-        inner = chord(two, sig(T + "collect", kwargs={"label": "inner"}), app=app)
-        nested = chord(
-            [inner, sig(T + "part", args=[2])],
-            sig(T + "collect", kwargs={"label": "outer"}),
-            app=app,
-        )()
-        assert chained.get(timeout=60) == 1
-        first = app.backend.get_task_meta(chained.id)["parent_id"]  # the chain's collect
-        assert app.backend.get_task_meta(first)["parent_id"] in [r.id for r in chained.parent]
-        assert grouped.get(timeout=60) == [1, 1]
-        assert nested.get(timeout=60) == 1 + 2
-        no_chord_unlock(env)
-        time.sleep(0.5)  # a second body would start within this
+    # A chain, a group or a chord as body, a chord in the header: sent by Celery's
+    # canvas in the completing part's transaction, from that part.
+    two = [sig(T + "part", args=[i]) for i in range(2)]
+    chained = chord(two, sig(T + "collect") | sig(T + "echo"), app=app)()
+    grouped = chord(two, group(sig(T + "collect"), sig(T + "collect")), app=app)()
+    inner = chord(two, sig(T + "collect", kwargs={"label": "inner"}), app=app)
+    nested = chord(
+        [inner, sig(T + "part", args=[2])],
+        sig(T + "collect", kwargs={"label": "outer"}),
+        app=app,
+    )()
+    assert chained.get(timeout=60) == 1
+    first = app.backend.get_task_meta(chained.id)["parent_id"]  # the chain's collect
+    assert app.backend.get_task_meta(first)["parent_id"] in [r.id for r in chained.parent]
+    assert grouped.get(timeout=60) == [1, 1]
+    assert nested.get(timeout=60) == 1 + 2
+    no_chord_unlock(env)
+    wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "acks")
+    time.sleep(0.5)  # a second body would start within this
     assert len(labels(env, "callback:again")) == 2
     assert labels(env, "callback:outer") == ["callback:outer"]
     assert labels(env, "callback:gen") == ["callback:gen"]

@@ -7,11 +7,12 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.acceptance.harness import QUICK_STOP, ROOT, Env, wait_for, workers
+from tests.acceptance.harness import QUICK_STOP, ROOT, Env, Fleet, fleet, wait_for, workers
 
 pytestmark = pytest.mark.acceptance
 
@@ -27,26 +28,40 @@ APP = "tests.acceptance.features_app"
 T = APP + "."
 
 
+@pytest.fixture(scope="module")
+def features_fleet(module_env: Env) -> Iterator[Fleet]:
+    """One worker (one slot) for the tests that only need one running as configured."""
+    module_env.extra.update(QUICK_STOP)
+    with fleet(module_env, "features", concurrency=1, app=APP) as started:
+        yield started
+
+
+@pytest.fixture
+def shared(features_fleet: Fleet) -> Iterator[Env]:
+    with features_fleet.serve() as env:
+        yield env
+
+
 def count(env: Env, query: str, *params: object) -> int:
     return int(env.scalar(query, *params) or 0)
 
 
-def test_reject_with_requeue_runs_again(env: Env) -> None:
+def test_reject_with_requeue_runs_again(shared: Env) -> None:
+    env = shared
     env.client().send_task(T + "reject", args=["again", True])
-    with workers(env, "rq", concurrency=1, app=APP):
-        wait_for(lambda: len(env.runs()) == 2, 30, "the requeued task to run again")
-        wait_for(lambda: count(env, "SELECT count(*) FROM {schema}.message") == 0, 30, "ack")
+    wait_for(lambda: len(env.runs()) == 2, 30, "the requeued task to run again")
+    wait_for(lambda: count(env, "SELECT count(*) FROM {schema}.message") == 0, 30, "ack")
     assert count(env, "SELECT count(*) FROM {schema}.dead_letter") == 0
 
 
-def test_reject_without_requeue_is_dead_lettered(env: Env) -> None:
+def test_reject_without_requeue_is_dead_lettered(shared: Env) -> None:
+    env = shared
     result = env.client().send_task(T + "reject", args=["once", False])
-    with workers(env, "rj", concurrency=1, app=APP):
-        wait_for(
-            lambda: count(env, "SELECT count(*) FROM {schema}.dead_letter") == 1,
-            30,
-            "the rejected message in dead_letter",
-        )
+    wait_for(
+        lambda: count(env, "SELECT count(*) FROM {schema}.dead_letter") == 1,
+        30,
+        "the rejected message in dead_letter",
+    )
     assert len(env.runs()) == 1
     assert env.scalar("SELECT task_id FROM {schema}.dead_letter") == result.id
     assert env.scalar("SELECT reason FROM {schema}.dead_letter").startswith(
@@ -97,7 +112,8 @@ def test_worker_on_one_queue_leaves_the_other(env: Env) -> None:
     assert count(env, "SELECT count(*) FROM {schema}.message WHERE queue = 'celery'") == 1
 
 
-def test_beat_runs_a_periodic_task_on_schedule(env: Env, tmp_path: Path) -> None:
+def test_beat_runs_a_periodic_task_on_schedule(shared: Env, tmp_path: Path) -> None:
+    env = shared
     beat = subprocess.Popen(
         [
             sys.executable,
@@ -118,8 +134,7 @@ def test_beat_runs_a_periodic_task_on_schedule(env: Env, tmp_path: Path) -> None
         start_new_session=True,
     )
     try:
-        with workers(env, "beat-worker", concurrency=1, app=APP):
-            wait_for(lambda: len(env.runs()) >= 3, 30, "three periodic runs")
+        wait_for(lambda: len(env.runs()) >= 3, 30, "three periodic runs")
     finally:
         os.killpg(beat.pid, signal.SIGTERM)
         beat.wait(30)

@@ -26,7 +26,7 @@ import pytest
 from psycopg import sql
 
 import pg_transport
-from tests.acceptance.harness import ROOT, Env, Worker, start_worker, wait_for
+from tests.acceptance.harness import ROOT, Env, Fleet, Worker, fleet, start_worker, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -58,6 +58,27 @@ def oenv(env: Env) -> Env:
     with psycopg.connect(env.pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL(TABLES).format(schema=sql.Identifier(env.schema)))
     return env
+
+
+@pytest.fixture(scope="module")
+def ordering_fleet(module_env: Env) -> Iterator[Fleet]:
+    """Two workers of the ordering app on every queue the tests use, for the tests that
+    need workers running and nothing of their lives (no kill, stop, or pid checked)."""
+    from tests.acceptance.ordering_app import TABLES
+
+    with psycopg.connect(module_env.pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL(TABLES).format(schema=sql.Identifier(module_env.schema)))
+    tables = ("task_runs", "dead_letter", "ordering_runs", "ordering_signals")
+    with fleet(
+        module_env, "o1", "o2", app=APP, concurrency=2, queues="celery,relaxed,other", tables=tables
+    ) as started:
+        yield started
+
+
+@pytest.fixture
+def shared(ordering_fleet: Fleet) -> Iterator[Env]:
+    with ordering_fleet.serve() as env:
+        yield env
 
 
 def runs(env: Env) -> list[Run]:
@@ -233,14 +254,14 @@ def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: E
     ],
 )
 def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_one(
-    oenv: Env, queue: str, expected: list[tuple[int, int]]
+    shared: Env, queue: str, expected: list[tuple[int, int]]
 ) -> None:
+    oenv = shared
     client = oenv.client()
-    with together(oenv, "r1", "r2", concurrency=2, queues="celery,relaxed"):
-        for n in (1, 2, 3):
-            client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
-        wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
-        wait_for(lambda: queue_empty(oenv), 30, "every message acked")
+    for n in (1, 2, 3):
+        client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
+    wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
+    wait_for(lambda: queue_empty(oenv), 30, "every message acked")
     rows = runs(oenv)
     assert [(r.n, r.attempt) for r in rows] == expected
     assert {r.queue for r in rows} == {queue}
@@ -280,15 +301,15 @@ def test_a_message_given_back_until_dead_lettered_releases_its_key(
 
 
 def test_a_failure_rejected_without_requeue_is_dead_lettered_and_releases_its_key(
-    oenv: Env,
+    shared: Env,
 ) -> None:
+    oenv = shared
     client = oenv.client()
-    with together(oenv, "f1", "f2", concurrency=2):
-        first = client.send_task(f"{APP}.fail_first", args=["F", 1], ordering_key="F")
-        for n in (2, 3):
-            client.send_task(f"{APP}.fail_first", args=["F", n], ordering_key="F")
-        wait_for(lambda: ended(oenv) >= 3, 30, "three runs")
-        wait_for(lambda: queue_empty(oenv), 30, "m1 dead-lettered, the others acked")
+    first = client.send_task(f"{APP}.fail_first", args=["F", 1], ordering_key="F")
+    for n in (2, 3):
+        client.send_task(f"{APP}.fail_first", args=["F", n], ordering_key="F")
+    wait_for(lambda: ended(oenv) >= 3, 30, "three runs")
+    wait_for(lambda: queue_empty(oenv), 30, "m1 dead-lettered, the others acked")
     rows = runs(oenv)
     assert [r.n for r in rows] == [1, 2, 3]
     assert_one_at_a_time("F", rows)
@@ -337,18 +358,18 @@ def parked(env: Env, task_id: str) -> bool:
 
 
 @pytest.mark.parametrize("findable", ["followable", "ordering_key"])
-def test_a_follower_published_first_waits_for_its_predecessor(oenv: Env, findable: str) -> None:
+def test_a_follower_published_first_waits_for_its_predecessor(shared: Env, findable: str) -> None:
+    oenv = shared
     client = oenv.client()
     before = str(uuid.uuid4())
-    with together(oenv, "fw1", "fw2", concurrency=2):
-        follower = client.send_task(STEP, args=[None, 2], follows=before, follows_timeout=60)
-        wait_for(lambda: parked(oenv, follower.id), 30, "a claim to hold the follower back")
-        options: dict[str, Any] = (
-            {"followable": True} if findable == "followable" else {"ordering_key": "P"}
-        )
-        client.send_task(STEP, args=["P", 1, 0.5], task_id=before, **options)
-        wait_for(lambda: ended(oenv) >= 2, 30, "both runs")
-        wait_for(lambda: queue_empty(oenv), 30, "both acked")
+    follower = client.send_task(STEP, args=[None, 2], follows=before, follows_timeout=60)
+    wait_for(lambda: parked(oenv, follower.id), 30, "a claim to hold the follower back")
+    options: dict[str, Any] = (
+        {"followable": True} if findable == "followable" else {"ordering_key": "P"}
+    )
+    client.send_task(STEP, args=["P", 1, 0.5], task_id=before, **options)
+    wait_for(lambda: ended(oenv) >= 2, 30, "both runs")
+    wait_for(lambda: queue_empty(oenv), 30, "both acked")
     first, second = runs(oenv)
     assert (first.task_id, second.task_id) == (before, follower.id)
     assert first.ended is not None and second.started > first.ended
@@ -356,23 +377,23 @@ def test_a_follower_published_first_waits_for_its_predecessor(oenv: Env, findabl
     assert oenv.scalar("SELECT count(*) FROM {schema}.ordering_signals") == 0
 
 
-def test_a_chain_published_backwards_across_queues_runs_forwards(oenv: Env) -> None:
+def test_a_chain_published_backwards_across_queues_runs_forwards(shared: Env) -> None:
     """c follows b follows a, published c, b, a, b in another queue; and a follower of a
     task that fails and is dead-lettered runs after it, as after one that succeeded."""
+    oenv = shared
     client = oenv.client()
     a, b, c = (str(uuid.uuid4()) for _ in range(3))
-    with together(oenv, "ch1", "ch2", concurrency=2, queues="celery,other"):
-        client.send_task(STEP, args=["c", 3], task_id=c, follows=b, follows_timeout=60)
-        wait_for(lambda: parked(oenv, c), 30, "a claim to hold c back")
-        client.send_task(
-            STEP, args=["b", 2, 0.2], task_id=b, follows=a, follows_timeout=60, queue="other"
-        )
-        wait_for(lambda: parked(oenv, b), 30, "a claim to hold b back")
-        client.send_task(STEP, args=["a", 1, 0.2], task_id=a, followable=True)
-        failing = client.send_task(f"{APP}.fail_first", args=["p", 1], followable=True)
-        client.send_task(STEP, args=["f", 2], follows=failing.id, follows_timeout=60)
-        wait_for(lambda: ended(oenv) >= 5, 30, "five runs")
-        wait_for(lambda: queue_empty(oenv), 30, "every message acked or dead-lettered")
+    client.send_task(STEP, args=["c", 3], task_id=c, follows=b, follows_timeout=60)
+    wait_for(lambda: parked(oenv, c), 30, "a claim to hold c back")
+    client.send_task(
+        STEP, args=["b", 2, 0.2], task_id=b, follows=a, follows_timeout=60, queue="other"
+    )
+    wait_for(lambda: parked(oenv, b), 30, "a claim to hold b back")
+    client.send_task(STEP, args=["a", 1, 0.2], task_id=a, followable=True)
+    failing = client.send_task(f"{APP}.fail_first", args=["p", 1], followable=True)
+    client.send_task(STEP, args=["f", 2], follows=failing.id, follows_timeout=60)
+    wait_for(lambda: ended(oenv) >= 5, 30, "five runs")
+    wait_for(lambda: queue_empty(oenv), 30, "every message acked or dead-lettered")
     rows = runs(oenv)
     chain = [r for r in rows if r.okey in ("a", "b", "c")]
     assert [(r.okey, r.queue) for r in chain] == [("a", "celery"), ("b", "other"), ("c", "celery")]
@@ -384,14 +405,14 @@ def test_a_chain_published_backwards_across_queues_runs_forwards(oenv: Env) -> N
     assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == failing.id
 
 
-def test_a_follower_of_a_finished_followable_task_runs_at_once(oenv: Env) -> None:
+def test_a_follower_of_a_finished_followable_task_runs_at_once(shared: Env) -> None:
+    oenv = shared
     client = oenv.client()
-    with together(oenv, "ff", concurrency=2):
-        before = client.send_task(STEP, args=[None, 1], followable=True)
-        wait_for(lambda: queue_empty(oenv), 30, "the predecessor acked")
-        published = now(oenv)
-        follower = client.send_task(STEP, args=[None, 2], follows=before.id, follows_timeout=60)
-        wait_for(lambda: ended(oenv) >= 2, 30, "the follower")
+    before = client.send_task(STEP, args=[None, 1], followable=True)
+    wait_for(lambda: queue_empty(oenv), 30, "the predecessor acked")
+    published = now(oenv)
+    follower = client.send_task(STEP, args=[None, 2], follows=before.id, follows_timeout=60)
+    wait_for(lambda: ended(oenv) >= 2, 30, "the follower")
     rows = runs(oenv)
     assert [r.task_id for r in rows] == [before.id, follower.id]
     assert rows[1].missing is None
@@ -448,7 +469,8 @@ else:
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
-def test_a_task_s_ordering_key_argument_keys_its_calls(oenv: Env, where: str) -> None:
+def test_a_task_s_ordering_key_argument_keys_its_calls(shared: Env, where: str) -> None:
+    oenv = shared
     # A separate service importing the app publishes with .delay(customer=...), no header.
     published = subprocess.run(
         [sys.executable, "-c", PUBLISH, where],
@@ -460,9 +482,8 @@ def test_a_task_s_ordering_key_argument_keys_its_calls(oenv: Env, where: str) ->
     )
     assert published.returncode == 0, published.stdout + published.stderr
     assert "refused: header pgq-ordering-key=UUID(" in published.stdout
-    with together(oenv, "c1", "c2", concurrency=3):
-        wait_for(lambda: ended(oenv) >= 60, 30, "sixty runs")
-        wait_for(lambda: queue_empty(oenv), 30, "every message acked")
+    wait_for(lambda: ended(oenv) >= 60, 30, "sixty runs")
+    wait_for(lambda: queue_empty(oenv), 30, "every message acked")
     rows = runs(oenv)
     keys = by_key(rows)
     assert sorted(keys) == ["c1", "c2", "c3"]

@@ -37,7 +37,9 @@ def test_a_projects_test_run_with_the_plugin_passes(pg_url: str, tmp_path: Path)
     project = tmp_path / "project"
     shutil.copytree(EXAMPLE, project)
     before = databases(pg_url)
-    env = {**os.environ, "PGQ_TEST_URL": pg_url, "PYTHONPATH": str(EXAMPLE.parents[1])}
+    # The plugin's own database name prefix (pgq_test_), not the one this run was given.
+    env = {k: v for k, v in os.environ.items() if k != "PGQ_TEST_DB_PREFIX"}
+    env.update(PGQ_TEST_URL=pg_url, PYTHONPATH=str(EXAMPLE.parents[1]))
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore"],
         cwd=project,
