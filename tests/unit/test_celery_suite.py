@@ -83,6 +83,11 @@ def test_the_pgq_backend_run_is_compared_with_the_baseline_and_has_its_own_list(
     monkeypatch.setitem(celery_suite.KNOWN_BACKEND_DIFFERENCES, "a", "a backend reason")
     found = compare(results)
     assert found.unexplained == ["pgq-backend: b"]
+    # A module or class listed lists every test in it.
+    monkeypatch.setitem(celery_suite.KNOWN_BACKEND_DIFFERENCES, "t/m.py::test_c", "its reason")
+    assert celery_suite.listed("t/m.py::test_c::test_x[1]", "pgq-backend")
+    assert not celery_suite.listed("t/m.py::test_cx::test_x", "pgq-backend")
+    assert not celery_suite.listed("t/m.py::test_c::test_x[1]", "pgq")
     assert "| `a` | passed | passed | failed | pgq-backend |" in found.markdown({})
     assert "| `c` | passed | failed | failed | pgq, pgq-backend |" in found.markdown({})
 
