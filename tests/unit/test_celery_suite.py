@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conformance import celery_suite
-from tests.conformance.celery_suite import compare, outcomes
+from tests.conformance.celery_suite import compare, open_redis_gates, outcomes
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -52,17 +54,127 @@ def test_compare_counts_and_finds_what_passed_on_rabbitmq_only(
         "b": {"pgq": "failed", "rabbitmq": "passed"},
         "d": {"pgq": "error", "rabbitmq": "passed"},
     }
-    assert found.unexplained == ["b", "d"]
+    assert found.unexplained == ["pgq: b", "pgq: d"]
 
     monkeypatch.setitem(celery_suite.KNOWN_DIFFERENCES, "b", "a reason")
-    assert compare(results).unexplained == ["d"]
+    assert compare(results).unexplained == ["pgq: d"]
     table = compare(results).markdown({"celery": "5.7.0"})
     assert "| failed | 2 | 1 |" in table
-    assert "| `b` | failed | passed | yes |" in table
+    assert "| `b` | failed | passed | pgq |" in table
     assert "| `d` | error | passed |  |" in table
+
+
+def test_the_pgq_backend_run_is_compared_with_the_baseline_and_has_its_own_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    results = {
+        "rabbitmq": {"a": "passed", "b": "passed", "c": "passed"},
+        "pgq": {"a": "passed", "b": "passed", "c": "failed"},
+        "pgq-backend": {"a": "failed", "b": "skipped", "c": "failed"},
+    }
+    assert compare(results).unexplained == [
+        "pgq: c",
+        "pgq-backend: a",
+        "pgq-backend: b",
+        "pgq-backend: c",
+    ]
+    # A broker difference applies to both pgq runs, a backend one to pgq-backend only.
+    monkeypatch.setitem(celery_suite.KNOWN_DIFFERENCES, "c", "a broker reason")
+    monkeypatch.setitem(celery_suite.KNOWN_BACKEND_DIFFERENCES, "a", "a backend reason")
+    found = compare(results)
+    assert found.unexplained == ["pgq-backend: b"]
+    # A module or class listed lists every test in it.
+    monkeypatch.setitem(celery_suite.KNOWN_BACKEND_DIFFERENCES, "t/m.py::test_c", "its reason")
+    assert celery_suite.listed("t/m.py::test_c::test_x[1]", "pgq-backend")
+    assert not celery_suite.listed("t/m.py::test_cx::test_x", "pgq-backend")
+    assert not celery_suite.listed("t/m.py::test_c::test_x[1]", "pgq")
+    assert "| `a` | passed | passed | failed | pgq-backend |" in found.markdown({})
+    assert "| `c` | passed | failed | failed | pgq, pgq-backend |" in found.markdown({})
+
+
+SUITE = {
+    "test_canvas.py": """
+class test_chord:
+    def test_side_channel(self, manager):
+        if not manager.app.conf.result_backend.startswith('redis'):
+            raise pytest.skip('Requires redis result backend.')
+        redis_echo.delay('x')
+
+    def test_join(self, manager):
+        if not manager.app.conf.result_backend.startswith(('redis', 'rpc')):
+            raise pytest.skip('Requires redis or rpc result backend.')
+
+    def test_subscriptions(self, manager):
+        if not manager.app.conf.result_backend.startswith("redis"):
+            raise pytest.skip("Requires redis result backend.")
+        assert get_active_redis_channels() == []
+
+    def test_unordered(self, manager):
+        if manager.app.conf.result_backend.startswith('redis'):
+            pass
+""",
+    "test_tasks.py": """
+class test_redis_backend:
+    @pytest.fixture()
+    def manager(self, manager):
+        if not manager.app.conf.result_backend.startswith('redis'):
+            raise pytest.skip('Requires redis result backend.')
+        return manager
+
+    def test_channels(self, manager):
+        get_active_redis_channels()
+""",
+    "test_group_chains.py": """
+class test_group_chains:
+    @pytest.fixture(autouse=True)
+    def require_redis(self, app):
+        if not app.conf.result_backend.startswith('redis'):
+            pytest.skip('Requires Redis result backend.')
+
+    def test_levels(self, app):
+        pass
+""",
+}
+
+
+def _suite(root: Path, modules: dict[str, str]) -> Path:
+    (root / "t" / "integration").mkdir(parents=True)
+    (root / "pyproject.toml").write_text("")
+    for name, text in modules.items():
+        (root / "t" / "integration" / name).write_text(text)
+    return root
+
+
+def test_redis_gates_are_opened_to_pgq_where_redis_is_a_side_channel(tmp_path: Path) -> None:
+    tree = _suite(tmp_path / "celery", SUITE)
+    opened = open_redis_gates(tree, tmp_path / "patched")
+    assert opened == [
+        "test_canvas.py::test_side_channel",
+        "test_canvas.py::test_join",
+        "test_group_chains.py::test_group_chains",
+    ]
+    canvas = (tmp_path / "patched" / "t" / "integration" / "test_canvas.py").read_text()
+    assert "startswith(('redis', 'pgq')):\n            raise pytest.skip('Requires redis" in canvas
+    assert "startswith(('redis', 'rpc', 'pgq'))" in canvas
+    # Tests of the Redis backend itself (its pub/sub channels) stay gated, and a branch
+    # that is not a gate is left alone.
+    assert 'startswith("redis"):\n            raise pytest.skip("Requires' in canvas
+    assert "if manager.app.conf.result_backend.startswith('redis'):\n            pass" in canvas
+    tasks = (tmp_path / "patched" / "t" / "integration" / "test_tasks.py").read_text()
+    assert tasks == SUITE["test_tasks.py"]
+    notes = (tmp_path / "patched" / "t" / "PGQ-PATCH.md").read_text()
+    assert "- test_tasks.py::test_redis_backend" in notes.split("Kept closed")[1]
+    # The suite itself is untouched.
+    assert (tree / "t" / "integration" / "test_canvas.py").read_text() == SUITE["test_canvas.py"]
+
+
+def test_a_suite_without_the_gates_is_refused(tmp_path: Path) -> None:
+    tree = _suite(tmp_path / "celery", SUITE | {"test_tasks.py": "def test_x():\n    pass\n"})
+    with pytest.raises(RuntimeError, match=r"test_tasks\.py"):
+        open_redis_gates(tree, tmp_path / "patched")
 
 
 def test_a_test_run_on_one_broker_only_is_a_difference() -> None:
     found = compare({"pgq": {"a": "passed"}, "rabbitmq": {"a": "passed", "b": "passed"}})
     assert found.differing == {"b": {"pgq": "not run", "rabbitmq": "passed"}}
-    assert found.unexplained == ["b"]
+    assert found.unexplained == ["pgq: b"]
