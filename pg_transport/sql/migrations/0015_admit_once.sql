@@ -34,7 +34,7 @@ BEGIN
         WHEN NEW.due_at IS NOT NULL THEN 'due_at is set by a claim'
         WHEN NEW.enqueued_at <> pg_catalog.now() THEN 'enqueued_at must be now()'
         -- The times a claim waits on, within the bounds a publish keeps
-        -- (pg_transport.ordering: MAX_KEY_HOLD, MAX_FOLLOWS_TIMEOUT).
+        -- (pg_transport.message.ordering: MAX_KEY_HOLD, MAX_FOLLOWS_TIMEOUT).
         WHEN NEW.visible_at < pg_catalog.now() THEN 'visible_at must not be before now()'
         WHEN NOT pg_catalog.isfinite(NEW.visible_at) THEN 'visible_at must be a finite time'
         WHEN NEW.okey IS NOT NULL
