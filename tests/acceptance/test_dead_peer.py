@@ -12,6 +12,9 @@ kernel answers for both ends, so a probe is always acknowledged.
   keepalives_count * keepalives_interval``, plus a margin measured from one round trip
   before the cut. With the link back, the same consumer gets a message published after
   the cut.
+- A Celery worker (a real process, on request: ``-m failover``) with the same URL logs
+  that its broker connection was lost within that bound, and once the link is back runs
+  a task published after the cut (Celery's own reconnect).
 - The control (on request, ``-m failover``): with keepalives off and
   ``tcp_user_timeout=0`` (the kernel's default: retransmissions for ~15 minutes) the
   same call is still blocked after that bound; it ends when the link comes back and a
@@ -30,6 +33,7 @@ import pytest
 from kombu import Connection
 
 from tests.acceptance.cluster import ClusterUnavailable
+from tests.acceptance.harness import prepare, start_worker, wait_for
 from tests.acceptance.netns import NetnsCluster, cut_off_cluster
 
 pytestmark = pytest.mark.acceptance
@@ -159,3 +163,36 @@ def test_without_the_settings_the_same_call_is_still_blocked(net: NetnsCluster) 
         assert blocked.done.wait(GIVE_UP)
         assert blocked.error is None, repr(blocked.error)
         assert blocked.result == {"n": "after"}
+
+
+LOST = "Connection to broker lost"
+MARK = "tests.acceptance.app.mark"
+
+
+@pytest.mark.failover  # on request: a worker's start-up and Celery's reconnect, ~20 s
+def test_a_worker_on_a_dark_link_reconnects_and_runs_what_was_published_meanwhile(
+    net: NetnsCluster,
+) -> None:
+    env = prepare(net.url(), "pgq_dead_peer")
+    worker = start_worker(env, "dark", environ={"PGQ_BROKER_URL": pgq_url(net, SHORT)})
+    try:
+        client = env.client()
+        started = time.monotonic()
+        first = client.send_task(MARK, args=["before"]).id
+        wait_for(lambda: [r for r in env.runs() if r[0] == first], 30, "the task before the cut")
+        limit = bound() + (time.monotonic() - started) + SLACK
+        cut_at = time.monotonic()
+        net.cut()
+        try:
+            wait_for(lambda: LOST in worker.output(), GIVE_UP, "the worker to notice")
+            noticed = time.monotonic() - cut_at
+        finally:
+            net.restore()
+        print(f"worker noticed the dead link {noticed:.2f} s after the cut (bound {limit:.2f} s)")
+        assert noticed <= limit, (noticed, limit, worker.output()[-3000:])
+        after = client.send_task(MARK, args=["after"]).id
+        back = time.monotonic()
+        wait_for(lambda: [r for r in env.runs() if r[0] == after], 60, "the task after the cut")
+        print(f"the task published after the cut ran {time.monotonic() - back:.2f} s later")
+    finally:
+        worker.stop()
