@@ -47,7 +47,9 @@ class BlockingDriver:
         """Deliver what the engine claims, else wait for a wake-up, a timer or the
         timeout (:class:`TimeoutError`)."""
         engine = self.engine
-        if engine.timers is not self or not self._fds:
+        # (started afresh, too, once the session died: a drain after the connection error
+        # it raised reconnects)
+        if engine.timers is not self or not self._fds or not engine.session.is_open:
             self._fds = engine.start(self)
             self._next_poll = 0.0
         engine.looping(True)

@@ -262,3 +262,32 @@ def test_connection_port_is_the_urls_then_the_one_that_answered(pg_url: str, sch
         assert conn.info()["port"] == port
     with Connection(f"pgq://{user}@{host}/{dbname}", transport_options={"schema": schema}) as conn:
         assert conn.info()["port"] == 5432  # none written: libpq's default
+
+
+def test_draining_again_after_a_terminated_session_reconnects(
+    conn: Connection, pg_url: str, rows: Peek
+) -> None:
+    """A blocking consumer whose session the server dropped gets a connection error, and
+    the same consumer's next drain_events opens a fresh session and delivers: never an
+    internal error about a session that is not open."""
+    queue = Queue("redrain", Exchange("redrain"), "redrain")
+    got: list[Any] = []
+    consumer = Consumer(
+        conn, [queue], accept=["json"], callbacks=[lambda body, msg: (got.append(body), msg.ack())]
+    )
+    consumer.consume()
+    with pytest.raises(TimeoutError):
+        conn.drain_events(timeout=0.2)  # consuming, idle: the session is open
+    engine = conn.transport.engine
+    backend = engine.session.backend_pid
+    assert backend is not None
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s, 5000)", [backend])
+    with pytest.raises(conn.connection_errors):
+        while True:  # until the driver reads the dead socket (a bound: the poll interval)
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=0.2)
+    Producer(conn.default_channel).publish({"n": 1}, exchange="redrain", routing_key="redrain")
+    conn.drain_events(timeout=10)
+    assert got == [{"n": 1}]
+    assert engine.session.backend_pid not in (None, backend)
