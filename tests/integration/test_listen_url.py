@@ -209,7 +209,7 @@ def test_a_notification_landing_while_a_claim_is_out_wakes_another_claim(
             assert time.monotonic() < deadline, "the consumer never came to wait"
             with suppress(TimeoutError):
                 conn.drain_events(timeout=0.05)
-        engine.pipe.clear()  # (wake-ups of the start, taken already)
+        engine._pipe.clear()  # (wake-ups of the start, taken already)
 
         # A claim out (sent from here, as the driver would on an ack's wake-up), and its
         # empty answer arrived, not read: its snapshot cannot see what comes next.
@@ -221,7 +221,7 @@ def test_a_notification_landing_while_a_claim_is_out_wakes_another_claim(
 
         publish(broker_url, schema, queue)
         # The listener heard it and woke the driver's pipe (nobody reads it yet).
-        assert waits.readable([engine.pipe.fileno()], 10), "the listener never woke the driver"
+        assert waits.readable([engine._pipe.fileno()], 10), "the listener never woke the driver"
         assert waits.readable([session_socket], 0), "the claim's answer was read"
 
         started = time.monotonic()
