@@ -447,9 +447,12 @@ def claim_params(
     *,
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     per_queue: int | None = None,
+    relax: str | None = None,
 ) -> dict[str, Any]:
     """Parameters of the ``claim`` query: up to ``limit`` messages in all, and up to
-    ``per_queue`` (default ``limit``) candidates of each queue and priority."""
+    ``per_queue`` (default ``limit``) candidates of each queue and priority. ``relax``:
+    how a claim behind a transaction pooler commits ('off', 'auto': ``durable_acks``);
+    None leaves it to the session."""
     attempts = list(max_attempts) if max_attempts is not None else [_NO_LIMIT] * len(queues)
     return {
         "queues": list(queues),
@@ -462,6 +465,7 @@ def claim_params(
         "ack_queues": [t.queue for t in acks],
         "max_bytes": max_bytes,
         "max_message_bytes": max_bytes,
+        "relax": relax,
     }
 
 

@@ -86,13 +86,24 @@ class Reply:
 class Session:
     """A dedicated session of the consumer: LISTEN plus one statement in flight."""
 
-    def __init__(self, connector: Connector, schema: str, *, listen: bool, prepare: bool) -> None:
+    def __init__(
+        self,
+        connector: Connector,
+        schema: str,
+        *,
+        listen: bool,
+        prepare: bool,
+        relax: str | None = None,
+    ) -> None:
         self.connector = connector
         self.schema = schema
         self.listen = listen
         # Behind a transaction pooler the server session is not ours between
-        # statements: nothing may be prepared on it.
+        # statements: nothing may be prepared on it, and no setting lasts on it, so a
+        # claim relaxes its own commit (``relax``, the claim's parameter, from
+        # durable_acks) where the session would be relaxed on Postgres directly.
         self.prepare = prepare
+        self.relax = relax
         self._queries = load_queries(schema)
         self._statements: dict[str, Statement] = {}
         self._conn: psycopg.Connection[Any] | None = None
@@ -146,6 +157,8 @@ class Session:
         statement = self._statements.get(name)
         if statement is None:
             statement = self._statements[name] = Statement(name, self._queries[name])
+        if self.relax is not None and "relax" in statement.params:
+            params = {**params, "relax": self.relax}
         statement.send(conn, params, prepare=self.prepare)
         self._sent()
 

@@ -192,7 +192,14 @@ class Transport(virtual.Transport):
         self._vacuumer: Vacuumer | None = None
         #: Set when Celery collects this transport after losing the connection.
         self.lost = False
-        session = Session(self.relaxed, self.options.schema, listen=own, prepare=own)
+        session = Session(
+            self.relaxed,
+            self.options.schema,
+            listen=own,
+            prepare=own,
+            # Behind a pooler no session setting lasts: each claim relaxes its commit.
+            relax=None if own else _claim_relax(self.options.durable_acks),
+        )
         #: The consumer, one for every way of driving it.
         self.engine = Engine(
             self,
@@ -428,6 +435,13 @@ def _commit_setup(durable_acks: str, queries: dict[str, str]) -> tuple[str, ...]
         "on": (),
         "auto": (queries["relax_commit_unless_synchronous"],),
     }[durable_acks]
+
+
+def _claim_relax(durable_acks: str) -> str | None:
+    """Behind a transaction pooler, where no session setting lasts, how each claim
+    commits (the claim's ``relax``): as ``durable_acks`` has the consumer's session
+    commit on Postgres directly ('off', 'auto'; 'on': None, as the server says)."""
+    return None if durable_acks == "on" else durable_acks
 
 
 def _client_url(client: Any) -> str:

@@ -140,6 +140,7 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 --   doom         claim_doom, claim_dead          never delivered, never lost
 --   update       claim_update                    the lease
 --   answer       claim_delivered, claim_answer
+--   commit       claim_relax                     behind a pooler: how it commits
 -- Shaped for one cached generic plan (no planning per claim): rows picked are reached
 -- by primary key (id = ANY), never by a join the planner could turn into a scan of the
 -- whole table when it cannot see the limit. Checks that take no lock are scalar
@@ -151,6 +152,7 @@ WITH wanted AS (
                     pg_catalog.unnest(%(vts)s::float8[]),
                     pg_catalog.unnest(%(max_attempts)s::integer[]))
         AS w(name, vt, max_attempts)
+    WHERE {part:claim_relax}
 ), acked AS (
     {part:claim_ack}
 ), levels AS (
@@ -183,6 +185,23 @@ WITH wanted AS (
     {part:claim_delivered}
 )
 {part:claim_answer}
+
+-- part: claim_relax
+-- Behind a transaction pooler (use_notify off) no session setting outlives a statement,
+-- so the claim relaxes its own commit, as the consumer's own session is relaxed on
+-- Postgres directly (relax_commit, durable_acks): relax 'off' relaxes it, 'auto' unless
+-- the server has synchronous standbys, NULL leaves it as the session says. The setting
+-- lasts until this statement's transaction ends; wanted is read by every claim, so it
+-- is made before the commit whatever the claim finds.
+CASE %(relax)s::text
+    WHEN 'off' THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NOT NULL
+    WHEN 'auto' THEN
+        CASE WHEN pg_catalog.current_setting('synchronous_standby_names') = ''
+             THEN pg_catalog.set_config('synchronous_commit', 'off', true) IS NOT NULL
+             ELSE true
+        END
+    ELSE true
+END
 
 -- part: claim_acks
 -- The acks the claim carries, as rows: (id, lease, queue), each a fencing token.

@@ -18,7 +18,10 @@ import pytest
 from kombu import Connection
 
 from pg_transport.db.pool import Connector
+from pg_transport.db.wire import Statement
 from pg_transport.errors import PoolerDetected
+from pg_transport.sql import load_queries
+from pg_transport.store import claim_params
 from tests.bouncer import Bouncer, BouncerUnavailable, pgbouncer
 from tests.integration.conftest import Peek
 
@@ -171,3 +174,44 @@ def test_results_stored_and_read_through_the_pooler_with_use_notify_off(
         {"n": n} for n in range(12)
     ]
     assert rows("SELECT count(*) FROM {schema}.result") == [(12,)]
+
+
+@pytest.mark.parametrize("relax", [None, "off", "auto"])
+def test_a_claim_through_the_pooler_relaxes_its_own_commit_and_sets_nothing_after(
+    relax: str | None, pg_url: str, schema: str, rows: Peek
+) -> None:
+    """No session setting lasts behind a transaction pooler: the claim itself relaxes the
+    commit of its transaction, as durable_acks relaxes the consumer's own session on
+    Postgres directly ('auto': unless the server has synchronous standbys), and the
+    server session the pooler hands to the next client keeps its own setting."""
+    standbys = rows("SELECT pg_catalog.current_setting('synchronous_standby_names')")[0][0]
+    expected = {None: None, "off": "off", "auto": None if standbys else "off"}[relax]
+    statement = Statement("claim", load_queries(schema)["claim"])
+    params = claim_params(["relaxed"], [30.0], 4, None, [], relax=relax)
+    for bouncer in bouncer_or_skip(pg_url, pool_size=1):  # one server session: the same
+        with psycopg.connect(bouncer.url(), autocommit=True) as conn:
+            before = conn.execute("SHOW synchronous_commit").fetchone()
+            conn.execute("BEGIN")
+            statement.execute(conn, params, prepare=False)
+            inside = conn.execute("SHOW synchronous_commit").fetchone()
+            conn.execute("COMMIT")
+            after = conn.execute("SHOW synchronous_commit").fetchone()
+    assert before is not None and inside is not None
+    assert inside[0] == (expected or before[0])
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    ("options", "relax"),
+    [
+        ({"use_notify": False}, "auto"),
+        ({"use_notify": False, "durable_acks": "off"}, "off"),
+        ({"use_notify": False, "durable_acks": "on"}, None),
+        ({}, None),  # on Postgres directly the session itself is relaxed
+    ],
+)
+def test_the_consumer_claims_relaxed_behind_a_pooler_as_durable_acks_says(
+    options: dict[str, object], relax: str | None, schema: str, broker_url: str
+) -> None:
+    with Connection(broker_url, transport_options={"schema": schema, **options}) as conn:
+        assert conn.transport.engine.session.relax == relax
