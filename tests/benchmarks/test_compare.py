@@ -12,11 +12,18 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import psycopg
 import pytest
 
 from benchmarks.compare import TRANSPORTS, WARMUP, main
 
 MESSAGES, SAMPLES, ROUNDS = 20, 2, 2
+
+
+def has_pgmq_extension(pg_url: str) -> bool:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        found = conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'pgmq'")
+        return found.fetchone() is not None
 
 
 def test_every_transport_delivers_what_it_publishes_or_says_why_it_was_skipped(
@@ -28,7 +35,10 @@ def test_every_transport_delivers_what_it_publishes_or_says_why_it_was_skipped(
     runs = {"pgq"}
     if importlib.util.find_spec("sqlalchemy") is not None:
         runs.add("sqlalchemy")
-    if importlib.util.find_spec("pgmq") is not None:
+    # pgmq's SQL: the server's extension, else the install the client ships (pgmq 1.1+).
+    if importlib.util.find_spec("pgmq") is not None and (
+        importlib.util.find_spec("pgmq.install") is not None or has_pgmq_extension(pg_url)
+    ):
         runs |= {"pgmq", "pgmq-notify"}
     assert set(result["transports"]) == runs
     assert set(result["skipped"]) == set(TRANSPORTS) - runs
