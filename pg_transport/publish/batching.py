@@ -183,6 +183,8 @@ class _Part:
     def __init__(self, connector: Connector) -> None:
         self.connector = connector
         self.ops: list[Op] = []
+        #: Messages and statements given so far, written or waiting.
+        self.size = 0
         #: Rows given and not written yet, and what writes them.
         self._rows: list[dict[str, Any]] = []
         self._write: Rows | None = None
@@ -191,11 +193,6 @@ class _Part:
         self._failed: BaseException | None = None
         self._done = False
 
-    @property
-    def size(self) -> int:
-        """Statements sent and rows waiting."""
-        return len(self.ops) + len(self._rows)
-
     def add(self, write: Rows, row: dict[str, Any]) -> None:
         if self._failed is not None:
             raise BatchFailed(f"an earlier statement of this batch failed: {self._failed}")
@@ -203,6 +200,7 @@ class _Part:
             self._write_rows()
         self._write = write
         self._rows.append(row)
+        self.size += 1
         if len(self._rows) >= ROWS_PER_STATEMENT:
             self._write_rows()
 
@@ -215,6 +213,7 @@ class _Part:
 
     def run(self, op: Op) -> Any:
         self._write_rows()
+        self.size += 1
         return self._send(op)
 
     def _send(self, op: Op) -> Any:
