@@ -682,10 +682,14 @@ WHERE queue = %(queue)s::text
 
 -- name: purge
 -- Delete a queue's waiting messages (ready or delayed, not in flight); return how many.
+-- Waiting: visible now, never delivered (delayed), or parked by a claim's gate (due_at
+-- set), until an earlier message of its key leaves ('infinity') or until a time (a
+-- follower's wait, a key's lease in flight): a parked message delivered before and
+-- handed back has read_ct > 0 and a visible_at to come, and is waiting all the same.
 WITH purged AS (
     DELETE FROM {schema}.message
     WHERE queue = %(queue)s
-      AND (visible_at <= pg_catalog.now() OR read_ct = 0
+      AND (visible_at <= pg_catalog.now() OR read_ct = 0 OR due_at IS NOT NULL
            OR visible_at = 'infinity'::timestamptz)
     RETURNING 1
 )
