@@ -11,9 +11,10 @@
 
 -- name: publish_plain
 -- Insert one message (a retried publish with the same key is a no-op) and wake its
--- queue's listeners (for a delayed message too: they ask when it falls due). Where the publisher's session is its own (not behind a
--- transaction pooler) and its commits wait for their flush, a publish due now runs
--- enqueue and wake instead, as two transactions sent at once.
+-- queue's listeners (for a delayed message too: they ask when it falls due). Where the
+-- publisher's session is its own (not behind a transaction pooler), idle, and its
+-- commits wait for their flush, a publish runs enqueue and wake instead, as two
+-- transactions sent at once (publisher.py, way_of).
 -- The message expires after the shorter of its own ttl (seconds, the message's
 -- expiration) and its queue's x-message-ttl, counted from now, as publish_routed does;
 -- neither set: it never expires.
@@ -34,7 +35,7 @@ WITH inserted AS (
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING 1
 )
-SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
+SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted
 
 -- name: publish_many
 -- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
@@ -757,9 +758,10 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- Route by the exchange's bindings and insert one message per matched queue, in one
 -- statement: no process needs to know the bindings other processes made. Returns
 -- the exchange's type (NULL: never declared) and how many queues matched. Every matched
--- queue's listeners are woken when the message is due now, inserted now or found there:
--- a publish sent again after its session was lost finds its copies committed, and their
--- wake-up may have been lost with that session. At worst a wake-up too many.
+-- queue's listeners are woken (for a delayed message too: they ask when it falls due),
+-- whether its copy was inserted now or found there: a publish sent again after its
+-- session was lost finds its copies committed, and their wake-up may have been lost with
+-- that session. At worst a wake-up too many.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s::text
 ), targets AS (
@@ -791,7 +793,6 @@ WITH ex AS (
                %(channel_prefix)s::text
                || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')), '')
     FROM targets AS t
-    WHERE %(notify)s::boolean
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        (SELECT pg_catalog.count(*) FROM woken)
