@@ -381,15 +381,17 @@ WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
 -- this statement claims it (the key's next message costs no second round trip; the
 -- ack's trigger then finds it taken). Looked up in this statement's snapshot, where the
 -- acked rows still are: a park committed after it began is the trigger's to promote.
--- Only one plainly deliverable passes: due, no follows link, within max_attempts and
--- max_message_bytes, a JSON object; anything else waits for the trigger. It is not
--- locked here: claim_update takes it only if it is still parked once locked.
+-- Only one plainly deliverable passes: due, not expired (as claim_pick), no follows
+-- link, within max_attempts and max_message_bytes, a JSON object; anything else waits
+-- for the trigger (an expired one then for housekeeping, maintain, whose removal of it
+-- releases the key). It is not locked here: claim_update takes it only if it is still
+-- parked once locked.
 SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
        wanted.vt, wanted.max_attempts
 FROM (SELECT DISTINCT a.queue, a.okey FROM acked AS a WHERE a.okey IS NOT NULL) AS k
 JOIN wanted ON wanted.name = k.queue
 CROSS JOIN LATERAL (
-    SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows,
+    SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows, h.expires_at,
            pg_catalog.octet_length(h.payload::text) AS bytes,
            pg_catalog.json_typeof(h.payload) AS kind
     FROM {schema}.message AS h
@@ -398,7 +400,9 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) AS n
 WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
-  AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
+  AND n.due_at <= pg_catalog.now()
+  AND (n.expires_at IS NULL OR n.expires_at > pg_catalog.now())
+  AND n.read_ct < wanted.max_attempts
   AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
 
 -- part: claim_budget
@@ -824,8 +828,11 @@ WITH touched AS (
 ), unbound AS (
     DELETE FROM {schema}.binding AS b WHERE b.queue = ANY(ARRAY(SELECT name FROM gone))
 ), expired AS (
+    -- Waiting messages only (as purge): visible, never delivered, or parked by a claim
+    -- (due_at set, delivered before or not); one in flight is its holder's to end.
     DELETE FROM {schema}.message AS m
-    WHERE m.expires_at < pg_catalog.now() AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now())
+    WHERE m.expires_at < pg_catalog.now()
+      AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now() OR m.due_at IS NOT NULL)
     RETURNING 1
 ), forgotten AS (
     -- Ends of followed tasks past follows_retention (0011_ordering.sql).
