@@ -263,7 +263,7 @@ def prepare(run: Run, broker: Broker, round_number: int) -> tuple[dict[str, Any]
     if reason:
         run.say(f"[{broker.name}] skipped: {reason}")
         return {"status": "skipped", "reason": reason}, None
-    result: dict[str, Any] = {"status": "ok", "loadavg_before": os.getloadavg()}
+    result: dict[str, Any] = {"status": "ok", "loadavg": {}}
     try:
         # A queue (schema, database) of its own per round: a round never meets what
         # the last one left or deleted.
@@ -281,15 +281,31 @@ def prepare(run: Run, broker: Broker, round_number: int) -> tuple[dict[str, Any]
     return result, Entry(broker, target, app, sink, result)
 
 
+@contextlib.contextmanager
+def load_during(phase: str, entries: list[Entry]) -> Iterator[None]:
+    """The machine's load average when ``phase`` began and when it ended (and those
+    times), in each entry's result under ``loadavg``: the drain's is its broker's alone
+    (the brokers drain one after another); publish and latency, where the brokers take
+    turns, share their figures."""
+    began, before = time.time(), os.getloadavg()
+    try:
+        yield
+    finally:
+        found = {"before": before, "after": os.getloadavg(), "from": began, "to": time.time()}
+        for entry in entries:
+            entry.result["loadavg"][phase] = found
+
+
 def publish_all(run: Run, entries: list[Entry]) -> None:
     """The publish rates, every broker taking turns (see :func:`publish_interleaved`)."""
     args = run.args
     names = ", ".join(e.broker.name for e in entries)
     run.say(f"[publish] {args.tasks} tasks each, {PUBLISH_CHUNK} at a time in turn: {names}")
     timeout = args.phase_timeout * max(len(entries), 1)
-    outcome = publish_interleaved(
-        {e.broker.name: e.publish for e in entries}, args.tasks, PUBLISH_CHUNK, timeout
-    )
+    with load_during("publish", entries):
+        outcome = publish_interleaved(
+            {e.broker.name: e.publish for e in entries}, args.tasks, PUBLISH_CHUNK, timeout
+        )
     for entry in entries:
         found = outcome[entry.broker.name]
         if isinstance(found, PhaseError):
@@ -316,11 +332,12 @@ def drain_one(run: Run, entry: Entry) -> None:
     """Drain the published tasks with one worker, started for it and stopped after."""
     args, result = run.args, entry.result
     run.say(f"[{entry.broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
-    worker, spawned_at = launch(run, entry, "drain")
-    try:
-        result["drain"] = drain(worker, entry.sink, args.tasks, args.phase_timeout, spawned_at)
-    finally:
-        result["worker"] = describe_worker(worker, entry.sink, spawned_at, ready=0)
+    with load_during("drain", [entry]):
+        worker, spawned_at = launch(run, entry, "drain")
+        try:
+            result["drain"] = drain(worker, entry.sink, args.tasks, args.phase_timeout, spawned_at)
+        finally:
+            result["worker"] = describe_worker(worker, entry.sink, spawned_at, ready=0)
 
 
 def probe_all(run: Run, entries: list[Entry]) -> None:
@@ -346,9 +363,10 @@ def probe_all(run: Run, entries: list[Entry]) -> None:
             probes[name] = _prober(run, entry, worker)
         # Let every worker settle into waiting for work before the first probe.
         time.sleep(SETTLE_SECONDS)
-        outcome = latency_interleaved(
-            probes, args.latency_samples, args.probe_gap, warmup=WARMUP_PROBES
-        )
+        with load_during("latency", [e for e in entries if e.broker.name in probes]):
+            outcome = latency_interleaved(
+                probes, args.latency_samples, args.probe_gap, warmup=WARMUP_PROBES
+            )
         for entry in entries:
             found = outcome.get(entry.broker.name)
             if isinstance(found, PhaseError):
@@ -393,7 +411,6 @@ def finish(entry: Entry) -> None:
         entry.app.close()
         entry.sink.client().delete(*entry.sink.keys())
     finally:
-        result["loadavg_after"] = os.getloadavg()
         try:
             entry.broker.teardown(entry.target)
         except Exception as exc:  # report and go on: the next broker still runs

@@ -7,7 +7,9 @@ connection it opened, about seven times a second, an ERROR line each time. In a 
 (:func:`enable`, from the worker's init) the next connection after a refusal waits first:
 1 s, then twice as long each time, at most :data:`MAX_DELAY`; one WARNING line per step
 says what was refused and when the next try comes, and the worker's heartbeat file says it
-is refused (``pgq health`` fails) until a connection succeeds.
+is refused (``pgq health`` fails) until a connection succeeds: the heartbeat
+(:mod:`pg_transport.ops.health`) watches the back-off (:meth:`Backoff.watch`), which
+knows nothing of it.
 
 Only in the worker's own process: an application publishing (or a pool's child process)
 gets the refusal at once, as before.
@@ -21,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["BACKOFF", "MAX_DELAY", "Backoff", "enable"]
+__all__ = ["BACKOFF", "MAX_DELAY", "Backoff", "Watcher", "enable"]
 
 logger = logging.getLogger("pg_transport.backoff")
 
@@ -31,6 +33,10 @@ MAX_DELAY = 60.0
 FIRST_DELAY = 1.0
 # The wait is cut in slices this long, to see a worker shutdown.
 _SLICE = 0.25
+
+#: Told when the broker starts refusing this process (since when, wall clock, and why)
+#: and when it stops (None, None).
+Watcher = Callable[[float | None, str | None], None]
 
 
 def _stopping() -> bool:
@@ -58,6 +64,20 @@ class Backoff:
         self.refusals = 0
         self.since: float | None = None
         self._next_at = 0.0
+        self._watchers: list[Watcher] = []
+
+    def watch(self, watcher: Watcher) -> None:
+        """Tell ``watcher`` each refusal and the connection that ends them (once, however
+        often it is given)."""
+        with self._lock:
+            if watcher not in self._watchers:
+                self._watchers.append(watcher)
+
+    def _tell(self, since: float | None, why: str | None) -> None:
+        with self._lock:
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher(since, why)
 
     def enable(self) -> None:
         """This process is a worker: refusals make it wait (not its children)."""
@@ -101,9 +121,7 @@ class Backoff:
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
             delay,
         )
-        from pg_transport.ops import health
-
-        health.broker_refused(since, str(exc))
+        self._tell(since, str(exc))
 
     def connected(self) -> None:
         """A connection succeeded: the back-off starts over."""
@@ -112,9 +130,7 @@ class Backoff:
         with self._lock:
             n, self.refusals, self.since, self._next_at = self.refusals, 0, None, 0.0
         logger.warning("pgq: connected to the broker after %d refusals", n)
-        from pg_transport.ops import health
-
-        health.broker_refused(None, None)
+        self._tell(None, None)
 
 
 #: The process's back-off (one per process: Celery reconnects with new transports).

@@ -50,7 +50,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from pg_transport import fencing
+from pg_transport import backoff, fencing
 
 __all__ = [
     "DEFAULT_STALE_SECONDS",
@@ -339,6 +339,7 @@ class HeartbeatStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(parent, **kwargs)
         self.heartbeat = Heartbeat(heartbeat_path(os.environ))
         _current[:] = [(os.getpid(), self.heartbeat)]
+        backoff.BACKOFF.watch(broker_refused)
         self._timer: Any = None
         self._stuck = Stuck()
 
@@ -392,7 +393,8 @@ _current: list[tuple[int, Heartbeat]] = []
 
 def broker_refused(since: float | None, why: str | None) -> None:
     """The broker refuses this worker since ``since`` (None: no more): its heartbeat file
-    says so, and ``pgq health`` fails while it does (:mod:`pg_transport.backoff`)."""
+    says so, and ``pgq health`` fails while it does. Told by :mod:`pg_transport.backoff`
+    (a :data:`~pg_transport.backoff.Watcher` of its back-off, given by the step)."""
     for pid, heartbeat in list(_current):
         if pid == os.getpid():
             heartbeat.broker_refused(since, why)

@@ -5,8 +5,11 @@ commit inserts nothing twice) and a wake-up of its queue's consumers (a NOTIFY w
 payload on the queue's channel). How they go depends on where the statement runs
 (:func:`way_of` picks one of :data:`WAYS`):
 
-- ``batched``: on a connection in psycopg's pipeline mode (``pg_transport.batch()``):
-  one statement, joining the batch's transaction; the commit sends the wake-ups.
+- ``batched``: on a session of pgq's own in psycopg's pipeline mode (a barrier arming
+  its parts, :func:`pg_transport.fanin.state.arm`): one statement, joining the
+  pipeline's transaction; its commit sends the wake-ups. (The messages of
+  ``pg_transport.batch()`` do not come this way: the batch keeps them and writes them
+  with ``publish_many``, :meth:`Publisher._insert_rows`.)
 - ``apart``: on a session of pgq's own, idle, whose commits wait for their WAL flush
   (``durable_publish``): the insert and the wake-up as two transactions sent at once, so
   the durable commit holds no NOTIFY lock through its flush and no consumer is woken for
@@ -199,7 +202,6 @@ class Publisher:
             "publish_key": publish_key,
             "ttl": ttl,
             "payload": self.encode(payload),
-            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel": self.channel(queue),
         }
 
@@ -326,7 +328,6 @@ class Publisher:
             "ttl": ttl,
             "publish_tag": publish_tag,
             "payload": self.encode(payload),
-            "notify": True,  # a delayed one too: consumers ask when it falls due
             "channel_prefix": self.channel_prefix,
         }
 

@@ -11,9 +11,10 @@
 
 -- name: publish_plain
 -- Insert one message (a retried publish with the same key is a no-op) and wake its
--- queue's listeners (for a delayed message too: they ask when it falls due). Where the publisher's session is its own (not behind a
--- transaction pooler) and its commits wait for their flush, a publish due now runs
--- enqueue and wake instead, as two transactions sent at once.
+-- queue's listeners (for a delayed message too: they ask when it falls due). Where the
+-- publisher's session is its own (not behind a transaction pooler), idle, and its
+-- commits wait for their flush, a publish runs enqueue and wake instead, as two
+-- transactions sent at once (publisher.py, way_of).
 -- The message expires after the shorter of its own ttl (seconds, the message's
 -- expiration) and its queue's x-message-ttl, counted from now, as publish_routed does;
 -- neither set: it never expires.
@@ -34,7 +35,7 @@ WITH inserted AS (
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING 1
 )
-SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
+SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted
 
 -- name: publish_many
 -- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
@@ -380,15 +381,17 @@ WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
 -- this statement claims it (the key's next message costs no second round trip; the
 -- ack's trigger then finds it taken). Looked up in this statement's snapshot, where the
 -- acked rows still are: a park committed after it began is the trigger's to promote.
--- Only one plainly deliverable passes: due, no follows link, within max_attempts and
--- max_message_bytes, a JSON object; anything else waits for the trigger. It is not
--- locked here: claim_update takes it only if it is still parked once locked.
+-- Only one plainly deliverable passes: due, not expired (as claim_pick), no follows
+-- link, within max_attempts and max_message_bytes, a JSON object; anything else waits
+-- for the trigger (an expired one then for housekeeping, maintain, whose removal of it
+-- releases the key). It is not locked here: claim_update takes it only if it is still
+-- parked once locked.
 SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
        wanted.vt, wanted.max_attempts
 FROM (SELECT DISTINCT a.queue, a.okey FROM acked AS a WHERE a.okey IS NOT NULL) AS k
 JOIN wanted ON wanted.name = k.queue
 CROSS JOIN LATERAL (
-    SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows,
+    SELECT h.id, h.priority, h.due_at, h.read_ct, h.visible_at, h.follows, h.expires_at,
            pg_catalog.octet_length(h.payload::text) AS bytes,
            pg_catalog.json_typeof(h.payload) AS kind
     FROM {schema}.message AS h
@@ -397,7 +400,9 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) AS n
 WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
-  AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
+  AND n.due_at <= pg_catalog.now()
+  AND (n.expires_at IS NULL OR n.expires_at > pg_catalog.now())
+  AND n.read_ct < wanted.max_attempts
   AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
 
 -- part: claim_budget
@@ -682,10 +687,14 @@ WHERE queue = %(queue)s::text
 
 -- name: purge
 -- Delete a queue's waiting messages (ready or delayed, not in flight); return how many.
+-- Waiting: visible now, never delivered (delayed), or parked by a claim's gate (due_at
+-- set), until an earlier message of its key leaves ('infinity') or until a time (a
+-- follower's wait, a key's lease in flight): a parked message delivered before and
+-- handed back has read_ct > 0 and a visible_at to come, and is waiting all the same.
 WITH purged AS (
     DELETE FROM {schema}.message
     WHERE queue = %(queue)s
-      AND (visible_at <= pg_catalog.now() OR read_ct = 0
+      AND (visible_at <= pg_catalog.now() OR read_ct = 0 OR due_at IS NOT NULL
            OR visible_at = 'infinity'::timestamptz)
     RETURNING 1
 )
@@ -753,9 +762,10 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- Route by the exchange's bindings and insert one message per matched queue, in one
 -- statement: no process needs to know the bindings other processes made. Returns
 -- the exchange's type (NULL: never declared) and how many queues matched. Every matched
--- queue's listeners are woken when the message is due now, inserted now or found there:
--- a publish sent again after its session was lost finds its copies committed, and their
--- wake-up may have been lost with that session. At worst a wake-up too many.
+-- queue's listeners are woken (for a delayed message too: they ask when it falls due),
+-- whether its copy was inserted now or found there: a publish sent again after its
+-- session was lost finds its copies committed, and their wake-up may have been lost with
+-- that session. At worst a wake-up too many.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s::text
 ), targets AS (
@@ -787,7 +797,6 @@ WITH ex AS (
                %(channel_prefix)s::text
                || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')), '')
     FROM targets AS t
-    WHERE %(notify)s::boolean
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        (SELECT pg_catalog.count(*) FROM woken)
@@ -819,8 +828,11 @@ WITH touched AS (
 ), unbound AS (
     DELETE FROM {schema}.binding AS b WHERE b.queue = ANY(ARRAY(SELECT name FROM gone))
 ), expired AS (
+    -- Waiting messages only (as purge): visible, never delivered, or parked by a claim
+    -- (due_at set, delivered before or not); one in flight is its holder's to end.
     DELETE FROM {schema}.message AS m
-    WHERE m.expires_at < pg_catalog.now() AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now())
+    WHERE m.expires_at < pg_catalog.now()
+      AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now() OR m.due_at IS NOT NULL)
     RETURNING 1
 ), forgotten AS (
     -- Ends of followed tasks past follows_retention (0011_ordering.sql).

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -33,6 +33,7 @@ __all__ = [
     "find_bindir",
     "free_port",
     "run_as",
+    "started",
     "throwaway_cluster",
 ]
 
@@ -115,12 +116,17 @@ class Cluster:
     def log(self) -> str:
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
 
+    def _command(self, args: list[str]) -> tuple[list[str], dict[str, Any]]:
+        """How ``args`` runs: the command line and subprocess.run's arguments (as the
+        cluster's account)."""
+        if self.account is None:
+            return args, {}
+        return args, {"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []}
+
     def _run(self, args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
-        kwargs: dict[str, Any] = {"check": check, "capture_output": True, "text": True}
-        if self.account is not None:
-            kwargs.update(user=self.account.pw_uid, group=self.account.pw_gid, extra_groups=[])
+        command, kwargs = self._command(args)
         try:
-            return subprocess.run(args, **kwargs)
+            return subprocess.run(command, check=check, capture_output=True, text=True, **kwargs)
         except subprocess.CalledProcessError as exc:
             raise RuntimeError(
                 f"{' '.join(args[:1] + args[-1:])} failed ({exc.returncode}): "
@@ -189,25 +195,20 @@ class Cluster:
         return row[0] if row else None
 
 
+C = TypeVar("C", bound=Cluster)
+
+
 @contextmanager
-def throwaway_cluster(
-    settings: Mapping[str, str] | None = None, *, password: str | None = None
-) -> Iterator[Cluster]:
-    """A started cluster on a free port (trust auth, or scram-sha-256 with ``password``);
-    stopped and removed afterwards."""
+def started(kind: type[C], *, prefix: str = "pgq-cluster-", **fields: Any) -> Iterator[C]:
+    """A ``kind`` of cluster (``fields`` given to it) in a new temporary directory, on a
+    free port, as :func:`run_as`'s account: initialised and started; stopped and removed
+    afterwards."""
     bindir = find_bindir()
     account = run_as()
-    root = Path(tempfile.mkdtemp(prefix="pgq-cluster-"))
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     if account is not None:
         os.chown(root, account.pw_uid, account.pw_gid)
-    cluster = Cluster(
-        bindir=bindir,
-        root=root,
-        port=free_port(),
-        account=account,
-        settings={**DEFAULT_SETTINGS, **(settings or {})},
-        password=password,
-    )
+    cluster = kind(bindir=bindir, root=root, port=free_port(), account=account, **fields)
     try:
         cluster.init()
         cluster.start()
@@ -215,3 +216,15 @@ def throwaway_cluster(
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def throwaway_cluster(
+    settings: Mapping[str, str] | None = None, *, password: str | None = None
+) -> Iterator[Cluster]:
+    """A started cluster on a free port (trust auth, or scram-sha-256 with ``password``);
+    stopped and removed afterwards."""
+    with started(
+        Cluster, settings={**DEFAULT_SETTINGS, **(settings or {})}, password=password
+    ) as cluster:
+        yield cluster

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.acceptance.failover_load import Record
 from tests.acceptance.harness import Env, prepare
 from tests.pg import created_session_database, drop_schema, new_schema_name
 
@@ -34,3 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for n, item in enumerate(items):
         first.setdefault(item.nodeid.split("::", 1)[0], n)
     items.sort(key=lambda item: (first[item.nodeid.split("::", 1)[0]], uses_fleet(item)))
+
+
+@pytest.fixture
+def record(pg_url: str, schema: str) -> Record:
+    """Where the failover tests' workers record their runs (the test's own server)."""
+    return Record(pg_url, schema)

@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tests.acceptance.cluster import (
@@ -30,8 +28,8 @@ from tests.acceptance.cluster import (
     Cluster,
     ClusterUnavailable,
     find_bindir,
-    free_port,
     run_as,
+    started,
 )
 
 __all__ = ["NetnsCluster", "cut_off_cluster"]
@@ -66,7 +64,7 @@ class NetnsCluster(Cluster):
     def url(self, dbname: str = "postgres", user: str = "postgres") -> str:
         return f"postgresql://{user}@{self.address}:{self.port}/{dbname}"
 
-    def _run(self, args: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def _command(self, args: list[str]) -> tuple[list[str], dict[str, Any]]:
         # As root: enter the namespace, then become the cluster's account.
         wrapped = ["ip", "netns", "exec", self.netns]
         if self.account is not None:
@@ -76,14 +74,7 @@ class NetnsCluster(Cluster):
                 f"--regid={self.account.pw_gid}",
                 "--clear-groups",
             ]
-        kwargs: dict[str, Any] = {"check": check, "capture_output": True, "text": True}
-        try:
-            return subprocess.run(wrapped + args, **kwargs)
-        except subprocess.CalledProcessError as exc:
-            raise RuntimeError(
-                f"{' '.join(args[:1] + args[-1:])} failed ({exc.returncode}): "
-                f"{exc.stdout}{exc.stderr}\n--- server log ---\n{self.log()[-4000:]}"
-            ) from exc
+        return wrapped + args, {}
 
     def init(self) -> None:
         super().init()
@@ -104,8 +95,9 @@ def cut_off_cluster() -> Iterator[NetnsCluster]:
     """A started cluster in a namespace of its own, behind a veth pair; the namespace,
     the pair and the cluster are removed afterwards."""
     _check_capable()
-    bindir = find_bindir()
-    account = run_as()
+    # Each raises ClusterUnavailable before a namespace exists (started() asks again).
+    find_bindir()
+    run_as()
     tag = f"{os.getpid() % 100000}"
     netns, host_if, ns_if = f"pgqnet{tag}", f"pgqh{tag}", f"pgqn{tag}"
     # A /30 of 10.213.0.0/16 picked by pid: two runs at once do not share one.
@@ -117,8 +109,6 @@ def cut_off_cluster() -> Iterator[NetnsCluster]:
         _ip("netns", "add", netns)
     except RuntimeError as exc:
         raise ClusterUnavailable(f"cannot create a network namespace: {exc}") from exc
-    root: Path | None = None
-    cluster: NetnsCluster | None = None
     try:
         try:
             _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
@@ -130,27 +120,16 @@ def cut_off_cluster() -> Iterator[NetnsCluster]:
         _ip("addr", "add", f"{ns_addr}/30", "dev", ns_if, netns=netns)
         _ip("link", "set", ns_if, "up", netns=netns)
         _ip("link", "set", "lo", "up", netns=netns)
-        root = Path(tempfile.mkdtemp(prefix="pgq-netns-"))
-        if account is not None:
-            os.chown(root, account.pw_uid, account.pw_gid)
-        cluster = NetnsCluster(
-            bindir=bindir,
-            root=root,
-            port=free_port(),
-            account=account,
+        with started(
+            NetnsCluster,
+            prefix="pgq-netns-",
             settings={**DEFAULT_SETTINGS, "listen_addresses": ns_addr},
             netns=netns,
             address=ns_addr,
             subnet=f"{base}/30",
             link=ns_if,
-        )
-        cluster.init()
-        cluster.start()
-        yield cluster
+        ) as cluster:
+            yield cluster
     finally:
-        if cluster is not None:
-            cluster.stop()
-        if root is not None:
-            shutil.rmtree(root, ignore_errors=True)
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)

@@ -17,33 +17,28 @@ promoted; every task published (its publish returned) must then run.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import psycopg
 import pytest
-from celery import Celery
-from psycopg import sql
 
-import pg_transport
-from pg_transport.db.migrate import ensure_schema
-from pg_transport.db.pool import Connector
 from tests.acceptance.cluster import ClusterUnavailable
-from tests.acceptance.harness import Env, wait_for, workers
-from tests.acceptance.replication import Pair, replicated_pair
+from tests.acceptance.failover_load import (
+    CONCURRENCY,
+    SCHEMA,
+    WORKERS,
+    Record,
+    Tally,
+    migrate,
+    under_load,
+)
+from tests.acceptance.replication import replicated_pair
 
 pytestmark = pytest.mark.acceptance
 
-WORK = "tests.acceptance.failover_app.work"
-SCHEMA = "pgq"
-WORKERS = ("w1", "w2")
-CONCURRENCY = 4
 PREFETCH = 4  # failover_app's worker_prefetch_multiplier
 #: Deliveries a worker holds at once (running and prefetched).
 HELD = CONCURRENCY * PREFETCH
-BACKLOG = 1500
 STALL = 2.0
 VT = 4
 #: Seconds from the crash to the promotion in the late-promotion case (past the 5 s the
@@ -52,21 +47,11 @@ LATE_PROMOTION = 8.0
 
 
 @dataclass
-class Outcome:
-    published: dict[str, float] = field(default_factory=dict)  # task id: when it returned
-    runs: Counter[str] = field(default_factory=Counter)
+class Outcome(Tally):
     stalled_at: float = 0.0
     crashed_at: float = 0.0
     promoted_at: float = 0.0
     first_run_after_promotion: float | None = None
-
-    @property
-    def lost(self) -> set[str]:
-        return set(self.published) - set(self.runs)
-
-    @property
-    def duplicates(self) -> int:
-        return sum(n - 1 for n in self.runs.values() if n > 1)
 
     def report(self, label: str) -> str:
         after = self.first_run_after_promotion
@@ -77,50 +62,6 @@ class Outcome:
             if after is not None
             else f"failover [{label}]: no task published after promotion ran"
         )
-
-
-@dataclass
-class Record:
-    """Where the workers record their runs: the test's own server, not the pair."""
-
-    pg_url: str
-    schema: str
-
-    def create(self) -> None:
-        with psycopg.connect(self.pg_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL(
-                    "CREATE SCHEMA {0}; CREATE TABLE {0}.runs (run_id uuid PRIMARY KEY,"
-                    " task_id text NOT NULL, n integer,"
-                    " at timestamptz NOT NULL DEFAULT clock_timestamp())"
-                ).format(sql.Identifier(self.schema))
-            )
-
-    def runs(self) -> list[tuple[str, float]]:
-        with psycopg.connect(self.pg_url, autocommit=True) as conn:
-            query = sql.SQL("SELECT task_id, extract(epoch FROM at) FROM {}.runs").format(
-                sql.Identifier(self.schema)
-            )
-            return [(str(r[0]), float(r[1])) for r in conn.execute(query)]
-
-
-def prepare(pair: Pair) -> None:
-    connector = Connector(pair.primary.url())
-    ensure_schema(connector, SCHEMA, auto_migrate=True)
-    connector.close()
-
-
-def producer_app(pair: Pair) -> Celery:
-    app = Celery("producer", broker=pair.url("pgq"), set_as_current=False)
-    app.conf.broker_transport_options = {"schema": SCHEMA}
-    # Through the failover: the promotion takes a second or two.
-    app.conf.task_publish_retry_policy = {
-        "max_retries": 200,
-        "interval_start": 0,
-        "interval_step": 0.1,
-        "interval_max": 0.2,
-    }
-    return app
 
 
 def fail_over(
@@ -140,87 +81,33 @@ def fail_over(
         pytest.skip(str(exc))
     outcome = Outcome()
     try:
-        prepare(pair)
-        record.create()
-        runs = record.runs
-        app = producer_app(pair)
-        with app.connection_for_write() as conn, pg_transport.batch():
-            for n in range(BACKLOG):
-                result = app.send_task(WORK, args=[n], connection=conn)
-                outcome.published[result.id] = 0.0
-        env = Env(pair.url(), SCHEMA)
-        environ = {
-            "PGQ_VISIBILITY_TIMEOUT": str(vt),
-            "PGQ_DURABLE_ACKS": durable_acks,
-            "TEST_PG_URL": record.pg_url,
-            "TEST_RUNS_SCHEMA": record.schema,
-        }
-        stop = threading.Event()
-
-        def produce() -> None:
-            n = BACKLOG
-            with app.connection_for_write() as conn:
-                while not stop.is_set():
-                    try:
-                        result = app.send_task(WORK, args=[n], connection=conn)
-                    except Exception:
-                        continue  # not published: not counted
-                    outcome.published[result.id] = time.time()
-                    n += 1
-                    stop.wait(0.02)
-
-        with workers(
-            env,
-            *WORKERS,
-            app="tests.acceptance.failover_app",
-            concurrency=CONCURRENCY,
-            environ=environ,
-        ):
-            producer = threading.Thread(target=produce)
-            producer.start()
-            try:
-                wait_for(lambda: len(runs()) >= 200, 60, "tasks flowing")
-                outcome.stalled_at = time.time()
-                pair.link.pause()  # the standby receives nothing from here on
-                time.sleep(STALL)  # the length of the stall is the scenario, not an ordering
-                pair.crash_primary()
-                outcome.crashed_at = time.time()  # (pg_ctl stop -m immediate has returned)
-                time.sleep(promote_after)  # the failover manager's delay is the scenario
-                pair.promote()
-                outcome.promoted_at = time.time()
-                # Tasks flowing again: a probe published now, ahead of the backlog
-                # (highest priority), runs once a producer and a worker have both
-                # found the new primary.
-                with app.connection_for_write() as conn:
-                    probe = app.send_task(WORK, args=[-1], priority=255, connection=conn).id
-                outcome.published[probe] = time.time()
-                probe_at = wait_for(
-                    lambda: next((at for task, at in runs() if task == probe), None),
-                    60,
-                    "the probe to run after the promotion",
-                )
-                outcome.first_run_after_promotion = probe_at - outcome.promoted_at
-                time.sleep(1.0)  # a second of publishing after the promotion
-            finally:
-                stop.set()
-                producer.join(60)
-            published = set(outcome.published)
-            wait_for(
-                lambda: published <= {task for task, _ in runs()} or None,
-                vt * 3 + 30,
-                "every published task to run",
-                step=0.5,
-            ) if synchronous else time.sleep(vt * 2)
-        found = runs()
-        outcome.runs = Counter(task for task, _ in found)
+        environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt), "PGQ_DURABLE_ACKS": durable_acks}
+        # Through the failover: the promotion takes a second or two.
+        with under_load(
+            pair.url(), pair.primary.url(), record, outcome, retries=200, environ=environ
+        ) as load:
+            outcome.stalled_at = time.time()
+            pair.link.pause()  # the standby receives nothing from here on
+            time.sleep(STALL)  # the length of the stall is the scenario, not an ordering
+            pair.crash_primary()
+            outcome.crashed_at = time.time()  # (pg_ctl stop -m immediate has returned)
+            time.sleep(promote_after)  # the failover manager's delay is the scenario
+            pair.promote()
+            outcome.promoted_at = time.time()
+            # Tasks flowing again: a probe published now, ahead of the backlog, runs
+            # once a producer and a worker have both found the new primary.
+            probe = load.probe()
+            probe_at = load.ran_at(probe, 60, "the probe to run after the promotion")
+            outcome.first_run_after_promotion = probe_at - outcome.promoted_at
+            time.sleep(1.0)  # a second of publishing after the promotion
+            load.stop()
+            if synchronous:
+                load.wait_all_ran(vt * 3 + 30)
+            else:
+                time.sleep(vt * 2)
         return outcome
     finally:
         pair_cm.__exit__(None, None, None)
-
-
-@pytest.fixture
-def record(pg_url: str, schema: str) -> Record:
-    return Record(pg_url, schema)
 
 
 def test_synchronous_replication_loses_nothing_and_runs_again_only_what_workers_held(
@@ -285,7 +172,7 @@ def test_durable_acks_auto_waits_on_a_server_with_synchronous_standbys() -> None
     except ClusterUnavailable as exc:
         pytest.skip(str(exc))
     try:
-        prepare(pair)
+        migrate(pair.primary.url())
         for durable_acks, expected in (("auto", "on"), ("on", "on"), ("off", "off")):
             options = {"schema": SCHEMA, "durable_acks": durable_acks}
             with Connection(pair.url("pgq"), transport_options=options) as conn:

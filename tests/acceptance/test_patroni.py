@@ -20,19 +20,14 @@ skips saying which. A run takes two to three minutes on a loaded 2-core machine.
 from __future__ import annotations
 
 import threading
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psycopg
 import pytest
-from celery import Celery
 from psycopg import sql
 
-import pg_transport
-from pg_transport.db.migrate import ensure_schema
-from pg_transport.db.pool import Connector
-from tests.acceptance.harness import Env, wait_for, workers
+from tests.acceptance.failover_load import SCHEMA, Record, Tally, under_load
+from tests.acceptance.harness import wait_for
 from tests.acceptance.patroni import (
     DEFAULTS,
     SHORT,
@@ -41,34 +36,16 @@ from tests.acceptance.patroni import (
     Timing,
     patroni_cluster,
 )
-from tests.acceptance.test_failover import Record
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.failover]
 
-WORK = "tests.acceptance.failover_app.work"
-SCHEMA = "pgq"
-WORKERS = ("w1", "w2")
-CONCURRENCY = 4
-BACKLOG = 1500
-
 
 @dataclass
-class Outcome:
-    published: dict[str, float] = field(default_factory=dict)  # task id: when it returned
-    runs: Counter[str] = field(default_factory=Counter)
+class Outcome(Tally):
     died_at: float = 0.0
     promoted_at: float = 0.0
     probe_published_at: float = 0.0
     probe_ran_at: float = 0.0
-    last_published: float = 0.0  # (set by the producer thread: no iteration of published)
-
-    @property
-    def lost(self) -> set[str]:
-        return set(self.published) - set(self.runs)
-
-    @property
-    def duplicates(self) -> int:
-        return sum(n - 1 for n in self.runs.values() if n > 1)
 
     def report(self, label: str) -> str:
         return (
@@ -78,19 +55,6 @@ class Outcome:
             f"probe published {self.probe_published_at - self.died_at:.2f} s and "
             f"ran {self.probe_ran_at - self.died_at:.2f} s after it"
         )
-
-
-def producer_app(cluster: PatroniCluster) -> Celery:
-    app = Celery("producer", broker=cluster.url("pgq"), set_as_current=False)
-    app.conf.broker_transport_options = {"schema": SCHEMA}
-    # Outlasts Patroni's detection (ttl + loop_wait) with room: about 60 s of retries.
-    app.conf.task_publish_retry_policy = {
-        "max_retries": 300,
-        "interval_start": 0,
-        "interval_step": 0.1,
-        "interval_max": 0.2,
-    }
-    return app
 
 
 def queued(cluster: PatroniCluster) -> int:
@@ -114,87 +78,42 @@ def fail_over(record: Record, timing: Timing, *, vt: float | None = None) -> Out
     try:
         leader = cluster.leader()
         assert leader is not None
-        connector = Connector(leader.url())
-        ensure_schema(connector, SCHEMA, auto_migrate=True)
-        connector.close()
-        record.create()
-        runs = record.runs
-        app = producer_app(cluster)
-        with app.connection_for_write() as conn, pg_transport.batch():
-            for n in range(BACKLOG):
-                outcome.published[app.send_task(WORK, args=[n], connection=conn).id] = 0.0
-        environ = {"TEST_PG_URL": record.pg_url, "TEST_RUNS_SCHEMA": record.schema}
-        if vt is not None:
-            environ["PGQ_VISIBILITY_TIMEOUT"] = str(vt)
-        stop = threading.Event()
-
-        def produce() -> None:
-            n = BACKLOG
-            with app.connection_for_write() as conn:
-                while not stop.is_set():
-                    try:
-                        result = app.send_task(WORK, args=[n], connection=conn)
-                    except Exception:
-                        continue  # not published: not counted
-                    outcome.published[result.id] = outcome.last_published = time.time()
-                    n += 1
-                    stop.wait(0.02)
-
-        with workers(
-            Env(cluster.url(), SCHEMA),
-            *WORKERS,
-            app="tests.acceptance.failover_app",
-            concurrency=CONCURRENCY,
-            environ=environ,
-        ):
-            producer = threading.Thread(target=produce)
-            producer.start()
-            try:
-                wait_for(lambda: len(runs()) >= 200, 60, "tasks flowing")
-                # The probe's connection is open before the death, as a running
-                # producer's is: its publish then retries by the policy above.
-                probe_conn = app.connection_for_write()
-                probe_conn.default_channel  # noqa: B018 (connects)
-                outcome.died_at = cluster.kill(leader)
-                detection = timing.ttl + timing.loop_wait + timing.retry_timeout + 30
-                promoted: list[float] = []
-                watcher = threading.Thread(
-                    target=lambda: promoted.append(
-                        cluster.wait_leader(other_than=leader, timeout=detection)[1]
-                    )
+        environ = {} if vt is None else {"PGQ_VISIBILITY_TIMEOUT": str(vt)}
+        # Outlasts Patroni's detection (ttl + loop_wait) with room: about 60 s of retries.
+        with under_load(
+            cluster.url(), leader.url(), record, outcome, retries=300, environ=environ
+        ) as load:
+            # The probe's connection is open before the death, as a running producer's
+            # is: its publish then retries by the producer's policy.
+            probe_conn = load.app.connection_for_write()
+            probe_conn.default_channel  # noqa: B018 (connects)
+            outcome.died_at = cluster.kill(leader)
+            detection = timing.ttl + timing.loop_wait + timing.retry_timeout + 30
+            promoted: list[float] = []
+            watcher = threading.Thread(
+                target=lambda: promoted.append(
+                    cluster.wait_leader(other_than=leader, timeout=detection)[1]
                 )
-                watcher.start()
-                # Published now, ahead of the backlog (highest priority): its publish
-                # returns once the producer found the new leader, and it runs once a
-                # worker has too.
-                with probe_conn:
-                    probe = app.send_task(WORK, args=[-1], priority=255, connection=probe_conn).id
-                outcome.probe_published_at = time.time()
-                outcome.published[probe] = outcome.probe_published_at
-                outcome.probe_ran_at = wait_for(
-                    lambda: next((at for task, at in runs() if task == probe), None),
-                    detection,
-                    "the probe to run on the new leader",
-                )
-                watcher.join(detection)
-                assert promoted, "Patroni promoted no member"
-                outcome.promoted_at = promoted[0]
-                # A second of publishing to the new leader (returned publishes count).
-                wait_for(
-                    lambda: outcome.last_published > outcome.probe_ran_at + 1,
-                    30,
-                    "publishing to go on after the failover",
-                )
-            finally:
-                stop.set()
-                producer.join(60)
-            published = set(outcome.published)
-            wait_for(
-                lambda: published <= {task for task, _ in runs()} or None,
-                120,
-                "every published task to run",
-                step=0.5,
             )
+            watcher.start()
+            # Published now, ahead of the backlog: its publish returns once the producer
+            # found the new leader, and it runs once a worker has too.
+            probe = load.probe(probe_conn)
+            outcome.probe_published_at = outcome.published[probe]
+            outcome.probe_ran_at = load.ran_at(
+                probe, detection, "the probe to run on the new leader"
+            )
+            watcher.join(detection)
+            assert promoted, "Patroni promoted no member"
+            outcome.promoted_at = promoted[0]
+            # A second of publishing to the new leader (returned publishes count).
+            wait_for(
+                lambda: outcome.last_published > outcome.probe_ran_at + 1,
+                30,
+                "publishing to go on after the failover",
+            )
+            load.stop()
+            load.wait_all_ran(120)
             # A task could still run twice only while its message is in the queue (a
             # lease that lapsed is claimed again): wait until every message is acked.
             wait_for(
@@ -203,15 +122,9 @@ def fail_over(record: Record, timing: Timing, *, vt: float | None = None) -> Out
                 "every message to be acked",
                 step=0.5,
             )
-        outcome.runs = Counter(task for task, _ in runs())
         return outcome
     finally:
         cluster_cm.__exit__(None, None, None)
-
-
-@pytest.fixture
-def record(pg_url: str, schema: str) -> Record:
-    return Record(pg_url, schema)
 
 
 def test_patroni_failover_in_synchronous_mode_loses_nothing_and_runs_nothing_twice(

@@ -6,6 +6,7 @@ broker that answers, which takes about a minute.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -67,6 +68,23 @@ def _assert_sane(name: str, result: dict[str, Any]) -> None:
         assert result[key]["exit_code"] == 0, (name, key, result[key])
 
 
+def _assert_load_per_broker(measured: dict[str, dict[str, Any]]) -> None:
+    """Each broker's load average, phase by phase; the drain's its own (the brokers
+    drain one after another: no two drain windows overlap), the phases where they take
+    turns the same for all."""
+    for name, result in measured.items():
+        assert set(result["loadavg"]) == {"publish", "drain", "latency"}, name
+        for phase, load in result["loadavg"].items():
+            assert len(load["before"]) == 3 and len(load["after"]) == 3, (name, phase)
+            assert load["from"] <= load["to"], (name, phase, load)
+    drains = sorted(
+        (r["loadavg"]["drain"]["from"], r["loadavg"]["drain"]["to"]) for r in measured.values()
+    )
+    assert all(ended <= began for (_, ended), (began, _) in itertools.pairwise(drains)), drains
+    for phase in ("publish", "latency"):
+        assert len({json.dumps(r["loadavg"][phase]) for r in measured.values()}) == 1, phase
+
+
 @pytest.mark.timeout(900)
 def test_benchmark_reports_every_broker(pg_url: str, tmp_path: Path) -> None:
     if not _sink_reachable():
@@ -85,6 +103,7 @@ def test_benchmark_reports_every_broker(pg_url: str, tmp_path: Path) -> None:
         else:
             assert result["reason"], name
     assert report["brokers"]["pgq-async"]["status"] == "ok", report["brokers"]["pgq-async"]
+    _assert_load_per_broker({n: r for n, r in report["brokers"].items() if r["status"] == "ok"})
     compared = {
         n for n, r in report["brokers"].items() if not n.startswith("pgq") and r["status"] == "ok"
     }

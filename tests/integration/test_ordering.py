@@ -184,6 +184,65 @@ def test_dead_lettering_expiry_and_purge_release_the_key(store: Store, peek: Pee
     assert peek("SELECT count(*) FROM {schema}.message WHERE visible_at = 'infinity'") == [(0,)]
 
 
+def test_purge_takes_a_message_delivered_before_and_parked_until_a_time(
+    store: Store, peek: Peek
+) -> None:
+    """A message delivered once, handed back, then parked by a gate until a time (not
+    'infinity') is waiting, not in flight: purge takes it, and no claim delivers it later."""
+    store.publisher.publish(Q, message(0, followable=True))
+    [p] = claim(store)
+    store.ack([p.token])  # the predecessor's end is recorded
+    store.publisher.publish(Q, message(1, follows="task-0", wait=3600))
+    [f] = claim(store)
+    assert bodies([f]) == [1] and f.read_ct == 1
+    store.release([f.token])  # handed back unstarted (a worker stopping)
+    store.follows_retention = 0.0
+    store.maintain([Q])  # the recorded end is forgotten past follows_retention
+    assert peek("SELECT count(*) FROM {schema}.follow_done") == [(0,)]
+    assert claim(store) == []  # parked until its wait ends: a finite time
+    [(read_ct, parked, due)] = peek(
+        "SELECT read_ct, visible_at > now() AND visible_at < 'infinity', due_at IS NOT NULL"
+        " FROM {schema}.message"
+    )
+    assert (read_ct, parked, due) == (1, True, True)
+    assert store.purge(Q) == 1
+    assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_an_expired_message_is_not_handed_over_by_its_predecessors_ack(
+    store: Store, peek: Peek
+) -> None:
+    store.publisher.publish(Q, message(0, key="k"))
+    store.publisher.publish(Q, message(1, key="k"), ttl=3600)
+    store.publisher.publish(Q, message(2, key="k"))
+    [m0] = claim(store)
+    assert claim(store) == []  # m1 and m2 parked behind m0
+    # m1's TTL runs out while it is parked (before housekeeping has looked).
+    peek(
+        "UPDATE {schema}.message SET expires_at = now() - interval '1 s'"
+        " WHERE payload->>'body' = '1'"
+    )
+    assert store.claim([Q], [30.0], 10, acks=[m0.token]) == []  # not delivered expired
+    store.maintain([Q])  # expires it, and its removal releases the key
+    assert bodies(claim(store)) == [2]
+
+
+def test_housekeeping_expires_a_parked_message_delivered_before(store: Store, peek: Peek) -> None:
+    store.declare_queue(Q, ordering="relaxed")
+    store.publisher.publish(Q, message(0, key="k"), ttl=3600)
+    store.publisher.publish(Q, message(1, key="k"))
+    [m0] = claim(store)
+    store.release([m0.token], failed=True)  # rejected: to the back of its key
+    [m1] = claim(store)
+    assert bodies([m1]) == [1]
+    assert claim(store) == []  # m0, delivered once, parked behind m1
+    peek("UPDATE {schema}.message SET expires_at = now() - interval '1 s' WHERE id = %s", m0.id)
+    assert store.maintain([Q]) == (0, 1)  # (no queue deleted, one message expired)
+    assert peek("SELECT count(*) FROM {schema}.message WHERE id = %s", m0.id) == [(0,)]
+    store.ack([m1.token])
+    assert claim(store) == []
+
+
 def test_max_attempts_dead_letters_in_the_claim_and_releases_the_key(
     store: Store, peek: Peek
 ) -> None:

@@ -262,7 +262,7 @@ def test_each_publish_goes_the_way_its_connection_allows(pg_url: str, store: Sto
             assert way_of(conn, flushes=False) == "together"  # durable off
             with conn.transaction():  # the caller's transaction: one statement in it
                 assert way_of(conn, flushes=True) == "together"
-            with conn.pipeline():  # a batch
+            with conn.pipeline():  # a barrier arming its parts (fanin/state.py)
                 assert way_of(conn, flushes=True) == "batched"
         with pooled.connection() as conn:
             assert way_of(conn, flushes=True) == "together"

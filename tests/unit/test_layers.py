@@ -145,6 +145,23 @@ def test_layer_imports_nothing_it_must_not(where: str, forbidden: list[str], why
     assert found == [], why
 
 
+#: The operator layers: they may import everything below them, nothing below imports them.
+TOP = ("pg_transport.ops", "pg_transport.web")
+
+
+def test_nothing_below_the_operator_layers_imports_them() -> None:
+    """ops/ and web/ use everything below; nothing below uses them, a deferred import
+    included (a refused worker's heartbeat: ops/health.py watches backoff.py)."""
+    found = [
+        f"{module_name(path)} imports {name}"
+        for path in modules("")
+        if not any(within(module_name(path), top) for top in TOP)
+        for name in sorted(imports(path))
+        if any(within(name, top) for top in TOP)
+    ]
+    assert found == [], "an arrow up: nothing below ops/ and web/ may import them"
+
+
 def test_the_parser_sees_deferred_and_from_imports() -> None:
     # The rules above prove something only if the parse finds what a module imports.
     hooks = imports(PACKAGE / "kombu" / "hooks.py")
