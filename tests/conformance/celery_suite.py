@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import sql
@@ -55,6 +56,7 @@ __all__ = [
     "main",
     "open_redis_gates",
     "outcomes",
+    "side_channel",
 ]
 
 #: Tests that pass on RabbitMQ and not on pgq as broker, by design, with why
@@ -361,6 +363,19 @@ def _ctl(ctl: str, *args: str) -> bool:
 RUNS = ("rabbitmq", "pgq", "pgq-backend")
 
 
+def side_channel(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """``REDIS_HOST`` and ``REDIS_PORT`` for the suite's side channel (the Redis its
+    tasks push to, ``redis_echo``, ``redis_count``...): the Redis of ``backend`` (the
+    ``--backend`` URL), so that runs side by side, each given a Redis of its own, share
+    no side-channel keys. Either variable already set in ``environ`` is kept; a backend
+    that is not Redis leaves both to ``environ`` (else the suite's own default)."""
+    parts = urlsplit(backend)
+    if parts.scheme not in ("redis", "rediss"):
+        return {name: environ[name] for name in ("REDIS_HOST", "REDIS_PORT") if name in environ}
+    found = {"REDIS_HOST": parts.hostname or "localhost", "REDIS_PORT": str(parts.port or 6379)}
+    return {name: environ.get(name, value) for name, value in found.items()}
+
+
 def run_suite(
     tree: Path,
     broker_url: str,
@@ -398,15 +413,16 @@ def one_run(run: str, args: argparse.Namespace, out: Path, extra: Sequence[str])
     """``run`` (one of :data:`RUNS`), its report written to ``out/<run>.xml``; seconds."""
     tree = source_tree("celery")
     report = out / f"{run}.xml"
+    redis = side_channel(args.backend, os.environ)
     if run == "rabbitmq":
         with rabbitmq_broker() as (url, env):
-            return run_suite(tree, url, env, args.backend, report, extra)
+            return run_suite(tree, url, redis | env, args.backend, report, extra)
     with pgq_broker(args.pg_url) as (url, env):
         if run == "pgq":
-            return run_suite(tree, url, env, args.backend, report, extra)
+            return run_suite(tree, url, redis | env, args.backend, report, extra)
         patched = out / "suite-pgq-backend"
         open_redis_gates(tree, patched)
-        return run_suite(patched, url, env, url, report, extra)
+        return run_suite(patched, url, redis | env, url, report, extra)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,7 +430,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", "--brokers", default=",".join(RUNS), help="of " + ", ".join(RUNS))
     parser.add_argument("--out", default="celery-suite-results")
     parser.add_argument("--pg-url", default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG_URL))
-    parser.add_argument("--backend", default=DEFAULT_REDIS, help="Redis result backend")
+    parser.add_argument(
+        "--backend",
+        default=DEFAULT_REDIS,
+        help="the Redis result backend (of the rabbitmq and pgq runs) and, unless "
+        "REDIS_HOST/REDIS_PORT are set, the suite's side channel (every run)",
+    )
     parser.add_argument("-k", dest="keyword", help="pytest -k: a part of the suite only")
     parser.add_argument(
         "--compare", metavar="DIR", help="compare the <run>.xml reports in DIR; run nothing"

@@ -178,3 +178,23 @@ def test_a_test_run_on_one_broker_only_is_a_difference() -> None:
     found = compare({"pgq": {"a": "passed"}, "rabbitmq": {"a": "passed", "b": "passed"}})
     assert found.differing == {"b": {"pgq": "not run", "rabbitmq": "passed"}}
     assert found.unexplained == ["pgq: b"]
+
+
+def test_the_side_channel_is_the_backends_redis_unless_set() -> None:
+    side_channel = celery_suite.side_channel
+    assert side_channel("redis://127.0.0.1:6381/13", {}) == {
+        "REDIS_HOST": "127.0.0.1",
+        "REDIS_PORT": "6381",
+    }
+    assert side_channel("redis://redis.example/0", {}) == {
+        "REDIS_HOST": "redis.example",
+        "REDIS_PORT": "6379",
+    }
+    # What the caller set wins, variable by variable.
+    assert side_channel("redis://127.0.0.1:6381/13", {"REDIS_PORT": "6400"}) == {
+        "REDIS_HOST": "127.0.0.1",
+        "REDIS_PORT": "6400",
+    }
+    # A backend that is not Redis: the caller's variables, else the suite's defaults.
+    assert side_channel("rpc://", {"REDIS_HOST": "h"}) == {"REDIS_HOST": "h"}
+    assert side_channel("rpc://", {}) == {}
