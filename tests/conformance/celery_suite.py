@@ -57,6 +57,7 @@ __all__ = [
     "open_redis_gates",
     "outcomes",
     "side_channel",
+    "suite_environment",
 ]
 
 #: Tests that pass on RabbitMQ and not on pgq as broker, by design, with why
@@ -228,9 +229,10 @@ GATE = re.compile(
     r"""(?P<head>if not [\w.]+\.result_backend\.startswith\()"""
     r"""(?P<what>['"]redis['"]|\(['"]redis['"], ['"]rpc['"]\))\)"""
 )
-#: A test that uses this reads the Redis result backend's own pub/sub channels: its gate
-#: stays closed (Redis is what it tests, not a side channel).
-REDIS_BACKEND_ONLY = "get_active_redis_channels"
+#: A test that uses one of these reads the Redis result backend's own state: its pub/sub
+#: channels, or the keys its chords keep (``get_key_for_group``, the ``.j`` join list).
+#: Its gate stays closed (Redis is what it tests, not a side channel).
+REDIS_BACKEND_ONLY = ("get_active_redis_channels", "get_key_for_group")
 DEF = re.compile(r"^(?P<indent>\s*)(async\s+)?def\s+(?P<name>\w+)")
 CLASS = re.compile(r"^(?P<indent>\s*)class\s+(?P<name>\w+)")
 
@@ -242,8 +244,8 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
 
     A gate ``if not ….result_backend.startswith('redis'):`` (or ``('redis', 'rpc')``)
     in :data:`GATED_MODULES` becomes ``….startswith(('redis', 'pgq'))`` (or with
-    ``'rpc'``), unless its function reads the Redis backend's own pub/sub channels
-    (:data:`REDIS_BACKEND_ONLY`). Those, test_redis_backend.py and the
+    ``'rpc'``), unless its function reads the Redis backend's own pub/sub channels or
+    chord keys (:data:`REDIS_BACKEND_ONLY`). Those, test_redis_backend.py and the
     ``isinstance(app.backend, RedisBackend)`` gate stay as they are: they test Redis's
     backend itself. The copy's ``t/`` holds a ``PGQ-PATCH.md`` listing what was opened.
     Raises RuntimeError when a module has no gate left to open (another Celery)."""
@@ -262,7 +264,7 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
             found += 1
             name, body = _enclosing(lines, number)
             where = f"{module}::{name}"
-            if REDIS_BACKEND_ONLY in body:
+            if any(use in body for use in REDIS_BACKEND_ONLY):
                 kept.append(where)
                 continue
             what = gate["what"]
@@ -281,7 +283,7 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
         "",
         *(f"- {where}" for where in opened),
         "",
-        "Kept closed (they read the Redis result backend's own pub/sub channels):",
+        "Kept closed (they read the Redis result backend's own pub/sub channels or keys):",
         "",
         *(f"- {where}" for where in kept),
         "",
@@ -376,6 +378,27 @@ def side_channel(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
     return {name: environ.get(name, value) for name, value in found.items()}
 
 
+def suite_environment(
+    environ: Mapping[str, str],
+    env: Mapping[str, str],
+    broker_url: str,
+    backend: str,
+    executable: str,
+) -> dict[str, str]:
+    """The suite's environment: ``environ`` with ``env``, the broker and the backend, and
+    the directory of ``executable`` (this Python's, a virtualenv's ``bin``) first on
+    ``PATH``, where the ``celery`` command the suite starts (``test_run_worker``,
+    ``test_config_serialization``) is installed beside it."""
+    path = environ.get("PATH", os.defpath)
+    return {
+        **environ,
+        **env,
+        "PATH": os.pathsep.join([str(Path(executable).parent), path]),
+        "TEST_BROKER": broker_url,
+        "TEST_BACKEND": backend,
+    }
+
+
 def run_suite(
     tree: Path,
     broker_url: str,
@@ -403,7 +426,7 @@ def run_suite(
         f"--junitxml={report}",
         *extra,
     ]
-    environment = {**os.environ, **env, "TEST_BROKER": broker_url, "TEST_BACKEND": backend}
+    environment = suite_environment(os.environ, env, broker_url, backend, sys.executable)
     started = time.monotonic()
     subprocess.run(command, cwd=tree, env=environment, timeout=SUITE_TIMEOUT, check=False)
     return time.monotonic() - started
