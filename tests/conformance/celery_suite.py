@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 from psycopg import sql
@@ -55,6 +56,8 @@ __all__ = [
     "main",
     "open_redis_gates",
     "outcomes",
+    "side_channel",
+    "suite_environment",
 ]
 
 #: Tests that pass on RabbitMQ and not on pgq as broker, by design, with why
@@ -226,9 +229,10 @@ GATE = re.compile(
     r"""(?P<head>if not [\w.]+\.result_backend\.startswith\()"""
     r"""(?P<what>['"]redis['"]|\(['"]redis['"], ['"]rpc['"]\))\)"""
 )
-#: A test that uses this reads the Redis result backend's own pub/sub channels: its gate
-#: stays closed (Redis is what it tests, not a side channel).
-REDIS_BACKEND_ONLY = "get_active_redis_channels"
+#: A test that uses one of these reads the Redis result backend's own state: its pub/sub
+#: channels, or the keys its chords keep (``get_key_for_group``, the ``.j`` join list).
+#: Its gate stays closed (Redis is what it tests, not a side channel).
+REDIS_BACKEND_ONLY = ("get_active_redis_channels", "get_key_for_group")
 DEF = re.compile(r"^(?P<indent>\s*)(async\s+)?def\s+(?P<name>\w+)")
 CLASS = re.compile(r"^(?P<indent>\s*)class\s+(?P<name>\w+)")
 
@@ -240,8 +244,8 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
 
     A gate ``if not ….result_backend.startswith('redis'):`` (or ``('redis', 'rpc')``)
     in :data:`GATED_MODULES` becomes ``….startswith(('redis', 'pgq'))`` (or with
-    ``'rpc'``), unless its function reads the Redis backend's own pub/sub channels
-    (:data:`REDIS_BACKEND_ONLY`). Those, test_redis_backend.py and the
+    ``'rpc'``), unless its function reads the Redis backend's own pub/sub channels or
+    chord keys (:data:`REDIS_BACKEND_ONLY`). Those, test_redis_backend.py and the
     ``isinstance(app.backend, RedisBackend)`` gate stay as they are: they test Redis's
     backend itself. The copy's ``t/`` holds a ``PGQ-PATCH.md`` listing what was opened.
     Raises RuntimeError when a module has no gate left to open (another Celery)."""
@@ -260,7 +264,7 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
             found += 1
             name, body = _enclosing(lines, number)
             where = f"{module}::{name}"
-            if REDIS_BACKEND_ONLY in body:
+            if any(use in body for use in REDIS_BACKEND_ONLY):
                 kept.append(where)
                 continue
             what = gate["what"]
@@ -279,7 +283,7 @@ def open_redis_gates(tree: Path, into: Path) -> list[str]:
         "",
         *(f"- {where}" for where in opened),
         "",
-        "Kept closed (they read the Redis result backend's own pub/sub channels):",
+        "Kept closed (they read the Redis result backend's own pub/sub channels or keys):",
         "",
         *(f"- {where}" for where in kept),
         "",
@@ -361,6 +365,40 @@ def _ctl(ctl: str, *args: str) -> bool:
 RUNS = ("rabbitmq", "pgq", "pgq-backend")
 
 
+def side_channel(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """``REDIS_HOST`` and ``REDIS_PORT`` for the suite's side channel (the Redis its
+    tasks push to, ``redis_echo``, ``redis_count``...): the Redis of ``backend`` (the
+    ``--backend`` URL), so that runs side by side, each given a Redis of its own, share
+    no side-channel keys. Either variable already set in ``environ`` is kept; a backend
+    that is not Redis leaves both to ``environ`` (else the suite's own default)."""
+    parts = urlsplit(backend)
+    if parts.scheme not in ("redis", "rediss"):
+        return {name: environ[name] for name in ("REDIS_HOST", "REDIS_PORT") if name in environ}
+    found = {"REDIS_HOST": parts.hostname or "localhost", "REDIS_PORT": str(parts.port or 6379)}
+    return {name: environ.get(name, value) for name, value in found.items()}
+
+
+def suite_environment(
+    environ: Mapping[str, str],
+    env: Mapping[str, str],
+    broker_url: str,
+    backend: str,
+    executable: str,
+) -> dict[str, str]:
+    """The suite's environment: ``environ`` with ``env``, the broker and the backend, and
+    the directory of ``executable`` (this Python's, a virtualenv's ``bin``) first on
+    ``PATH``, where the ``celery`` command the suite starts (``test_run_worker``,
+    ``test_config_serialization``) is installed beside it."""
+    path = environ.get("PATH", os.defpath)
+    return {
+        **environ,
+        **env,
+        "PATH": os.pathsep.join([str(Path(executable).parent), path]),
+        "TEST_BROKER": broker_url,
+        "TEST_BACKEND": backend,
+    }
+
+
 def run_suite(
     tree: Path,
     broker_url: str,
@@ -388,7 +426,7 @@ def run_suite(
         f"--junitxml={report}",
         *extra,
     ]
-    environment = {**os.environ, **env, "TEST_BROKER": broker_url, "TEST_BACKEND": backend}
+    environment = suite_environment(os.environ, env, broker_url, backend, sys.executable)
     started = time.monotonic()
     subprocess.run(command, cwd=tree, env=environment, timeout=SUITE_TIMEOUT, check=False)
     return time.monotonic() - started
@@ -398,15 +436,16 @@ def one_run(run: str, args: argparse.Namespace, out: Path, extra: Sequence[str])
     """``run`` (one of :data:`RUNS`), its report written to ``out/<run>.xml``; seconds."""
     tree = source_tree("celery")
     report = out / f"{run}.xml"
+    redis = side_channel(args.backend, os.environ)
     if run == "rabbitmq":
         with rabbitmq_broker() as (url, env):
-            return run_suite(tree, url, env, args.backend, report, extra)
+            return run_suite(tree, url, redis | env, args.backend, report, extra)
     with pgq_broker(args.pg_url) as (url, env):
         if run == "pgq":
-            return run_suite(tree, url, env, args.backend, report, extra)
+            return run_suite(tree, url, redis | env, args.backend, report, extra)
         patched = out / "suite-pgq-backend"
         open_redis_gates(tree, patched)
-        return run_suite(patched, url, env, url, report, extra)
+        return run_suite(patched, url, redis | env, url, report, extra)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,7 +453,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", "--brokers", default=",".join(RUNS), help="of " + ", ".join(RUNS))
     parser.add_argument("--out", default="celery-suite-results")
     parser.add_argument("--pg-url", default=os.environ.get("PGQ_TEST_URL", DEFAULT_PG_URL))
-    parser.add_argument("--backend", default=DEFAULT_REDIS, help="Redis result backend")
+    parser.add_argument(
+        "--backend",
+        default=DEFAULT_REDIS,
+        help="the Redis result backend (of the rabbitmq and pgq runs) and, unless "
+        "REDIS_HOST/REDIS_PORT are set, the suite's side channel (every run)",
+    )
     parser.add_argument("-k", dest="keyword", help="pytest -k: a part of the suite only")
     parser.add_argument(
         "--compare", metavar="DIR", help="compare the <run>.xml reports in DIR; run nothing"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,11 @@ class test_chord:
     def test_unordered(self, manager):
         if manager.app.conf.result_backend.startswith('redis'):
             pass
+
+    def test_join_key(self, manager):
+        if not manager.app.conf.result_backend.startswith('redis'):
+            raise pytest.skip('Requires redis result backend.')
+        fail.app.backend.get_key_for_group(group_id, '.j')
 """,
     "test_tasks.py": """
 class test_redis_backend:
@@ -160,10 +166,15 @@ def test_redis_gates_are_opened_to_pgq_where_redis_is_a_side_channel(tmp_path: P
     # that is not a gate is left alone.
     assert 'startswith("redis"):\n            raise pytest.skip("Requires' in canvas
     assert "if manager.app.conf.result_backend.startswith('redis'):\n            pass" in canvas
+    # A test reading the Redis backend's chord keys stays gated too.
+    join_key = canvas.split("def test_join_key")[1]
+    assert "startswith('redis'):" in join_key
     tasks = (tmp_path / "patched" / "t" / "integration" / "test_tasks.py").read_text()
     assert tasks == SUITE["test_tasks.py"]
     notes = (tmp_path / "patched" / "t" / "PGQ-PATCH.md").read_text()
-    assert "- test_tasks.py::test_redis_backend" in notes.split("Kept closed")[1]
+    kept = notes.split("Kept closed")[1]
+    assert "- test_tasks.py::test_redis_backend" in kept
+    assert "- test_canvas.py::test_join_key" in kept
     # The suite itself is untouched.
     assert (tree / "t" / "integration" / "test_canvas.py").read_text() == SUITE["test_canvas.py"]
 
@@ -178,3 +189,40 @@ def test_a_test_run_on_one_broker_only_is_a_difference() -> None:
     found = compare({"pgq": {"a": "passed"}, "rabbitmq": {"a": "passed", "b": "passed"}})
     assert found.differing == {"b": {"pgq": "not run", "rabbitmq": "passed"}}
     assert found.unexplained == ["pgq: b"]
+
+
+def test_the_side_channel_is_the_backends_redis_unless_set() -> None:
+    side_channel = celery_suite.side_channel
+    assert side_channel("redis://127.0.0.1:6381/13", {}) == {
+        "REDIS_HOST": "127.0.0.1",
+        "REDIS_PORT": "6381",
+    }
+    assert side_channel("redis://redis.example/0", {}) == {
+        "REDIS_HOST": "redis.example",
+        "REDIS_PORT": "6379",
+    }
+    # What the caller set wins, variable by variable.
+    assert side_channel("redis://127.0.0.1:6381/13", {"REDIS_PORT": "6400"}) == {
+        "REDIS_HOST": "127.0.0.1",
+        "REDIS_PORT": "6400",
+    }
+    # A backend that is not Redis: the caller's variables, else the suite's defaults.
+    assert side_channel("rpc://", {"REDIS_HOST": "h"}) == {"REDIS_HOST": "h"}
+    assert side_channel("rpc://", {}) == {}
+
+
+def test_the_suite_finds_the_celery_command_beside_this_python() -> None:
+    env = celery_suite.suite_environment(
+        {"PATH": "/usr/bin", "HOME": "/h"},
+        {"PGQ_SCHEMA": "s"},
+        "pgq://b",
+        "redis://r",
+        "/venv/bin/python",
+    )
+    assert env == {
+        "PATH": os.pathsep.join(["/venv/bin", "/usr/bin"]),
+        "HOME": "/h",
+        "PGQ_SCHEMA": "s",
+        "TEST_BROKER": "pgq://b",
+        "TEST_BACKEND": "redis://r",
+    }
