@@ -36,6 +36,7 @@ from pg_transport.ops.cli_common import (
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
+from pg_transport.ops.cli_limits import limit
 from pg_transport.ops.cli_schedule import schedule
 from pg_transport.ops.format import age, json_text, one_line, plural, table
 from pg_transport.ops.plugins import PluginCommands
@@ -57,6 +58,7 @@ def main() -> None:
 
 
 main.add_command(dead)
+main.add_command(limit)
 main.add_command(schedule)
 
 
