@@ -40,7 +40,9 @@ __all__ = [
     "RATE_LIMITER",
     "Limit",
     "Rate",
+    "check_headers",
     "limit_name",
+    "move_options",
     "parse_burst",
     "parse_concurrency",
     "parse_rate",
@@ -195,21 +197,34 @@ _LIMITERS: dict[str, str] = {
 }
 
 
+# Set by task_defaults when a task's default key cannot be had for a call: why. Celery
+# logs what a before_task_publish receiver raises and publishes anyway (outside its
+# limit); the publish refuses the message instead (check_headers).
+DEFAULT_REFUSED = "pgq-limit-refused"
+
+
 def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
     """A task's limit keys and limiters as ``headers``, unless the call gave them. A key
-    this call cannot give raises :class:`LimitError` (the publish does not happen: a
-    message that escaped its limit would not be noticed)."""
+    this call cannot give makes the publish refuse the message (:data:`DEFAULT_REFUSED`):
+    a message that escaped its limit would not be noticed."""
     args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
-    for attribute, header in _DEFAULTS.items():
-        spec: Callable[..., Any] | str | None = _static(task, attribute)
-        if spec is not None and header not in headers:
-            key = _key_of(task, attribute, spec, args, kwargs)
-            if key is not None:
-                headers[header] = _key_text(attribute, key)
-    for attribute, header in _LIMITERS.items():
-        name = _static(task, attribute)
-        if name is not None and header not in headers:
-            headers[header] = limit_name(attribute, name)
+    try:
+        for attribute, header in _DEFAULTS.items():
+            spec: Callable[..., Any] | str | None = _static(task, attribute)
+            if spec is not None and header not in headers:
+                key = _key_of(task, attribute, spec, args, kwargs)
+                if key is not None:
+                    headers[header] = _key_text(attribute, key)
+        for attribute, header in _LIMITERS.items():
+            name = _static(task, attribute)
+            if name is not None and header not in headers:
+                headers[header] = limit_name(attribute, name)
+    except Exception as exc:  # Celery would log it and publish the message unlimited
+        headers[DEFAULT_REFUSED] = (
+            str(exc)
+            if isinstance(exc, LimitError)
+            else f"task {task.name}: a limit key raised {exc!r}"
+        )
 
 
 def task_limits(task: Any) -> list[Limit]:
@@ -247,3 +262,46 @@ def task_limits(task: Any) -> list[Limit]:
         else:
             found.append(Limit(name, concurrency=cap))
     return found
+
+
+# apply_async's options -> the headers they become.
+OPTIONS: dict[str, str] = {
+    "pgq_rate_key": RATE_KEY,
+    "pgq_rate_limiter": RATE_LIMITER,
+    "concurrency_key": CONCURRENCY_KEY,
+    "concurrency_limiter": CONCURRENCY_LIMITER,
+}
+
+
+def move_options(message: dict[str, Any]) -> None:
+    """Move apply_async's limit options (message properties) into the headers, where a
+    retry of the task keeps them. A header already there wins."""
+    properties = message.get("properties")
+    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
+        return
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        headers = message["headers"] = {}
+    for option, header in OPTIONS.items():
+        if option in properties:
+            value = properties.pop(option)
+            if value is not None:
+                headers.setdefault(header, value)
+
+
+def check_headers(payload: Mapping[str, Any]) -> None:
+    """Refuse, before anything is stored, a limit header the claim could not honour: a
+    key that is not 1 to 512 bytes of text (or an integer), a limiter name that is not
+    1 to 200 bytes of text."""
+    headers = payload.get("headers")
+    if not isinstance(headers, Mapping):
+        return
+    refused = headers.get(DEFAULT_REFUSED)
+    if refused is not None:
+        raise LimitError(str(refused))
+    for header in (RATE_KEY, CONCURRENCY_KEY):
+        if header in headers:
+            _key_text(f"header {header}", headers[header])
+    for header in (RATE_LIMITER, CONCURRENCY_LIMITER):
+        if header in headers:
+            limit_name(f"header {header}", headers[header])

@@ -32,20 +32,36 @@ ORDER BY l.name
 -- name: limit_set
 -- Define or change a limit from the command (origin command, which configuration does
 -- not overwrite until `pgq limit reset`). A part not given (NULL) keeps its value; a
--- cleared part is given as clear_rate / clear_concurrency. Returns the new definition.
-INSERT INTO {schema}.flow_limit AS l (name, rate_count, rate_period, burst, concurrency, origin)
-VALUES (%(name)s, %(rate_count)s, %(rate_period)s, COALESCE(%(burst)s::integer, 1),
-        %(concurrency)s, 'command')
-ON CONFLICT (name) DO UPDATE
-SET rate_count = CASE WHEN %(clear_rate)s::boolean THEN NULL
-                      ELSE COALESCE(EXCLUDED.rate_count, l.rate_count) END,
-    rate_period = CASE WHEN %(clear_rate)s::boolean THEN NULL
-                       ELSE COALESCE(EXCLUDED.rate_period, l.rate_period) END,
-    burst = COALESCE(%(burst)s::integer, l.burst),
-    concurrency = CASE WHEN %(clear_concurrency)s::boolean THEN NULL
-                       ELSE COALESCE(EXCLUDED.concurrency, l.concurrency) END,
-    origin = 'command', updated_at = pg_catalog.now()
-RETURNING l.name, l.rate_count, l.rate_period, l.burst, l.concurrency, l.origin
+-- cleared part is given as clear_rate / clear_concurrency. A changed rate starts its
+-- buckets full (their arrival times were counted in the old interval). Returns the new
+-- definition.
+WITH old AS (
+    SELECT l.rate_count, l.rate_period, l.burst FROM {schema}.flow_limit AS l
+    WHERE l.name = %(name)s::text
+), set AS (
+    INSERT INTO {schema}.flow_limit AS l
+        (name, rate_count, rate_period, burst, concurrency, origin)
+    VALUES (%(name)s::text, %(rate_count)s::integer, %(rate_period)s::float8,
+            COALESCE(%(burst)s::integer, 1), %(concurrency)s::integer, 'command')
+    ON CONFLICT (name) DO UPDATE
+    SET rate_count = CASE WHEN %(clear_rate)s::boolean THEN NULL
+                          ELSE COALESCE(EXCLUDED.rate_count, l.rate_count) END,
+        rate_period = CASE WHEN %(clear_rate)s::boolean THEN NULL
+                           ELSE COALESCE(EXCLUDED.rate_period, l.rate_period) END,
+        burst = COALESCE(%(burst)s::integer, l.burst),
+        concurrency = CASE WHEN %(clear_concurrency)s::boolean THEN NULL
+                           ELSE COALESCE(EXCLUDED.concurrency, l.concurrency) END,
+        origin = 'command', updated_at = pg_catalog.now()
+    RETURNING l.name, l.rate_count, l.rate_period, l.burst, l.concurrency, l.origin
+), refilled AS (
+    UPDATE {schema}.flow_state AS s SET tat = '-infinity'
+    FROM set
+    WHERE s.limiter = set.name
+      AND NOT EXISTS (SELECT FROM old
+                      WHERE (old.rate_count, old.rate_period, old.burst)
+                            IS NOT DISTINCT FROM (set.rate_count, set.rate_period, set.burst))
+)
+SELECT * FROM set
 
 -- name: limit_release
 -- After a change: every message a gate parked until a time (due_at kept) is made

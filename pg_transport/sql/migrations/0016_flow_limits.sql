@@ -68,6 +68,7 @@ DECLARE
     tau float8;
     late float8;
     g integer;
+    wait text;
 BEGIN
     SELECT l.rate_count, l.rate_period, l.burst INTO lim
     FROM {schema}.flow_limit AS l WHERE l.name = limiter;
@@ -75,11 +76,26 @@ BEGIN
         RETURN QUERY SELECT want, NULL::timestamptz, NULL::float8;
         RETURN;
     END IF;
-    INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
-    ON CONFLICT DO NOTHING;
     SELECT s.tat INTO arrival FROM {schema}.flow_state AS s
     WHERE s.limiter = flow_tokens.limiter AND s.key = bucket
     FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND AND NOT EXISTS (SELECT FROM {schema}.flow_state AS s
+                                 WHERE s.limiter = flow_tokens.limiter AND s.key = bucket) THEN
+        -- The bucket's first use: its row, without waiting for another claim that is
+        -- inserting it too (lock_timeout: that claim has the bucket; busy).
+        wait := pg_catalog.current_setting('lock_timeout');
+        PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
+        BEGIN
+            INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
+            ON CONFLICT DO NOTHING;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        PERFORM pg_catalog.set_config('lock_timeout', wait, true);
+        SELECT s.tat INTO arrival FROM {schema}.flow_state AS s
+        WHERE s.limiter = flow_tokens.limiter AND s.key = bucket
+        FOR UPDATE SKIP LOCKED;
+    END IF;
     IF NOT FOUND THEN
         RETURN QUERY SELECT -1, NULL::timestamptz, NULL::float8;
         RETURN;
@@ -118,17 +134,32 @@ DECLARE
     live integer;
     locked integer;
     ends timestamptz;
+    wait text;
 BEGIN
     SELECT l.concurrency INTO cap FROM {schema}.flow_limit AS l WHERE l.name = limiter;
     IF cap IS NULL THEN
         RETURN QUERY SELECT want, NULL::timestamptz;
         RETURN;
     END IF;
-    INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
-    ON CONFLICT DO NOTHING;
     PERFORM FROM {schema}.flow_state AS s
     WHERE s.limiter = flow_slots.limiter AND s.key = bucket
     FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND AND NOT EXISTS (SELECT FROM {schema}.flow_state AS s
+                                 WHERE s.limiter = flow_slots.limiter AND s.key = bucket) THEN
+        -- The key's first use: as in flow_tokens.
+        wait := pg_catalog.current_setting('lock_timeout');
+        PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
+        BEGIN
+            INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
+            ON CONFLICT DO NOTHING;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        PERFORM pg_catalog.set_config('lock_timeout', wait, true);
+        PERFORM FROM {schema}.flow_state AS s
+        WHERE s.limiter = flow_slots.limiter AND s.key = bucket
+        FOR UPDATE SKIP LOCKED;
+    END IF;
     IF NOT FOUND THEN
         RETURN QUERY SELECT -1, NULL::timestamptz;
         RETURN;
