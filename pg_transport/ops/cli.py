@@ -178,6 +178,25 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
                 right={1, 2, 3, 4},
             )
         )
+    if report.limits:
+        click.echo("limits:")
+        click.echo(
+            table(
+                ["LIMIT", "RATE", "BURST", "CONCURRENCY", "IN FLIGHT", "WAITING FOR A SLOT"],
+                [
+                    [
+                        lim.name,
+                        lim.rate or "-",
+                        str(lim.burst) if lim.rate else "-",
+                        "-" if lim.concurrency is None else str(lim.concurrency),
+                        str(lim.in_flight),
+                        str(lim.waiting),
+                    ]
+                    for lim in report.limits
+                ],
+                right={2, 3, 4, 5},
+            )
+        )
     clients = report.clients
     click.echo(
         f"clients: {plural(clients.processes, 'process', 'processes')}, "

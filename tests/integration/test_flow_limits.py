@@ -8,6 +8,7 @@ once. Times are the database's clock, written by a trigger in the statement that
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -452,3 +453,24 @@ def test_a_killed_claimer_s_slot_returns_when_its_lease_lapses(
     )
     got = delivered(store.claim([Q], [30.0], 10))
     assert got in ([1], [2])  # the slot is free again: one of the key's two, not both
+
+
+def test_pgq_status_counts_each_limit_s_slots_in_use_and_waiting(
+    store: PublishingStore, peek: Peek, pg_url: str, schema: str
+) -> None:
+    define(peek, "erp", concurrency=1)
+    define(peek, f"task:{TASK}", rate=(600, 60.0), burst=3)
+    for n in range(3):
+        store.publisher.publish(Q, keyed(n, "c1"))
+    assert delivered(store.claim([Q], [30.0], 10)) == [0]
+    done = CliRunner().invoke(
+        main, ["status", "--json", "--url", to_broker_url(pg_url), "--schema", schema]
+    )
+    assert done.exit_code == 0, done.output
+    limits = json.loads(done.output)["limits"]
+    assert limits == [
+        {"name": "erp", "rate": None, "burst": 1, "concurrency": 1, "in_flight": 1,
+         "waiting": 2},
+        {"name": f"task:{TASK}", "rate": "600/m", "burst": 3, "concurrency": None,
+         "in_flight": 0, "waiting": 0},
+    ]  # fmt: skip
