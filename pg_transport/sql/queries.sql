@@ -418,7 +418,7 @@ CROSS JOIN LATERAL (
 WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
   AND n.due_at <= pg_catalog.now() AND n.read_ct < wanted.max_attempts
   AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
-  AND (SELECT true FROM {schema}.flow_limit LIMIT 1) IS NULL
+  AND {part:claim_flow_on} IS NULL
 
 -- part: claim_budget
 -- Budget: what the gates let through and the hand-off, in claim order, within limit
@@ -447,6 +447,12 @@ FROM (
 ) AS s
 WHERE (s.before = 0 OR s.before < %(max_bytes)s::bigint) AND s.rank <= %(limit)s::integer
 
+-- part: claim_flow_on
+-- Whether any flow limit is defined (one probe of an empty table otherwise). Every read
+-- of the flow gates' parts is guarded by it, so that without limits none of them runs:
+-- a queue that uses none of this pays these probes only.
+(SELECT true FROM {schema}.flow_limit LIMIT 1)
+
 -- part: claim_flow_meets
 -- What each message picked for delivery (not doomed: dead-lettering never waits for a
 -- token or a slot) asks of the flow limits, read from its headers: its task, its rate
@@ -470,7 +476,7 @@ CROSS JOIN LATERAL (
     SELECT m.payload -> 'headers' AS headers, m.payload -> 'headers' ->> 'task' AS task
     FROM {schema}.message AS m WHERE m.id = g.id
 ) AS h
-WHERE s.doom IS NULL AND (SELECT true FROM {schema}.flow_limit LIMIT 1)
+WHERE s.doom IS NULL AND {part:claim_flow_on}
 
 -- part: claim_gate_slots
 -- Gate (concurrency per key): per key with a concurrency limit, how many of its
@@ -571,7 +577,8 @@ SET due_at = COALESCE(t.due_at, t.visible_at),
     visible_at = (SELECT f.park_until FROM flow_held AS f WHERE f.id = t.id),
     climit = COALESCE((SELECT f.climit FROM flow_held AS f WHERE f.id = t.id), t.climit),
     ckey = COALESCE((SELECT f.ckey FROM flow_held AS f WHERE f.id = t.id), t.ckey)
-WHERE t.id = ANY(ARRAY(SELECT id FROM flow_held WHERE park_until IS NOT NULL))
+WHERE t.id = ANY(ARRAY(SELECT id FROM flow_held
+                       WHERE park_until IS NOT NULL AND {part:claim_flow_on}))
 
 -- part: claim_doom
 -- Doom: why message s must not be delivered, if it must not: a payload larger than
@@ -607,12 +614,16 @@ SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
     read_ct = t.read_ct + 1,
     lease = t.lease + 1,
     due_at = NULL,
-    climit = COALESCE((SELECT f.climit FROM slotted AS f
-                       WHERE f.id = t.id AND f.slot_gate = 'slot'), t.climit),
-    ckey = COALESCE((SELECT f.ckey FROM slotted AS f
-                     WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
+    climit = CASE WHEN {part:claim_flow_on}
+                  THEN COALESCE((SELECT f.climit FROM slotted AS f
+                                 WHERE f.id = t.id AND f.slot_gate = 'slot'), t.climit)
+                  ELSE t.climit END,
+    ckey = CASE WHEN {part:claim_flow_on}
+                THEN COALESCE((SELECT f.ckey FROM slotted AS f
+                               WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
+                ELSE t.ckey END
 WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
-  AND t.id <> ALL(ARRAY(SELECT id FROM flow_held))
+  AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
   AND (t.visible_at = 'infinity'::timestamptz
        OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
@@ -647,6 +658,7 @@ FROM (
     SELECT f.id, f.queue, f.priority, f.read_ct, 0, NULL::json, NULL::bigint,
            NULL::text, 'held', 1, f.visible_at
     FROM flow_held AS f
+    WHERE {part:claim_flow_on}
     UNION ALL
     SELECT a.id, a.queue, 0, 0, a.lease, NULL::json, NULL::bigint, NULL::text, 'refused',
            2, NULL::timestamptz
