@@ -974,7 +974,8 @@ RETURNING id
 
 -- name: maintain
 -- Mark the queues this consumer uses as in use; delete queues unused past their
--- expiry (with their bindings), queued messages past their TTL and the recorded ends of
+-- expiry (with their bindings), queued messages past their TTL (a parked or deferred
+-- one, due_at set, is queued even if delivered before) and the recorded ends of
 -- followed tasks past follows_retention. Returns the names
 -- of the deleted queues (drop_messages then deletes their messages) and how many
 -- messages expired. Safe to run from every consumer at once.
@@ -993,7 +994,8 @@ WITH touched AS (
     DELETE FROM {schema}.binding AS b WHERE b.queue = ANY(ARRAY(SELECT name FROM gone))
 ), expired AS (
     DELETE FROM {schema}.message AS m
-    WHERE m.expires_at < pg_catalog.now() AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now())
+    WHERE m.expires_at < pg_catalog.now()
+      AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now() OR m.due_at IS NOT NULL)
     RETURNING 1
 ), forgotten AS (
     -- Ends of followed tasks past follows_retention (0011_ordering.sql).

@@ -474,3 +474,19 @@ def test_pgq_status_counts_each_limit_s_slots_in_use_and_waiting(
         {"name": f"task:{TASK}", "rate": "600/m", "burst": 3, "concurrency": None,
          "in_flight": 0, "waiting": 0},
     ]  # fmt: skip
+
+
+def test_a_deferred_message_past_its_ttl_expires_even_if_delivered_before(
+    store: PublishingStore, peek: Peek
+) -> None:
+    """A message waiting for a token is queued, not in flight, whatever its read_ct:
+    past its TTL, maintenance deletes it (and nothing in flight)."""
+    define(peek, f"task:{TASK}", rate=(1, 3600.0))
+    for n in range(2):
+        store.publisher.publish(Q, message(n))
+    assert delivered(store.claim([Q], [30.0], 10)) == [0]
+    peek("UPDATE {schema}.message SET read_ct = 1, expires_at = now() - interval '1 second'")
+    assert store.maintain([Q]) == (0, 1)
+    assert peek("SELECT body FROM (SELECT payload->>'body' AS body FROM {schema}.message) m") == [
+        ("0",)
+    ]
