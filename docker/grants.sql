@@ -15,6 +15,10 @@ GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
       pgq.result_group_save(text, text, text, bytea, float8), pgq.result_group_read(text),
       pgq.result_group_delete(text)
     TO pgq_worker;
+-- The claim's flow-limit gates (flow-control.md) count tokens and slots through these.
+GRANT EXECUTE ON FUNCTION pgq.flow_tokens(text, text, integer),
+      pgq.flow_slots(text, text, integer)
+    TO pgq_worker;
 
 -- 5. monitor rights, as pgq_owner
 BEGIN;
@@ -26,8 +30,10 @@ GRANT SELECT ON pgq.schema_version, pgq.queue TO pgq_monitor;
 -- Where each message is and since when; of an ordered message, its key (an id of your
 -- application's, not content), counted as keys blocked, and what tells a follower parked.
 GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at,
-              okey, due_at, follow_until)
+              okey, due_at, follow_until, climit)
     ON pgq.message TO pgq_monitor;
+-- The flow limits' definitions (flow-control.md); their keys are not granted.
+GRANT SELECT ON pgq.flow_limit TO pgq_monitor;
 GRANT SELECT (id, queue, priority, read_ct, enqueued_at, dead_at)
     ON pgq.dead_letter TO pgq_monitor;
 GRANT SELECT (id, status, total, remaining, created_at, progressed_at, expires_at,

@@ -8,6 +8,7 @@ __all__ = [
     "BrokerUnreachable",
     "ConfigurationError",
     "InvalidMessage",
+    "LimitError",
     "MessageTooLarge",
     "NotPermitted",
     "PgqError",
@@ -23,6 +24,11 @@ class PgqError(Exception):
 
 class ConfigurationError(PgqError, ValueError):
     """A transport option, environment variable or URL is invalid."""
+
+
+class LimitError(ConfigurationError):
+    """A flow limit (rate, burst, concurrency, limiter name or key) is invalid: the
+    message names the option and the value (docs/flow-control.md)."""
 
 
 class BrokerUnavailable(PgqError, ConnectionError):

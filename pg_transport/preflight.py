@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from pg_transport.config import Options
 from pg_transport.db.url import parse_url, scheme_of
 from pg_transport.errors import ConfigurationError
+from pg_transport.message.limits import task_limits
 
 __all__ = ["check", "check_or_stop", "stop"]
 
@@ -45,6 +46,10 @@ def check(app: Any) -> None:
         for url in brokers:
             parse_url(url)
         Options.from_sources(conf.broker_transport_options, os.environ)
+        # The flow limits its tasks define (pg_transport.message.limits), as far as they
+        # are registered yet (read without finalizing the app).
+        for task in list(getattr(app, "_tasks", {}).values()):
+            task_limits(task)
     backend = conf.result_backend
     if isinstance(backend, str) and (scheme_of(backend) or "").lower() == "pgq":
         from pg_transport.results.options import ResultOptions

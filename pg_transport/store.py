@@ -33,6 +33,7 @@ from pg_transport.db.pool import Connector
 from pg_transport.db.retry import FENCED_RETRY_SECONDS, fenced
 from pg_transport.db.wire import Row, Statement
 from pg_transport.errors import NotPermitted
+from pg_transport.message.limits import Limit
 from pg_transport.message.rows import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Claimed,
@@ -419,6 +420,20 @@ class Store:
             return [tuple(r) for r in conn.execute(self.q["list_bindings"]).fetchall()]
 
         return self.connector.run(work, idempotent=True)
+
+    def define_limits(self, limits: Sequence[Limit]) -> None:
+        """Write the flow limits configuration defines (origin config); one a command
+        set is kept (docs/flow-control.md)."""
+        if not limits:
+            return
+        params = {
+            "names": [lim.name for lim in limits],
+            "rate_counts": [lim.rate.count if lim.rate else None for lim in limits],
+            "rate_periods": [lim.rate.period if lim.rate else None for lim in limits],
+            "bursts": [lim.burst for lim in limits],
+            "concurrencies": [lim.concurrency for lim in limits],
+        }
+        self._command("define_limits", params)
 
     def maintain(self, queues: Sequence[str]) -> tuple[int, int]:
         """Touch ``queues``; reap expired queues and messages. (queues, messages) reaped."""

@@ -15,15 +15,18 @@ is imported; each receiver once, whatever the number of calls).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import signals
 
 from pg_transport import backoff, preflight
 from pg_transport.db.pool import set_process_role
-from pg_transport.message import ordering
+from pg_transport.message import limits, ordering
 
 __all__ = ["apply_task_defaults", "connect"]
+
+logger = logging.getLogger("pg_transport")
 
 
 def _task_named(name: str) -> Any:
@@ -57,6 +60,7 @@ def apply_task_defaults(
     task = _task_named(sender)
     if task is not None:
         ordering.task_defaults(task, body, headers)
+        limits.task_defaults(task, body, headers)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:
@@ -74,6 +78,26 @@ def _name_sessions(sender: Any = None, **_: Any) -> None:
         set_process_role("worker", sender)
 
 
+def _define_limits(app: Any) -> None:
+    """Write the flow limits the app's tasks define (origin config), before the worker
+    consumes. A bad one stops the worker with the error naming it; a task that also sets
+    Celery's per-worker ``rate_limit`` gets a warning (both would apply)."""
+    found: list[limits.Limit] = []
+    for name, task in sorted(app.tasks.items()):
+        defined = limits.task_limits(task)
+        if any(d.rate for d in defined) and getattr(task, "rate_limit", None):
+            logger.warning(
+                "task %s sets both rate_limit (Celery's, per worker process) and "
+                "pgq_rate_limit (pgq's, across the fleet): both apply",
+                name,
+            )
+        found += defined
+    if found:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+            conn.transport.store.define_limits(found)
+
+
 def _guard_worker(sender: Any = None, **_: Any) -> None:
     """Add the guard to a worker whose broker is pgq (its consumer is built after)."""
     from pg_transport.kombu.guard import DeliveryGuard
@@ -84,6 +108,7 @@ def _guard_worker(sender: Any = None, **_: Any) -> None:
     except Exception:  # a broker URL kombu cannot resolve: Celery will say so
         return
     if ours:
+        _define_limits(sender.app)
         sender.app.steps["consumer"].add(DeliveryGuard)
         # A worker the broker refuses backs off (not the pool's children, nor clients).
         backoff.enable()

@@ -36,6 +36,7 @@ from pg_transport.ops.cli_common import (
     url_option,
 )
 from pg_transport.ops.cli_dead import dead
+from pg_transport.ops.cli_limits import limit
 from pg_transport.ops.cli_schedule import schedule
 from pg_transport.ops.format import age, json_text, one_line, plural, table
 from pg_transport.ops.plugins import PluginCommands
@@ -57,6 +58,7 @@ def main() -> None:
 
 
 main.add_command(dead)
+main.add_command(limit)
 main.add_command(schedule)
 
 
@@ -174,6 +176,25 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
                     for q in held
                 ],
                 right={1, 2, 3, 4},
+            )
+        )
+    if report.limits:
+        click.echo("limits:")
+        click.echo(
+            table(
+                ["LIMIT", "RATE", "BURST", "CONCURRENCY", "IN FLIGHT", "WAITING FOR A SLOT"],
+                [
+                    [
+                        lim.name,
+                        lim.rate or "-",
+                        str(lim.burst) if lim.rate else "-",
+                        "-" if lim.concurrency is None else str(lim.concurrency),
+                        str(lim.in_flight),
+                        str(lim.waiting),
+                    ]
+                    for lim in report.limits
+                ],
+                right={2, 3, 4, 5},
             )
         )
     clients = report.clients

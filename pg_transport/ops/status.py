@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 
+from pg_transport.message.limits import Rate
 from pg_transport.ops.plugins import plugin
 from pg_transport.sql import load_named
 from pg_transport.store import Store
@@ -103,11 +104,25 @@ class BarrierCount:
 
 
 @dataclass(frozen=True)
+class LimitLine:
+    """A flow limit (docs/flow-control.md): its rate (``10/s``) and burst, its
+    concurrency per key, the messages holding its slots and those waiting for one."""
+
+    name: str
+    rate: str | None
+    burst: int
+    concurrency: int | None
+    in_flight: int
+    waiting: int
+
+
+@dataclass(frozen=True)
 class Status:
     schema: str
     queues: list[QueueStatus]
     clients: Clients
     barriers: list[BarrierCount] = field(default_factory=list)
+    limits: list[LimitLine] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,7 +164,9 @@ def queries(schema: str) -> dict[str, str]:
 def collect(store: Store) -> Status:
     q = queries(store.schema)
 
-    def work(conn: psycopg.Connection[Any]) -> tuple[list[Any], list[Any], Any, list[Any]]:
+    def work(
+        conn: psycopg.Connection[Any],
+    ) -> tuple[list[Any], list[Any], Any, list[Any], list[Any]]:
         # One snapshot for both counts of messages: a message promoted from its key's
         # parked rows between them would otherwise be counted twice or not at all.
         with conn.transaction():
@@ -157,11 +174,12 @@ def collect(store: Store) -> Status:
             conn.execute(q["status_no_jit"])
             queues = conn.execute(q["status_queues"]).fetchall()
             blocked = conn.execute(q["status_blocked"]).fetchall()
+            limits = conn.execute(q["status_limits"]).fetchall()
         clients = conn.execute(q["status_clients"]).fetchone()
         processes = conn.execute(q["status_client_processes"]).fetchall()
-        return queues, blocked, clients, processes
+        return queues, blocked, clients, processes, limits
 
-    queues, blocked, clients, processes = store.connector.run(work, idempotent=True)
+    queues, blocked, clients, processes, limits = store.connector.run(work, idempotent=True)
     keys = {str(row[0]): row for row in blocked}
     by_process = [
         ClientProcess(str(name), str(address), int(sessions), int(active))
@@ -174,4 +192,15 @@ def collect(store: Store) -> Status:
             Clients(int(clients[0]), int(clients[1]), by_process) if clients else Clients(0, 0)
         ),
         barriers=barrier_counts(store),
+        limits=[
+            LimitLine(
+                str(r[0]),
+                None if r[1] is None else str(Rate(int(r[1]), float(r[2]))),
+                int(r[3]),
+                r[4],
+                int(r[5]),
+                int(r[6]),
+            )
+            for r in limits
+        ],
     )

@@ -105,6 +105,20 @@ WHERE l.priority IS NOT NULL
 GROUP BY l.queue
 ORDER BY l.queue
 
+-- name: status_limits
+-- Every flow limit (docs/flow-control.md): its definition, the messages holding one of
+-- its slots and those parked waiting for one (message_slot_live_idx and
+-- message_slot_wait_idx, one descent each per limit). Keys and tokens are not read: a
+-- monitor sees no key (`pgq limit show` does, as the workers' role).
+SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency,
+       (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+        WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
+          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL),
+       (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+        WHERE m.climit = l.name AND m.due_at IS NOT NULL)
+FROM {schema}.flow_limit AS l
+ORDER BY l.name
+
 -- name: status_clients
 -- pgq client processes (application_name 'pgq:<pid>', set by the transport) connected
 -- to this database, and their sessions. pg_stat_activity does not know schemas, so

@@ -42,7 +42,7 @@ from psycopg.rows import tuple_row
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import InvalidMessage, MessageTooLarge, NotPermitted
-from pg_transport.message import ordering
+from pg_transport.message import limits, ordering
 from pg_transport.message.rows import DEFAULT_MAX_MESSAGE_BYTES
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
@@ -194,6 +194,7 @@ class Publisher:
         # a value JSON cannot hold.
         place = ordering.placement(payload, self.follows_timeout)
         ordering.check_hold(place, max(delay, 0.0))
+        limits.check_headers(payload)
         return {
             **place.params(),
             "queue": queue,
@@ -319,6 +320,7 @@ class Publisher:
         """
         place = ordering.placement(payload, self.follows_timeout)  # (first: above)
         ordering.check_hold(place, max(delay, 0.0))
+        limits.check_headers(payload)
         params = {
             **place.params(),
             "exchange": exchange,

@@ -138,6 +138,10 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 --                claim_hold, claim_park          what a gate stops is held or parked
 --                claim_handoff                   an ack here hands its key's next on
 --   budget       claim_budget                    limit and max_bytes over what passed
+--   flow         claim_flow_meets                what each message asks of the limits
+--                claim_gate_slots, claim_slots    at most N of a key in flight (flow_slots)
+--                claim_flow_wants, claim_gate_rate  a token of each rate bucket (flow_tokens)
+--                claim_flow_hold, claim_flow_park what the limits stop is held or deferred
 --   doom         claim_doom, claim_dead          never delivered, never lost
 --   update       claim_update                    the lease
 --   answer       claim_delivered, claim_answer
@@ -172,6 +176,20 @@ WITH wanted AS (
     {part:claim_handoff}
 ), picked AS MATERIALIZED (
     {part:claim_budget}
+), flow_meets AS MATERIALIZED (
+    {part:claim_flow_meets}
+), slots AS MATERIALIZED (
+    {part:claim_gate_slots}
+), slotted AS MATERIALIZED (
+    {part:claim_slots}
+), flow_wants AS MATERIALIZED (
+    {part:claim_flow_wants}
+), rate AS MATERIALIZED (
+    {part:claim_gate_rate}
+), flow_held AS MATERIALIZED (
+    {part:claim_flow_hold}
+), flow_parked AS (
+    {part:claim_flow_park}
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
@@ -382,9 +400,10 @@ WHERE t.id = ANY(ARRAY(SELECT id FROM held WHERE park_until IS NOT NULL))
 -- ack's trigger then finds it taken). Looked up in this statement's snapshot, where the
 -- acked rows still are: a park committed after it began is the trigger's to promote.
 -- Only one plainly deliverable passes: due, not expired (as claim_pick), no follows
--- link, within max_attempts and max_message_bytes, a JSON object; anything else waits
--- for the trigger (an expired one then for housekeeping, maintain, whose removal of it
--- releases the key). It is not locked here: claim_update takes it only if it is still
+-- link, within max_attempts and max_message_bytes, a JSON object, and no flow limit
+-- defined at all (the flow gates judge what is picked, not what is handed); anything else
+-- waits for the trigger (an expired one then for housekeeping, maintain, whose removal of
+-- it releases the key). It is not locked here: claim_update takes it only if it is still
 -- parked once locked.
 SELECT n.id, n.priority, n.due_at AS visible_at, n.read_ct, n.bytes, n.kind,
        wanted.vt, wanted.max_attempts
@@ -404,6 +423,7 @@ WHERE n.visible_at = 'infinity'::timestamptz AND n.follows IS NULL
   AND (n.expires_at IS NULL OR n.expires_at > pg_catalog.now())
   AND n.read_ct < wanted.max_attempts
   AND n.bytes <= %(max_message_bytes)s::bigint AND n.kind = 'object'
+  AND {part:claim_flow_on} IS NULL
 
 -- part: claim_budget
 -- Budget: what the gates let through and the hand-off, in claim order, within limit
@@ -432,6 +452,139 @@ FROM (
 ) AS s
 WHERE (s.before = 0 OR s.before < %(max_bytes)s::bigint) AND s.rank <= %(limit)s::integer
 
+-- part: claim_flow_on
+-- Whether any flow limit is defined (one probe of an empty table otherwise). Every read
+-- of the flow gates' parts is guarded by it, so that without limits none of them runs:
+-- a queue that uses none of this pays these probes only.
+(SELECT true FROM {schema}.flow_limit LIMIT 1)
+
+-- part: claim_flow_meets
+-- What each message picked for delivery (not doomed: dead-lettering never waits for a
+-- token or a slot) asks of the flow limits, read from its headers: its task, its rate
+-- limiter and key (pgq-rate-limiter, default task:<task>; pgq-rate-key) and its
+-- concurrency limiter and key (pgq-concurrency-limiter, default task:<task>;
+-- pgq-concurrency-key). A key over 512 bytes is replaced by its digest (an index entry
+-- has a size limit; equal keys stay equal). Nothing at all, one probe, when no limit is
+-- defined: a queue that uses none of this pays that probe only.
+SELECT g.id, g.queue, g.priority, g.visible_at, g.read_ct, g.vt, h.task,
+       COALESCE(h.headers ->> 'pgq-rate-limiter', 'task:' || h.task) AS rlimit,
+       CASE WHEN pg_catalog.octet_length(h.headers ->> 'pgq-rate-key') > 512
+            THEN 'md5:' || pg_catalog.md5(h.headers ->> 'pgq-rate-key')
+            ELSE h.headers ->> 'pgq-rate-key' END AS rkey,
+       COALESCE(h.headers ->> 'pgq-concurrency-limiter', 'task:' || h.task) AS climit,
+       CASE WHEN pg_catalog.octet_length(h.headers ->> 'pgq-concurrency-key') > 512
+            THEN 'md5:' || pg_catalog.md5(h.headers ->> 'pgq-concurrency-key')
+            ELSE h.headers ->> 'pgq-concurrency-key' END AS ckey
+FROM picked AS s
+JOIN gated AS g ON g.id = s.id
+CROSS JOIN LATERAL (
+    SELECT m.payload -> 'headers' AS headers, m.payload -> 'headers' ->> 'task' AS task
+    FROM {schema}.message AS m WHERE m.id = g.id
+) AS h
+WHERE s.doom IS NULL AND {part:claim_flow_on}
+
+-- part: claim_gate_slots
+-- Gate (concurrency per key): per key with a concurrency limit, how many of its
+-- candidates may start (flow_slots: counted under the key's row lock, in a fresh
+-- snapshot; -1: busy) and the earliest lease end of its holders. Keys in one order.
+SELECT k.climit, k.ckey, s.granted, s.next_at
+FROM (SELECT f.climit, f.ckey, pg_catalog.count(*)::integer AS want
+      FROM flow_meets AS f
+      WHERE f.ckey IS NOT NULL
+        AND (SELECT l.concurrency FROM {schema}.flow_limit AS l WHERE l.name = f.climit)
+            IS NOT NULL
+      GROUP BY f.climit, f.ckey
+      ORDER BY f.climit, f.ckey) AS k
+CROSS JOIN LATERAL {schema}.flow_slots(k.climit, k.ckey, k.want) AS s
+
+-- part: claim_slots
+-- Each candidate's slot: NULL (no concurrency limit), 'slot' (within what its key
+-- grants, in claim order), 'full' (parked until slot_until: the earliest lease end of
+-- the key's holders, this claim's own grants included), 'busy' (held, not parked).
+SELECT f.*,
+       CASE WHEN s.granted IS NULL THEN NULL
+            WHEN s.granted < 0 THEN 'busy'
+            WHEN pg_catalog.row_number() OVER (
+                     PARTITION BY f.climit, f.ckey
+                     ORDER BY f.priority DESC, f.visible_at, f.id) <= s.granted
+            THEN 'slot'
+            ELSE 'full'
+       END AS slot_gate,
+       LEAST(s.next_at, pg_catalog.now() + pg_catalog.make_interval(secs => f.vt))
+           AS slot_until
+FROM flow_meets AS f
+LEFT JOIN slots AS s ON s.climit = f.climit AND s.ckey = f.ckey
+
+-- part: claim_flow_wants
+-- The rate buckets each candidate its slot let through meets (all must grant): its
+-- queue's (queue:<queue>), its task's (task:<task>) unless its rate key is of the task's
+-- own limiter, and its rate key's; only those with a rate defined. Ranked in claim order
+-- within each bucket.
+SELECT f.id, b.limiter, b.key,
+       pg_catalog.row_number() OVER (PARTITION BY b.limiter, b.key
+                                     ORDER BY f.priority DESC, f.visible_at, f.id) AS rank
+FROM slotted AS f
+CROSS JOIN LATERAL (
+    SELECT DISTINCT v.limiter, v.key
+    FROM (VALUES ('queue:' || f.queue, ''),
+                 (CASE WHEN f.rkey IS NULL OR f.rlimit <> 'task:' || f.task
+                       THEN 'task:' || f.task END, ''),
+                 (CASE WHEN f.rkey IS NOT NULL THEN f.rlimit END, f.rkey)) AS v(limiter, key)
+    WHERE v.limiter IS NOT NULL
+) AS b
+WHERE (f.slot_gate IS NULL OR f.slot_gate = 'slot')
+  AND (SELECT l.rate_count FROM {schema}.flow_limit AS l WHERE l.name = b.limiter)
+      IS NOT NULL
+
+-- part: claim_gate_rate
+-- Gate (rate, GCRA): per bucket the candidates meet, how many it grants now, when its
+-- next token is due and the interval between tokens (flow_tokens, under the bucket's
+-- row lock; -1: busy). A token one bucket grants to a candidate another refuses is
+-- spent unused: never over a limit, at worst under it within one claim.
+SELECT b.limiter, b.key, t.granted, t.next_at, t.step
+FROM (SELECT w.limiter, w.key, pg_catalog.count(*)::integer AS want
+      FROM flow_wants AS w
+      GROUP BY w.limiter, w.key
+      ORDER BY w.limiter, w.key) AS b
+CROSS JOIN LATERAL {schema}.flow_tokens(b.limiter, b.key, b.want) AS t
+
+-- part: claim_flow_hold
+-- What the flow gates stopped: held back (note held), and parked until park_until: a
+-- key with no free slot until its holders' earliest lease end (a holder's removal
+-- promotes the earliest waiting one before that: flow_leave); a bucket out of tokens,
+-- the i-th refused candidate until the bucket's next token plus i intervals, the latest
+-- of its buckets. Busy (a key or bucket another claim holds): held, not parked.
+SELECT f.id, f.queue, f.priority, f.read_ct, f.visible_at,
+       CASE WHEN f.slot_gate IS NOT NULL THEN f.climit END AS climit,
+       CASE WHEN f.slot_gate IS NOT NULL THEN f.ckey END AS ckey,
+       CASE WHEN f.slot_gate = 'full' THEN f.slot_until
+            WHEN f.slot_gate = 'busy' THEN NULL
+            ELSE r.until
+       END AS park_until
+FROM slotted AS f
+LEFT JOIN LATERAL (
+    SELECT pg_catalog.max(t.next_at + pg_catalog.make_interval(
+               secs => (w.rank - t.granted - 1) * t.step))
+               FILTER (WHERE t.granted >= 0 AND w.rank > t.granted) AS until,
+           pg_catalog.bool_or(t.granted < 0) AS busy
+    FROM flow_wants AS w
+    JOIN rate AS t ON t.limiter = w.limiter AND t.key = w.key
+    WHERE w.id = f.id
+) AS r ON true
+WHERE f.slot_gate IN ('full', 'busy') OR r.until IS NOT NULL OR r.busy
+
+-- part: claim_flow_park
+-- Park what the flow gates stopped until its time (what next_due reports, so an idle
+-- consumer's timer fires then: no polling), its place kept in due_at (which also says
+-- it holds no slot), and the key of its slot written for flow_leave to find it.
+UPDATE {schema}.message AS t
+SET due_at = COALESCE(t.due_at, t.visible_at),
+    visible_at = (SELECT f.park_until FROM flow_held AS f WHERE f.id = t.id),
+    climit = COALESCE((SELECT f.climit FROM flow_held AS f WHERE f.id = t.id), t.climit),
+    ckey = COALESCE((SELECT f.ckey FROM flow_held AS f WHERE f.id = t.id), t.ckey)
+WHERE t.id = ANY(ARRAY(SELECT id FROM flow_held
+                       WHERE park_until IS NOT NULL AND {part:claim_flow_on}))
+
 -- part: claim_doom
 -- Doom: why message s must not be delivered, if it must not: a payload larger than
 -- max_message_bytes or not a JSON object, or a next delivery past its queue's
@@ -455,16 +608,27 @@ WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.enqueued_at, t.payload
 
 -- part: claim_update
--- Update: each row picked and not doomed is leased for its queue's vt under a new grant
--- (lease + 1, the fencing token its ack, release and renewal must show), one delivery
--- more. A handed row was not locked before: taken only if still parked once it is.
+-- Update: each row picked, not doomed and not held by a flow limit is leased for its
+-- queue's vt under a new grant (lease + 1, the fencing token its ack, release and renewal
+-- must show), one delivery more; a slot granted is written on it (climit, ckey), which is
+-- what counts it in flight. A handed row was not locked before: taken only if still
+-- parked once it is.
 UPDATE {schema}.message AS t
 SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
         SELECT picked.vt FROM picked WHERE picked.id = t.id)),
     read_ct = t.read_ct + 1,
     lease = t.lease + 1,
-    due_at = NULL
+    due_at = NULL,
+    climit = CASE WHEN {part:claim_flow_on}
+                  THEN COALESCE((SELECT f.climit FROM slotted AS f
+                                 WHERE f.id = t.id AND f.slot_gate = 'slot'), t.climit)
+                  ELSE t.climit END,
+    ckey = CASE WHEN {part:claim_flow_on}
+                THEN COALESCE((SELECT f.ckey FROM slotted AS f
+                               WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
+                ELSE t.ckey END
 WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
+  AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
   AND (t.visible_at = 'infinity'::timestamptz
        OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
@@ -495,6 +659,11 @@ FROM (
     SELECT held.id, held.queue, held.priority, held.read_ct, 0, NULL::json, NULL::bigint,
            NULL::text, 'held', 1, held.visible_at
     FROM held
+    UNION ALL
+    SELECT f.id, f.queue, f.priority, f.read_ct, 0, NULL::json, NULL::bigint,
+           NULL::text, 'held', 1, f.visible_at
+    FROM flow_held AS f
+    WHERE {part:claim_flow_on}
     UNION ALL
     SELECT a.id, a.queue, 0, 0, a.lease, NULL::json, NULL::bigint, NULL::text, 'refused',
            2, NULL::timestamptz
@@ -627,7 +796,9 @@ FROM (SELECT DISTINCT queue FROM released) AS q
 
 -- name: renew
 -- Extend the visibility timeout of messages this consumer still holds (lease, queue);
--- the ids renewed (one missing was refused: its lease had lapsed).
+-- the ids renewed (one missing was refused: its lease had lapsed). A message holding a
+-- concurrency slot (climit) whose lease has lapsed is refused too: its slot may have
+-- been given to another message, which must not share it with a worker that comes back.
 UPDATE {schema}.message AS m
 SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => a.vt)
 FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
@@ -635,6 +806,7 @@ FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
                 pg_catalog.unnest(%(queues)s::text[]),
                 pg_catalog.unnest(%(vts)s::float8[])) AS a(id, lease, queue, vt)
 WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+  AND (m.climit IS NULL OR m.visible_at > pg_catalog.now())
 RETURNING m.id
 
 -- name: dead_letter
@@ -810,7 +982,8 @@ RETURNING id
 
 -- name: maintain
 -- Mark the queues this consumer uses as in use; delete queues unused past their
--- expiry (with their bindings), queued messages past their TTL and the recorded ends of
+-- expiry (with their bindings), queued messages past their TTL (a parked or deferred
+-- one, due_at set, is queued even if delivered before) and the recorded ends of
 -- followed tasks past follows_retention. Returns the names
 -- of the deleted queues (drop_messages then deletes their messages) and how many
 -- messages expired. Safe to run from every consumer at once.
@@ -839,8 +1012,34 @@ WITH touched AS (
     DELETE FROM {schema}.follow_done AS d
     WHERE d.finished_at
           < pg_catalog.now() - pg_catalog.make_interval(secs => %(follows_retention)s::float8)
+), idle_buckets AS (
+    -- Flow state of keys unused for a day (0016_flow_limits.sql): a bucket idle that
+    -- long is full again anyway, and a slot's row only serialises its claims.
+    DELETE FROM {schema}.flow_state AS s
+    WHERE s.used_at < pg_catalog.now() - interval '1 day'
 )
 SELECT ARRAY(SELECT name FROM gone), (SELECT pg_catalog.count(*) FROM expired)
+
+-- name: define_limits
+-- The flow limits configuration defines (task attributes, transport options), written
+-- at worker start with origin config: one a command set (origin command) is kept until
+-- `pgq limit reset`. One array a column, one element a limit.
+INSERT INTO {schema}.flow_limit AS l (name, rate_count, rate_period, burst, concurrency, origin)
+SELECT g.name, g.rate_count, g.rate_period, g.burst, g.concurrency, 'config'
+FROM ROWS FROM (pg_catalog.unnest(%(names)s::text[]),
+                pg_catalog.unnest(%(rate_counts)s::integer[]),
+                pg_catalog.unnest(%(rate_periods)s::float8[]),
+                pg_catalog.unnest(%(bursts)s::integer[]),
+                pg_catalog.unnest(%(concurrencies)s::integer[]))
+    AS g(name, rate_count, rate_period, burst, concurrency)
+ON CONFLICT (name) DO UPDATE
+SET rate_count = EXCLUDED.rate_count, rate_period = EXCLUDED.rate_period,
+    burst = EXCLUDED.burst, concurrency = EXCLUDED.concurrency,
+    updated_at = pg_catalog.now()
+WHERE l.origin = 'config'
+  AND (l.rate_count, l.rate_period, l.burst, l.concurrency)
+      IS DISTINCT FROM (EXCLUDED.rate_count, EXCLUDED.rate_period, EXCLUDED.burst,
+                        EXCLUDED.concurrency)
 
 -- name: drop_messages
 -- Delete every message of the given queues (queues that expired). A statement of its

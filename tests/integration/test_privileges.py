@@ -107,7 +107,10 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "okey",
                 "due_at",
                 "follow_until",
+                # Flow limits: slots in use and waiting counted per limiter, not per key.
+                "climit",
             },
+            "flow_limit": ALL,
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},
             "barrier": {
                 "id",
