@@ -15,6 +15,8 @@ GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
       pgq.result_group_save(text, text, text, bytea, float8), pgq.result_group_read(text),
       pgq.result_group_delete(text)
     TO pgq_worker;
+-- A duplicate unique task's publish asks who holds its key (a task id, nothing else).
+GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_worker;
 
 -- 5. monitor rights, as pgq_owner
 BEGIN;
@@ -46,9 +48,11 @@ GRANT USAGE ON SCHEMA pgq TO pgq_publisher;
 GRANT SELECT (version) ON pgq.schema_version TO pgq_publisher;
 -- A message; its publish key is read by ON CONFLICT, so a resent publish inserts nothing.
 GRANT INSERT (queue, priority, visible_at, publish_key, payload, expires_at,
-              okey, task_id, follows, follow_until, followable),
+              okey, task_id, follows, follow_until, followable, ukey, urun),
       SELECT (publish_key)
     ON pgq.message TO pgq_publisher;
+-- A duplicate unique task's publish asks who holds its key: a task id, never a row.
+GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_publisher;
 -- Routing, read only: a routed publish finds its queues in one statement.
 GRANT SELECT (name, type) ON pgq.exchange TO pgq_publisher;
 GRANT SELECT (exchange, queue, routing_key, pattern) ON pgq.binding TO pgq_publisher;

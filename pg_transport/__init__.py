@@ -17,6 +17,7 @@ from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
     ConfigurationError,
+    DuplicateTask,
     InvalidMessage,
     MessageTooLarge,
     NotPermitted,
@@ -25,9 +26,12 @@ from pg_transport.errors import (
     PoolerDetected,
     SchemaError,
     TransactionRefused,
+    UniqueBusy,
 )
 from pg_transport.kombu import hooks as _hooks
+from pg_transport.kombu.unique_task import UniqueTask
 from pg_transport.message.ordering import OrderingError
+from pg_transport.message.unique import UniqueError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
 from pg_transport.results import hooks as _results_hooks
@@ -53,6 +57,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "DuplicateTask",
     "InvalidMessage",
     "MessageTooLarge",
     "NotPermitted",
@@ -63,6 +68,9 @@ __all__ = [
     "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
+    "UniqueBusy",
+    "UniqueError",
+    "UniqueTask",
     "batch",
     "transaction",
 ]

@@ -26,7 +26,7 @@ from pg_transport.config import MAX_SECONDS, Options
 from pg_transport.errors import InvalidMessage
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
-from pg_transport.message import envelope, identity, ordering, poison, topic
+from pg_transport.message import envelope, identity, ordering, poison, topic, unique
 from pg_transport.message.eta import eta_delay
 from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Claimed, Lease, Store
@@ -269,6 +269,7 @@ class Channel(virtual.Channel):
     def basic_publish(self, message: Any, exchange: str, routing_key: str, **kwargs: Any) -> Any:
         self._inplace_augment_message(message, exchange, routing_key)
         ordering.move_options(message)
+        unique.move_options(message)
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]

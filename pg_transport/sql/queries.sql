@@ -36,6 +36,47 @@ WITH inserted AS (
 )
 SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
 
+-- name: publish_unique
+-- publish_plain for a message with a unique key (0016_unique.sql): any conflict inserts
+-- nothing, a publish sent again (publish key) or a duplicate (ukey). The insert waits for
+-- a transaction that inserted the same key and has not ended, at most unique_wait (the
+-- statement's lock_timeout, set first, local to the transaction; its value before is
+-- returned for a caller's transaction to put back). Which conflict it was is asked only
+-- when nothing was inserted: unique_holder names the task that holds the key (this
+-- publish's own task id: it is this publish, sent again), or NULL when none does any more.
+WITH waits AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS before,
+           pg_catalog.set_config('lock_timeout', %(unique_wait)s::text, true) AS set
+), inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable, ukey, urun)
+    SELECT %(queue)s, %(priority)s,
+           pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
+           %(publish_key)s, %(payload)s,
+           pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
+               (SELECT q.message_ttl_ms::float8 / 1000.0::float8
+                FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
+               %(ttl)s::float8)),
+           %(okey)s::text, %(task_id)s::text, %(follows)s::text,
+           pg_catalog.now() + pg_catalog.make_interval(
+               secs => %(delay)s::float8 + %(follow_wait)s::float8),
+           %(followable)s::boolean, %(ukey)s::text, %(urun)s::boolean
+    FROM waits
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), woken AS (
+    SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted WHERE %(notify)s::boolean
+)
+SELECT (SELECT pg_catalog.count(*) FROM inserted) AS inserted,
+       (SELECT pg_catalog.count(*) FROM woken) AS woken,
+       CASE WHEN NOT EXISTS (SELECT FROM inserted)
+            THEN {schema}.unique_holder(%(ukey)s::text, %(publish_key)s::text) END AS holder,
+       (SELECT w.before FROM waits AS w) AS lock_timeout
+
+-- name: lock_timeout_restore
+-- Put back the lock_timeout a unique publish set in a caller's transaction.
+SELECT pg_catalog.set_config('lock_timeout', %(lock_timeout)s::text, true)
+
 -- name: publish_many
 -- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
 -- statement: one array a column (sent in binary: nothing to escape), one element a
@@ -458,7 +499,10 @@ SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
         SELECT picked.vt FROM picked WHERE picked.id = t.id)),
     read_ct = t.read_ct + 1,
     lease = t.lease + 1,
-    due_at = NULL
+    due_at = NULL,
+    -- unique_while="queued": delivered, it no longer holds its key (a plain message's
+    -- stays NULL: no index entry, the update stays HOT).
+    ukey = CASE WHEN t.urun THEN t.ukey END
 WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
   AND (t.visible_at = 'infinity'::timestamptz
        OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
@@ -756,8 +800,16 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- queue's listeners are woken when the message is due now, inserted now or found there:
 -- a publish sent again after its session was lost finds its copies committed, and their
 -- wake-up may have been lost with that session. At worst a wake-up too many.
+-- A message with a unique key (ukey) is inserted only when exactly one queue matched (one
+-- copy per queue would conflict with itself), waits for a holder's open transaction at
+-- most unique_wait, and, when nothing was inserted, names the holder as publish_unique does.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s::text
+), waits AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS before,
+           CASE WHEN %(ukey)s::text IS NOT NULL
+                THEN pg_catalog.set_config('lock_timeout', %(unique_wait)s::text, true) END
+               AS set
 ), targets AS (
     SELECT DISTINCT b.queue
     FROM {schema}.binding AS b CROSS JOIN ex
@@ -769,7 +821,7 @@ WITH ex AS (
           END
 ), inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
-                                  okey, task_id, follows, follow_until, followable)
+                                  okey, task_id, follows, follow_until, followable, ukey, urun)
     SELECT t.queue, %(priority)s,
            pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
            pg_catalog.md5(%(publish_tag)s::text || t.queue), %(payload)s,
@@ -778,10 +830,13 @@ WITH ex AS (
            %(okey)s::text, %(task_id)s::text, %(follows)s::text,
            pg_catalog.now() + pg_catalog.make_interval(
                secs => %(delay)s::float8 + %(follow_wait)s::float8),
-           %(followable)s::boolean
+           %(followable)s::boolean, %(ukey)s::text, %(urun)s::boolean
     FROM targets AS t
+    CROSS JOIN waits
     LEFT JOIN {schema}.queue AS q ON q.name = t.queue
-    ON CONFLICT (publish_key) DO NOTHING
+    WHERE %(ukey)s::text IS NULL OR (SELECT pg_catalog.count(*) FROM targets) = 1
+    ON CONFLICT DO NOTHING
+    RETURNING 1
 ), woken AS (
     SELECT pg_catalog.pg_notify(
                %(channel_prefix)s::text
@@ -790,7 +845,15 @@ WITH ex AS (
     WHERE %(notify)s::boolean
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
-       (SELECT pg_catalog.count(*) FROM woken)
+       (SELECT pg_catalog.count(*) FROM woken),
+       CASE WHEN %(ukey)s::text IS NOT NULL AND NOT EXISTS (SELECT FROM inserted)
+                 AND (SELECT pg_catalog.count(*) FROM targets) = 1
+            THEN {schema}.unique_holder(
+                %(ukey)s::text,
+                (SELECT pg_catalog.md5(%(publish_tag)s::text || t.queue) FROM targets AS t))
+       END AS holder,
+       (SELECT w.before FROM waits AS w) AS lock_timeout,
+       (SELECT pg_catalog.count(*) FROM inserted) AS inserted
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.

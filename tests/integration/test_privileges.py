@@ -80,6 +80,8 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "follows",
                 "follow_until",
                 "followable",
+                "ukey",
+                "urun",
             },
             "dead_letter": {
                 "message_id",
