@@ -363,9 +363,12 @@ class Store:
         expires_ms: int | None = None,
         message_ttl_ms: int | None = None,
         ordering: str | None = None,
+        fair: bool | None = None,
     ) -> None:
         """Record a declared queue. ``ordering`` (strict or relaxed) is what a failure
-        does to the rest of an ordering key there; None keeps what is recorded."""
+        does to the rest of an ordering key there; ``fair``, whether it is claimed
+        round-robin over its messages' fair keys (its messages already there join the
+        key ''); None keeps what is recorded."""
         self._declaring(
             f"queue {queue!r}",
             "declare_queue",
@@ -374,8 +377,11 @@ class Store:
                 "expires_ms": expires_ms,
                 "message_ttl_ms": message_ttl_ms,
                 "ordering": ordering,
+                "fair": fair,
             },
         )
+        if fair:
+            self._declaring(f"queue {queue!r}", "fair_adopt", {"queue": queue})
 
     def has_queue(self, queue: str) -> bool:
         return bool(self._scalar("has_queue", {"queue": queue}))

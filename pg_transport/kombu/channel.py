@@ -26,7 +26,7 @@ from pg_transport.config import MAX_SECONDS, Options
 from pg_transport.errors import InvalidMessage
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
-from pg_transport.message import envelope, identity, ordering, poison, topic, unique
+from pg_transport.message import envelope, fair, identity, ordering, poison, topic, unique
 from pg_transport.message.eta import eta_delay
 from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Claimed, Lease, Store
@@ -270,6 +270,7 @@ class Channel(virtual.Channel):
         self._inplace_augment_message(message, exchange, routing_key)
         ordering.move_options(message)
         unique.move_options(message)
+        fair.move_options(message)
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
@@ -333,6 +334,7 @@ class Channel(virtual.Channel):
             expires_ms=_int_or_none(arguments.get("x-expires")),
             message_ttl_ms=_int_or_none(arguments.get("x-message-ttl")),
             ordering=self.connection.options.ordering_for(queue),
+            fair=self.connection.options.fair_share_for(queue),
         )
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:

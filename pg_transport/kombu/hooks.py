@@ -22,7 +22,7 @@ from celery import signals
 
 from pg_transport import backoff, preflight
 from pg_transport.db.pool import set_process_role
-from pg_transport.message import ordering, unique
+from pg_transport.message import fair, ordering, unique
 
 __all__ = ["apply_task_defaults", "connect"]
 
@@ -61,6 +61,7 @@ def apply_task_defaults(
     if task is not None:
         ordering.task_defaults(task, body, headers)
         unique.task_defaults(task, body, headers, properties)
+        fair.task_defaults(task, body, headers, properties)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:

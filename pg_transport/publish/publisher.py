@@ -45,7 +45,7 @@ from pg_transport.errors import (
     NotPermitted,
     UniqueBusy,
 )
-from pg_transport.message import ordering, unique
+from pg_transport.message import fair, ordering, unique
 from pg_transport.message.rows import DEFAULT_MAX_MESSAGE_BYTES
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
@@ -74,6 +74,7 @@ MANY_COLUMNS = (
     "follow_wait",
     "followable",
     "channel",
+    "fkey",
 )
 
 #: Those of them that are float8 arrays.
@@ -210,6 +211,7 @@ class Publisher:
         return {
             **place.params(),
             **self._unique_params(payload, place),
+            "fkey": fair.fair_key(payload),
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
@@ -427,6 +429,7 @@ class Publisher:
         params = {
             **place.params(),
             **self._unique_params(payload, place),
+            "fkey": fair.fair_key(payload),
             "exchange": exchange,
             "routing_key": routing_key,
             "priority": priority,

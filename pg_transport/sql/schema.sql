@@ -20,6 +20,8 @@ CREATE TABLE {schema}.queue (
     -- What a failure does to the rest of an ordering key (docs/ordering.md): strict
     -- (NULL: never configured) or relaxed.
     ordering       text,
+    -- Claimed round-robin over its messages' fair keys (0016_unique_fair.sql).
+    fair           boolean     NOT NULL DEFAULT false,
     CONSTRAINT queue_ordering_check CHECK (ordering IN ('strict', 'relaxed'))
 );
 
@@ -72,10 +74,12 @@ CREATE TABLE {schema}.message (
     follows      text,
     follow_until timestamptz,
     followable   boolean     NOT NULL DEFAULT false,
-    -- Unique tasks (0016_unique.sql tells how): the key no other row may hold while this
+    -- Unique tasks (0016_unique_fair.sql tells how): the key no other row may hold while this
     -- one does, and whether it is held while the message runs too.
     ukey         text,
     urun         boolean     NOT NULL DEFAULT false,
+    -- Fair share: the message's key in a fair queue ('' without one), NULL elsewhere.
+    fkey         text,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (
@@ -314,7 +318,7 @@ EXECUTE FUNCTION {schema}.message_admit();
 
 REVOKE ALL ON FUNCTION {schema}.message_admit() FROM PUBLIC;
 
--- Unique tasks (0016_unique.sql).
+-- Unique tasks (0016_unique_fair.sql).
 -- Partial: a plain message (ukey NULL) adds no entry, at its publish nor at its claims.
 CREATE UNIQUE INDEX message_unique_idx ON {schema}.message (ukey) WHERE ukey IS NOT NULL;
 
@@ -362,6 +366,17 @@ FOR EACH ROW WHEN (NEW.ukey IS NOT NULL AND NEW.task_id IS NOT NULL)
 EXECUTE FUNCTION {schema}.message_unique_pass();
 
 REVOKE ALL ON FUNCTION {schema}.message_unique_pass() FROM PUBLIC;
+
+-- Fair share (0016_unique_fair.sql).
+-- A fair queue's keys in order, each key's ready messages first (claim_pick_fair).
+CREATE INDEX message_fair_idx ON {schema}.message (queue, fkey, visible_at, id)
+    WHERE fkey IS NOT NULL;
+
+-- Where the last claim of a fair queue stopped: the next walks from the key after it.
+CREATE TABLE {schema}.fair_cursor (
+    queue text PRIMARY KEY,
+    after text NOT NULL
+);
 
 -- Poisoned, rejected and undecodable messages. Never silently deleted.
 CREATE TABLE {schema}.dead_letter (

@@ -55,3 +55,21 @@ FOR EACH ROW WHEN (NEW.ukey IS NOT NULL AND NEW.task_id IS NOT NULL)
 EXECUTE FUNCTION {schema}.message_unique_pass();
 
 REVOKE ALL ON FUNCTION {schema}.message_unique_pass() FROM PUBLIC;
+
+-- Fair share (docs/design/flow-control.md, "Fair share"): a queue in fair mode is claimed
+-- round-robin over its messages' fair keys. A message's fkey is set at its publish only
+-- in a fair queue (its header's key, or '' without one), so the partial index holds
+-- exactly the fair queues' messages: a plain message adds no entry, at its publish nor
+-- at its claims.
+ALTER TABLE {schema}.queue ADD COLUMN fair boolean NOT NULL DEFAULT false;
+ALTER TABLE {schema}.message ADD COLUMN fkey text;
+
+-- A fair queue's keys in order, each key's ready messages first (claim_pick_fair).
+CREATE INDEX message_fair_idx ON {schema}.message (queue, fkey, visible_at, id)
+    WHERE fkey IS NOT NULL;
+
+-- Where the last claim of a fair queue stopped: the next walks from the key after it.
+CREATE TABLE {schema}.fair_cursor (
+    queue text PRIMARY KEY,
+    after text NOT NULL
+);
