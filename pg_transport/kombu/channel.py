@@ -117,6 +117,9 @@ class Channel(virtual.Channel):
     def max_attempts(self, queue: str) -> int:
         return self._options.max_attempts_for(queue)
 
+    def fair_share(self, queue: str) -> bool:
+        return bool(self._options.fair_share_for(queue))
+
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
         dead_id = self.store.dead_letter(token, reason)
@@ -310,7 +313,11 @@ class Channel(virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:
             claimed = self.store.claim(
-                [queue], [self.visibility_timeout(queue)], 1, [self.max_attempts(queue)]
+                [queue],
+                [self.visibility_timeout(queue)],
+                1,
+                [self.max_attempts(queue)],
+                fair=self.fair_share(queue),
             )
             if not claimed:
                 raise Empty()

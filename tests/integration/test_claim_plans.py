@@ -137,10 +137,15 @@ def test_a_claim_reads_as_much_from_a_deep_queue_as_from_a_shallow_one(
 
 
 def test_a_plain_queue_claim_reads_nothing_of_fair_share(backlog: Store) -> None:
-    """On a queue that is not fair (the backlog's 100,000 rows) the fair pick's nodes
-    are in the generic plan but never run: no probe of message_fair_idx, no row of
-    fair_cursor read, and the claim still takes LIMIT rows by the claim index."""
-    plan = claimed_in(backlog, "q1")
+    """The claim of plain queues holds nothing of fair share (fair_claim is another
+    statement); fair_claim over a queue that is not fair (the backlog's 100,000 rows)
+    has the fair pick's nodes but never runs them: no probe of message_fair_idx, no row
+    of fair_cursor read, and it takes LIMIT rows by the claim index."""
+    plain = claimed_in(backlog, "q1")
+    assert not [n for n in walk(plain) if "fair" in str(n.get("Index Name") or "")]
+    assert not [n for n in walk(plain) if n.get("Relation Name") == "fair_cursor"]
+    params = claim_params(["q1"], [30.0], LIMIT, [5], [])
+    plan = generic_plan(backlog, "fair_claim", params, analyze=True)
     fair = [n for n in message_nodes(plan) if n.get("Index Name") == "message_fair_idx"]
     assert fair and all(n["Actual Loops"] == 0 for n in fair), fair
     cursor = [n for n in walk(plan) if n.get("Relation Name") == "fair_cursor"]
@@ -159,10 +164,11 @@ def test_a_fair_claim_walks_its_keys_by_the_fair_index(backlog: Store, peek: Pee
         " FROM generate_series(1, 10000) AS n"
     )
     peek("ANALYZE {schema}.message")
-    nodes = scans(generic_plan(backlog, "claim", claim_params(["fq"], [30.0], LIMIT, [5], [])))
+    params = claim_params(["fq"], [30.0], LIMIT, [5], [])
+    nodes = scans(generic_plan(backlog, "fair_claim", params))
     assert uses(nodes, "message_fair_idx"), nodes
     assert no_seq_scan(nodes), nodes
-    plan = claimed_in(backlog, "fq")
+    plan = generic_plan(backlog, "fair_claim", params, analyze=True)
     fair = [n for n in message_nodes(plan) if n.get("Index Name") == "message_fair_idx"]
     # every probe reads at most the rows its key gives (one ready head, or a share)
     assert all(n["Actual Rows"] <= n["Actual Loops"] * LIMIT for n in fair), fair

@@ -26,7 +26,7 @@ def message(key: str | None, n: int = 0) -> dict[str, Any]:
 
 def claim_keys(store: Store, limit: int, queue: str = "f") -> list[str]:
     """The fair keys of the messages one claim delivers, in claim order; acked."""
-    claimed = store.claim([queue], [30.0], limit)
+    claimed = store.claim([queue], [30.0], limit, fair=True)
     store.ack([c.token for c in claimed])
     return [str(c.payload["body"]).rsplit("-", 1)[0] for c in claimed if c.payload]
 
@@ -56,8 +56,12 @@ def test_a_lone_key_behind_a_backlog_is_served_within_a_claim_per_key(
     assert claim_keys(fair, 1) + claim_keys(fair, 1) == ["A", "B"]
     fair.publisher.publish("f", message("B", 2))
     assert sorted(claim_keys(fair, 2)) == ["A", "B"]
-    # Not fair: B waits behind the 100,000 (a claim of 1,000 brings A's only).
+    # Not fair: B waits behind the 100,000 (a claim of 1,000 brings A's only), and so
+    # does a fair queue claimed by the plain statement (a consumer not configured fair).
     assert set(claim_keys(fair, 1000, "plain")) == {"A"}
+    fair.publisher.publish("f", message("B", 3))
+    plain = fair.claim(["f"], [30.0], 1000)
+    assert {str(c.payload["body"])[0] for c in plain if c.payload} == {"A"}
 
 
 def test_keys_are_served_round_robin(fair: PublishingStore) -> None:
@@ -73,7 +77,7 @@ def test_a_claim_of_more_than_the_keys_takes_a_share_of_each_oldest_first(
     for n in range(10):
         for key in ("x", "y"):
             fair.publisher.publish("f", message(key, n))
-    claimed = fair.claim(["f"], [30.0], 6)
+    claimed = fair.claim(["f"], [30.0], 6, fair=True)
     bodies = [c.payload["body"] for c in claimed if c.payload]
     assert sorted(bodies) == ["x-0", "x-1", "x-2", "y-0", "y-1", "y-2"]
 
@@ -109,7 +113,7 @@ def test_a_claim_never_waits_for_the_cursor_and_two_claims_share_no_row(
         locker.execute(
             sql.SQL("SELECT * FROM {}.fair_cursor FOR UPDATE").format(sql.Identifier(schema))
         )
-        assert len(fair.claim(["f"], [30.0], 2)) == 2
+        assert len(fair.claim(["f"], [30.0], 2, fair=True)) == 2
         locker.rollback()
     start = threading.Barrier(2)
     got: list[list[int]] = [[], []]
@@ -119,7 +123,7 @@ def test_a_claim_never_waits_for_the_cursor_and_two_claims_share_no_row(
         try:
             store = Store(connector, schema)
             start.wait()
-            got[i] = [c.id for c in store.claim(["f"], [30.0], 8)]
+            got[i] = [c.id for c in store.claim(["f"], [30.0], 8, fair=True)]
         finally:
             connector.close()
 
