@@ -19,6 +19,8 @@ GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
 GRANT EXECUTE ON FUNCTION pgq.flow_tokens(text, text, integer),
       pgq.flow_slots(text, text, integer)
     TO pgq_worker;
+-- A duplicate unique task's publish asks who holds its key (a task id, nothing else).
+GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_worker;
 
 -- 5. monitor rights, as pgq_owner
 BEGIN;
@@ -52,13 +54,15 @@ GRANT USAGE ON SCHEMA pgq TO pgq_publisher;
 GRANT SELECT (version) ON pgq.schema_version TO pgq_publisher;
 -- A message; its publish key is read by ON CONFLICT, so a resent publish inserts nothing.
 GRANT INSERT (queue, priority, visible_at, publish_key, payload, expires_at,
-              okey, task_id, follows, follow_until, followable),
+              okey, task_id, follows, follow_until, followable, ukey, urun, fkey),
       SELECT (publish_key)
     ON pgq.message TO pgq_publisher;
+-- A duplicate unique task's publish asks who holds its key: a task id, never a row.
+GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_publisher;
 -- Routing, read only: a routed publish finds its queues in one statement.
 GRANT SELECT (name, type) ON pgq.exchange TO pgq_publisher;
 GRANT SELECT (exchange, queue, routing_key, pattern) ON pgq.binding TO pgq_publisher;
-GRANT SELECT (name, message_ttl_ms) ON pgq.queue TO pgq_publisher;
+GRANT SELECT (name, message_ttl_ms, fair) ON pgq.queue TO pgq_publisher;
 -- A direct message no queue is bound to receive is kept as a dead letter.
 GRANT INSERT (message_id, queue, priority, read_ct, enqueued_at, reason, payload),
       SELECT (id)

@@ -17,6 +17,7 @@ from pg_transport.errors import (
     BrokerUnavailable,
     BrokerUnreachable,
     ConfigurationError,
+    DuplicateTask,
     InvalidMessage,
     LimitError,
     MessageTooLarge,
@@ -26,9 +27,12 @@ from pg_transport.errors import (
     PoolerDetected,
     SchemaError,
     TransactionRefused,
+    UniqueBusy,
 )
 from pg_transport.kombu import hooks as _hooks
+from pg_transport.kombu.unique_task import UniqueTask
 from pg_transport.message.ordering import OrderingError
+from pg_transport.message.unique import UniqueError
 from pg_transport.publish.batching import batch
 from pg_transport.publish.joined import transaction
 from pg_transport.results import hooks as _results_hooks
@@ -54,6 +58,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "DuplicateTask",
     "InvalidMessage",
     "LimitError",
     "MessageTooLarge",
@@ -65,6 +70,9 @@ __all__ = [
     "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
+    "UniqueBusy",
+    "UniqueError",
+    "UniqueTask",
     "batch",
     "transaction",
 ]

@@ -213,6 +213,8 @@ def _ordering(key: str, value: Any) -> str:
 
 
 def _per_queue(key: str, value: Any, parse: Callable[[str, Any], T]) -> dict[str, T]:
+    if key == "queue_fair_share" and isinstance(value, (list, tuple, set, frozenset)):
+        value = dict.fromkeys(value, True)  # the queues named are fair
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"pgq option {key}={value!r} must be a mapping of queue to value")
     return {str(q): parse(f"{key}[{q!r}]", v) for q, v in value.items()}
@@ -254,6 +256,7 @@ _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_visibility_timeouts": _seconds,
     "queue_max_attempts": _attempts,
     "queue_ordering": _ordering,
+    "queue_fair_share": _flag,
 }
 
 
@@ -294,10 +297,15 @@ class Options:
     #: Per queue, what a failure does to the rest of an ordering key: strict or relaxed.
     #: A queue not named keeps what the database says (strict unless set).
     queue_ordering: Mapping[str, str] = field(default_factory=dict)
+    #: Per queue, whether it is claimed round-robin over its messages' fair keys
+    #: (a list of queue names means each is). A queue not named keeps what the database
+    #: says (not fair unless set).
+    queue_fair_share: Mapping[str, bool] = field(default_factory=dict)
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
     env_queue_ordering: Mapping[str, str] = field(default_factory=dict)
+    env_queue_fair_share: Mapping[str, bool] = field(default_factory=dict)
 
     @property
     def fenced_window(self) -> float:
@@ -337,6 +345,7 @@ class Options:
         env_vt: dict[str, float] = {}
         env_attempts: dict[str, int] = {}
         env_ordering: dict[str, str] = {}
+        env_fair: dict[str, bool] = {}
         for name, raw in environ.items():
             if name.startswith("PGQ_VISIBILITY_TIMEOUT_"):
                 env_vt[_env_queue(name, "PGQ_VISIBILITY_TIMEOUT_")] = _seconds(name, raw)
@@ -344,6 +353,8 @@ class Options:
                 env_attempts[_env_queue(name, "PGQ_MAX_ATTEMPTS_")] = _attempts(name, raw)
             elif name.startswith("PGQ_ORDERING_"):
                 env_ordering[_env_queue(name, "PGQ_ORDERING_")] = _ordering(name, raw)
+            elif name.startswith("PGQ_FAIR_SHARE_"):
+                env_fair[_env_queue(name, "PGQ_FAIR_SHARE_")] = _flag(name, raw)
         if values.get("listen_url") and values.get("use_notify", True):
             raise ConfigurationError(
                 "pgq option listen_url is for use_notify=false (behind a transaction "
@@ -354,12 +365,18 @@ class Options:
             env_queue_visibility_timeouts=env_vt,
             env_queue_max_attempts=env_attempts,
             env_queue_ordering=env_ordering,
+            env_queue_fair_share=env_fair,
         )
 
     def ordering_for(self, queue: str) -> str | None:
         """The ordering failure mode configured for ``queue`` (None: not configured)."""
         env = self.env_queue_ordering.get(env_queue_key(queue))
         return env if env is not None else self.queue_ordering.get(queue)
+
+    def fair_share_for(self, queue: str) -> bool | None:
+        """Whether ``queue`` is configured fair (None: not configured)."""
+        env = self.env_queue_fair_share.get(env_queue_key(queue))
+        return env if env is not None else self.queue_fair_share.get(queue)
 
     @cached_property
     def _per_queue(self) -> dict[str, tuple[float, int]]:
@@ -413,7 +430,13 @@ _OTHER_ENV = frozenset(
     }
 )
 # Families whose last part is the user's own (a queue name) or the test suite's.
-_ENV_FAMILIES = ("PGQ_VISIBILITY_TIMEOUT_", "PGQ_MAX_ATTEMPTS_", "PGQ_ORDERING_", "PGQ_TEST_")
+_ENV_FAMILIES = (
+    "PGQ_VISIBILITY_TIMEOUT_",
+    "PGQ_MAX_ATTEMPTS_",
+    "PGQ_ORDERING_",
+    "PGQ_FAIR_SHARE_",
+    "PGQ_TEST_",
+)
 _warned: set[str] = set()
 
 

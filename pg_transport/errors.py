@@ -7,6 +7,7 @@ __all__ = [
     "BrokerUnavailable",
     "BrokerUnreachable",
     "ConfigurationError",
+    "DuplicateTask",
     "InvalidMessage",
     "LimitError",
     "MessageTooLarge",
@@ -15,6 +16,7 @@ __all__ = [
     "PoolerDetected",
     "SchemaError",
     "TransactionRefused",
+    "UniqueBusy",
 ]
 
 
@@ -60,6 +62,22 @@ class MessageTooLarge(PgqError, ValueError):
 class NotPermitted(PgqError, PermissionError):
     """The role may not do this (a publisher-only role declaring a queue, say): the
     message says which role may, or how to do without."""
+
+
+class DuplicateTask(PgqError):
+    """A publish with ``unique_conflict="raise"`` found its unique key held by another
+    task (``existing_id``): nothing was published."""
+
+    def __init__(self, message: str, *, key: str, existing_id: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.existing_id = existing_id
+
+
+class UniqueBusy(PgqError):
+    """A unique publish waited ``unique_wait`` seconds for a transaction that inserted the
+    same key and had not ended (an application's transaction left open): nothing was
+    published."""
 
 
 class TransactionRefused(PgqError):

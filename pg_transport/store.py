@@ -94,6 +94,8 @@ class Store:
         self.q = load_queries(schema)
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])
+        #: The claim of a consumer of a fair queue (fair_claim in queries.sql).
+        self.fair_claim_statement = Statement("fair_claim", self.q["fair_claim"])
 
     @property
     def fenced_window(self) -> float:
@@ -119,6 +121,7 @@ class Store:
         *,
         acks: Sequence[Lease] = (),
         per_queue: int | None = None,
+        fair: bool = False,
     ) -> list[Claimed]:
         """Claim up to ``limit`` visible messages over ``queues``, best first (at most
         ``per_queue`` of each queue and priority; default ``limit``).
@@ -126,7 +129,9 @@ class Store:
         A message already delivered ``max_attempts`` times (per queue; unlimited when not
         given), larger than ``max_message_bytes`` or not a JSON object is dead-lettered by
         the same statement and comes back with ``dead_letter_id`` set instead of being
-        delivered. ``acks`` are acked by the same statement.
+        delivered. ``acks`` are acked by the same statement. ``fair``: some of ``queues``
+        may be fair (claimed round-robin over their fair keys: the ``fair_claim``
+        statement); a fair queue claimed without it is claimed as any other.
 
         Not retried when its result was lost: that is indistinguishable from a
         consumer that died, and the visibility timeout brings those rows back. Tried
@@ -150,7 +155,8 @@ class Store:
 
             def work(conn: psycopg.Connection[Any], params: dict[str, Any] = params) -> list[Row]:
                 prepare = conn.prepare_threshold is not None
-                return self.claim_statement.execute(conn, params, prepare=prepare)
+                statement = self.fair_claim_statement if fair else self.claim_statement
+                return statement.execute(conn, params, prepare=prepare)
 
             batch = read_claim(acks, self.relaxed.run(work, idempotent=False, statement=True))
             acks = ()
@@ -364,9 +370,12 @@ class Store:
         expires_ms: int | None = None,
         message_ttl_ms: int | None = None,
         ordering: str | None = None,
+        fair: bool | None = None,
     ) -> None:
         """Record a declared queue. ``ordering`` (strict or relaxed) is what a failure
-        does to the rest of an ordering key there; None keeps what is recorded."""
+        does to the rest of an ordering key there; ``fair``, whether it is claimed
+        round-robin over its messages' fair keys (its messages already there join the
+        key ''); None keeps what is recorded."""
         self._declaring(
             f"queue {queue!r}",
             "declare_queue",
@@ -375,8 +384,11 @@ class Store:
                 "expires_ms": expires_ms,
                 "message_ttl_ms": message_ttl_ms,
                 "ordering": ordering,
+                "fair": fair,
             },
         )
+        if fair:
+            self._declaring(f"queue {queue!r}", "fair_adopt", {"queue": queue})
 
     def has_queue(self, queue: str) -> bool:
         return bool(self._scalar("has_queue", {"queue": queue}))

@@ -391,8 +391,9 @@ class Engine:
             self._in_flight = _InFlight(
                 "claim", acks, queues, limit, sent=monotonic(), per_queue=per_queue
             )
+            fair = any(self.source.fair_share(q) for q in queues)
             session.send(
-                "claim",
+                "fair_claim" if fair else "claim",
                 claim_params(
                     queues,
                     [self.source.visibility_timeout(q) for q in queues],

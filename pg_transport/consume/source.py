@@ -42,6 +42,9 @@ class Source(Protocol):
 
     def max_attempts(self, queue: str) -> int: ...
 
+    def fair_share(self, queue: str) -> bool:
+        """Whether ``queue`` is configured fair (claimed round-robin over its keys)."""
+
 
 class Handle(Protocol):
     def cancel(self) -> None: ...

@@ -26,7 +26,7 @@ from pg_transport.config import MAX_SECONDS, Options
 from pg_transport.errors import InvalidMessage
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
-from pg_transport.message import envelope, identity, limits, ordering, poison, topic
+from pg_transport.message import envelope, fair, identity, limits, ordering, poison, topic, unique
 from pg_transport.message.eta import eta_delay
 from pg_transport.publish.publisher import Publisher
 from pg_transport.store import Claimed, Lease, Store
@@ -116,6 +116,9 @@ class Channel(virtual.Channel):
 
     def max_attempts(self, queue: str) -> int:
         return self._options.max_attempts_for(queue)
+
+    def fair_share(self, queue: str) -> bool:
+        return bool(self._options.fair_share_for(queue))
 
     def dead_letter(self, token: Lease, reason: str, message: Any) -> int | None:
         """Move a delivery to dead_letter and record what it was (no poison signal)."""
@@ -270,6 +273,8 @@ class Channel(virtual.Channel):
         self._inplace_augment_message(message, exchange, routing_key)
         ordering.move_options(message)
         limits.move_options(message)
+        unique.move_options(message)
+        fair.move_options(message)
         if not exchange:  # the default exchange: the routing key names the queue
             return self._put(routing_key, message)
         props = message["properties"]
@@ -309,7 +314,11 @@ class Channel(virtual.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         while True:
             claimed = self.store.claim(
-                [queue], [self.visibility_timeout(queue)], 1, [self.max_attempts(queue)]
+                [queue],
+                [self.visibility_timeout(queue)],
+                1,
+                [self.max_attempts(queue)],
+                fair=self.fair_share(queue),
             )
             if not claimed:
                 raise Empty()
@@ -333,6 +342,7 @@ class Channel(virtual.Channel):
             expires_ms=_int_or_none(arguments.get("x-expires")),
             message_ttl_ms=_int_or_none(arguments.get("x-message-ttl")),
             ordering=self.connection.options.ordering_for(queue),
+            fair=self.connection.options.fair_share_for(queue),
         )
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:

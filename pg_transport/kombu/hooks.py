@@ -1,8 +1,9 @@
 """Every Celery signal pgq connects, in one place (:func:`connect`, as ``pg_transport``
 is imported; each receiver once, whatever the number of calls).
 
-- ``before_task_publish``: a task's ordering defaults become headers
-  (:func:`pg_transport.message.ordering.task_defaults`).
+- ``before_task_publish``: a task's ordering and unique defaults become headers
+  (:func:`pg_transport.message.ordering.task_defaults`,
+  :func:`pg_transport.message.unique.task_defaults`).
 - ``celeryd_init``: a worker with a bad pgq setting stops with one line
   (:mod:`pg_transport.preflight`), and its sessions carry its node name
   (``application_name pgq:<pid>:worker:<node>``, from Celery's ``celeryd_init``, not
@@ -22,7 +23,7 @@ from celery import signals
 
 from pg_transport import backoff, preflight
 from pg_transport.db.pool import set_process_role
-from pg_transport.message import limits, ordering
+from pg_transport.message import fair, limits, ordering, unique
 
 __all__ = ["apply_task_defaults", "connect"]
 
@@ -51,16 +52,20 @@ def apply_task_defaults(
     sender: str | None = None,
     body: Any = None,
     headers: dict[str, Any] | None = None,
+    properties: dict[str, Any] | None = None,
     **_: Any,
 ) -> None:
-    """Celery's ``before_task_publish``: the sending task's ordering defaults as headers
-    (:func:`pg_transport.message.ordering.task_defaults`)."""
+    """Celery's ``before_task_publish``: the sending task's ordering and unique defaults
+    as headers (:func:`pg_transport.message.ordering.task_defaults`,
+    :func:`pg_transport.message.unique.task_defaults`)."""
     if headers is None or sender is None:
         return
     task = _task_named(sender)
     if task is not None:
         ordering.task_defaults(task, body, headers)
         limits.task_defaults(task, body, headers)
+        unique.task_defaults(task, body, headers, properties)
+        fair.task_defaults(task, body, headers, properties)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:

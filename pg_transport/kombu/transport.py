@@ -359,6 +359,9 @@ class Transport(virtual.Transport):
     def max_attempts(self, queue: str) -> int:
         return self.options.max_attempts_for(queue)
 
+    def fair_share(self, queue: str) -> bool:
+        return bool(self.options.fair_share_for(queue))
+
     def consuming_channels(self) -> list[PgChannel]:
         return [c for c in self.channels if any(c.consuming())]
 

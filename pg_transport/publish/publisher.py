@@ -41,8 +41,14 @@ from psycopg.rows import tuple_row
 
 from pg_transport.db.pool import Connector, is_own
 from pg_transport.db.wire import Statement, run_apart
-from pg_transport.errors import InvalidMessage, MessageTooLarge, NotPermitted
-from pg_transport.message import limits, ordering
+from pg_transport.errors import (
+    DuplicateTask,
+    InvalidMessage,
+    MessageTooLarge,
+    NotPermitted,
+    UniqueBusy,
+)
+from pg_transport.message import fair, limits, ordering, unique
 from pg_transport.message.rows import DEFAULT_MAX_MESSAGE_BYTES
 from pg_transport.publish import batching, joined
 from pg_transport.publish.callers import Caller
@@ -71,10 +77,15 @@ MANY_COLUMNS = (
     "follow_wait",
     "followable",
     "channel",
+    "fkey",
 )
 
 #: Those of them that are float8 arrays.
 FLOAT_COLUMNS = frozenset({"delay", "ttl", "follow_wait"})
+
+#: Times a unique publish is sent when its key's holder left between the conflict and
+#: the look-up of who held it (each time another publish took the key and left again).
+UNIQUE_ATTEMPTS = 3
 
 
 class Publisher:
@@ -89,8 +100,11 @@ class Publisher:
         flushes: bool = True,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         follows_timeout: float = ordering.DEFAULT_FOLLOWS_TIMEOUT,
+        unique_wait: float = unique.DEFAULT_UNIQUE_WAIT,
     ) -> None:
         self.connector = connector
+        #: Seconds a unique publish waits for an open transaction holding its key.
+        self.unique_wait = unique_wait
         self.schema = schema
         self.flushes = flushes
         self.max_message_bytes = max_message_bytes
@@ -142,6 +156,9 @@ class Publisher:
         instead; inside the application's (:mod:`~pg_transport.publish.joined`), that
         one."""
         params = self._publish_params(queue, payload, priority, delay, publish_key, ttl)
+        if params["ukey"] is not None:
+            self._publish_unique(params, payload)
+            return
         open_batch = batching.current()
         if open_batch is not None and joined.current() is None:
             # kept, and written with the batch's other messages by one statement
@@ -197,6 +214,8 @@ class Publisher:
         limits.check_headers(payload)
         return {
             **place.params(),
+            **self._unique_params(payload, place),
+            "fkey": fair.fair_key(payload),
             "queue": queue,
             "priority": priority,
             "delay": max(delay, 0.0),
@@ -205,6 +224,96 @@ class Publisher:
             "payload": self.encode(payload),
             "channel": self.channel(queue),
         }
+
+    def _unique_params(self, payload: dict[str, Any], place: ordering.Placement) -> dict[str, Any]:
+        """The unique headers of ``payload`` as the publish's values: the key, whether it
+        is held while running, and the task id the holder look-up compares (kept on the
+        row of a unique message, as on an ordered one)."""
+        wants = unique.uniqueness(payload)
+        if wants.key is None:
+            return {"ukey": None, "urun": False, "unique_wait": None}
+        task_id = place.task_id if place.task_id is not None else unique.task_id_of(payload)
+        return {
+            **wants.params(),
+            "task_id": task_id,
+            "unique_conflict": wants.conflict,
+            "unique_wait": f"{max(self.unique_wait, 0.001) * 1000:.0f}ms",
+        }
+
+    def _publish_unique(self, params: dict[str, Any], payload: dict[str, Any]) -> None:
+        """Publish a message with a unique key, in whatever transaction this thread's
+        publishes go (an application's, a batch's, or one of its own): inserted unless a
+        message holding its key is there. A duplicate publishes nothing; with
+        ``unique_conflict="raise"`` it raises :class:`DuplicateTask` naming the holder."""
+
+        def insert(conn: psycopg.Connection[Any]) -> tuple[int, str | None]:
+            with self._permitted(conn), self._waits(params):
+                row = _fetch_one(conn, self.q["publish_unique"], params)
+            assert row is not None
+            self._restore_wait(conn, row[3])
+            return int(row[0]), row[2]
+
+        for _ in range(UNIQUE_ATTEMPTS):
+            inserted, holder = self._dispatch(insert, idempotent=True)
+            if inserted:
+                joined.note_published(payload)
+                return
+            if self._settled(params, holder):
+                return
+        raise UniqueBusy(
+            f"unique key {params['ukey'][:80]!r} of queue {params['queue']!r} changed hands "
+            f"{UNIQUE_ATTEMPTS} times while it was published; nothing was published"
+        )
+
+    def _settled(self, params: dict[str, Any], holder: str | None) -> bool:
+        """A unique publish inserted nothing: True when that is its answer (this very
+        publish sent again, or a duplicate, which raises if it asked to), False when no
+        one holds the key any more and it is to be sent again."""
+        if holder is None:
+            return False
+        if holder and holder == params["task_id"]:
+            return True  # this publish, sent again: its message is there
+        logger.info(
+            "pgq: task %s not published to queue %r: unique key %r is held by task %s",
+            params["task_id"],
+            params["queue"],
+            params["ukey"][:80],
+            holder or "(no task id)",
+        )
+        if params["unique_conflict"] == "raise":
+            raise DuplicateTask(
+                f"unique key {params['ukey'][:80]!r} is held by task {holder or '(no id)'} "
+                f"in queue {params['queue']!r}; nothing was published",
+                key=params["ukey"],
+                existing_id=holder,
+            )
+        return True
+
+    @contextmanager
+    def _waits(self, params: dict[str, Any]) -> Iterator[None]:
+        """A unique publish that waited ``unique_wait`` for a transaction inserting its
+        key raises :class:`UniqueBusy`."""
+        try:
+            yield
+        except psycopg.errors.LockNotAvailable as exc:
+            raise UniqueBusy(
+                f"unique key {params['ukey'][:80]!r}: a transaction that published the same "
+                f"key has not ended after unique_wait ({self.unique_wait:g} s); nothing was "
+                "published (an application's transaction left open shows in "
+                "pg_stat_activity as 'idle in transaction')"
+            ) from exc
+
+    def _restore_wait(self, conn: psycopg.Connection[Any], before: str | None) -> None:
+        """Put back a caller's lock_timeout, which the unique publish set for its
+        transaction (on a session of pgq's own outside a transaction block, it ended
+        with the statement)."""
+        if before is None or (
+            is_own(conn)
+            and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+            and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        ):
+            return
+        _fetch_one(conn, self.q["lock_timeout_restore"], {"lock_timeout": before})
 
     def _insert_on(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> None:
         """Run a publish on ``conn``, the way :func:`way_of` picks for it."""
@@ -323,6 +432,8 @@ class Publisher:
         limits.check_headers(payload)
         params = {
             **place.params(),
+            **self._unique_params(payload, place),
+            "fkey": fair.fair_key(payload),
             "exchange": exchange,
             "routing_key": routing_key,
             "priority": priority,
@@ -333,13 +444,36 @@ class Publisher:
             "channel_prefix": self.channel_prefix,
         }
 
-        def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int]:
-            with self._permitted(conn):
+        def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int, int, str | None]:
+            with self._permitted(conn), self._waits(params):
                 row = _fetch_one(conn, self.q["publish_routed"], params)
             assert row is not None
-            return row[0], int(row[1] or 0)
+            if params["ukey"] is not None:
+                self._restore_wait(conn, row[4])
+            return row[0], int(row[1] or 0), int(row[5] or 0), row[3]
 
-        return self._dispatch(routed, idempotent=publish_tag is not None, payload=payload)
+        if params["ukey"] is None:
+            kind, matched, _, _ = self._dispatch(
+                routed, idempotent=publish_tag is not None, payload=payload
+            )
+            return kind, matched
+        for _ in range(UNIQUE_ATTEMPTS):
+            kind, matched, inserted, holder = self._dispatch(routed, idempotent=True)
+            if matched > 1:
+                raise unique.UniqueError(
+                    f"header {unique.UNIQUE_KEY}={params['ukey'][:40]!r}: exchange "
+                    f"{exchange!r} routes {routing_key!r} to {matched} queues; a unique "
+                    "message goes to exactly one (each copy would conflict with the "
+                    "others); nothing was published"
+                )
+            if inserted:
+                joined.note_published(payload)
+            if inserted or matched == 0 or self._settled(params, holder):
+                return kind, matched
+        raise UniqueBusy(
+            f"unique key {params['ukey'][:80]!r} changed hands {UNIQUE_ATTEMPTS} times "
+            "while it was published; nothing was published"
+        )
 
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str

@@ -20,7 +20,7 @@
 -- neither set: it never expires.
 WITH inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
-                                  okey, task_id, follows, follow_until, followable)
+                                  okey, task_id, follows, follow_until, followable, fkey)
     VALUES (%(queue)s, %(priority)s,
             pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
             %(publish_key)s, %(payload)s,
@@ -31,11 +31,57 @@ WITH inserted AS (
             %(okey)s::text, %(task_id)s::text, %(follows)s::text,
             pg_catalog.now() + pg_catalog.make_interval(
                 secs => %(delay)s::float8 + %(follow_wait)s::float8),
-            %(followable)s::boolean)
+            %(followable)s::boolean,
+            CASE WHEN (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
+                 THEN COALESCE(%(fkey)s::text, '') END)
     ON CONFLICT (publish_key) DO NOTHING
     RETURNING 1
 )
 SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted
+
+-- name: publish_unique
+-- publish_plain for a message with a unique key (0017_unique_fair.sql): any conflict inserts
+-- nothing, a publish sent again (publish key) or a duplicate (ukey). The insert waits for
+-- a transaction that inserted the same key and has not ended, at most unique_wait (the
+-- statement's lock_timeout, set first, local to the transaction; its value before is
+-- returned for a caller's transaction to put back). Which conflict it was is asked only
+-- when nothing was inserted: unique_holder names the task that holds the key (this
+-- publish's own task id: it is this publish, sent again), or NULL when none does any more.
+WITH waits AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS before,
+           pg_catalog.set_config('lock_timeout', %(unique_wait)s::text, true) AS set
+), inserted AS (
+    INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
+                                  okey, task_id, follows, follow_until, followable, ukey, urun,
+                                  fkey)
+    SELECT %(queue)s, %(priority)s,
+           pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
+           %(publish_key)s, %(payload)s,
+           pg_catalog.now() + pg_catalog.make_interval(secs => LEAST(
+               (SELECT q.message_ttl_ms::float8 / 1000.0::float8
+                FROM {schema}.queue AS q WHERE q.name = %(queue)s::text),
+               %(ttl)s::float8)),
+           %(okey)s::text, %(task_id)s::text, %(follows)s::text,
+           pg_catalog.now() + pg_catalog.make_interval(
+               secs => %(delay)s::float8 + %(follow_wait)s::float8),
+           %(followable)s::boolean, %(ukey)s::text, %(urun)s::boolean,
+           CASE WHEN (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
+                THEN COALESCE(%(fkey)s::text, '') END
+    FROM waits
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), woken AS (
+    SELECT pg_catalog.pg_notify(%(channel)s::text, '') FROM inserted
+)
+SELECT (SELECT pg_catalog.count(*) FROM inserted) AS inserted,
+       (SELECT pg_catalog.count(*) FROM woken) AS woken,
+       CASE WHEN NOT EXISTS (SELECT FROM inserted)
+            THEN {schema}.unique_holder(%(ukey)s::text, %(publish_key)s::text) END AS holder,
+       (SELECT w.before FROM waits AS w) AS lock_timeout
+
+-- name: lock_timeout_restore
+-- Put back the lock_timeout a unique publish set in a caller's transaction.
+SELECT pg_catalog.set_config('lock_timeout', %(lock_timeout)s::text, true)
 
 -- name: publish_many
 -- The messages of a batch (pg_transport.batch(), kombu's Producer.batch()) in one
@@ -58,12 +104,13 @@ WITH given AS (
                     pg_catalog.unnest(%(follows)b::text[]),
                     pg_catalog.unnest(%(follow_wait)b::float8[]),
                     pg_catalog.unnest(%(followable)b::boolean[]),
-                    pg_catalog.unnest(%(channel)b::text[]))
+                    pg_catalog.unnest(%(channel)b::text[]),
+                    pg_catalog.unnest(%(fkey)b::text[]))
          WITH ORDINALITY AS g(queue, priority, delay, publish_key, payload, ttl, okey,
-                              task_id, follows, follow_wait, followable, channel, n)
+                              task_id, follows, follow_wait, followable, channel, fkey, n)
 ), inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
-                                  okey, task_id, follows, follow_until, followable)
+                                  okey, task_id, follows, follow_until, followable, fkey)
     SELECT g.queue, g.priority,
            pg_catalog.now() + pg_catalog.make_interval(secs => g.delay),
            g.publish_key, g.payload::json,
@@ -73,7 +120,9 @@ WITH given AS (
                g.ttl)),
            g.okey, g.task_id, g.follows,
            pg_catalog.now() + pg_catalog.make_interval(secs => g.delay + g.follow_wait),
-           g.followable
+           g.followable,
+           CASE WHEN (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = g.queue)
+                THEN COALESCE(g.fkey, '') END
     FROM given AS g
     ORDER BY g.n
     ON CONFLICT (publish_key) DO NOTHING
@@ -98,7 +147,7 @@ FROM pg_catalog.pg_control_system() AS c
 -- publish_plain without its wake-up, which the wake query sends right after it in a
 -- transaction of its own (see Publisher._enqueue_then_wake). It expires as there.
 INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
-                                  okey, task_id, follows, follow_until, followable)
+                                  okey, task_id, follows, follow_until, followable, fkey)
 VALUES (%(queue)s, %(priority)s,
         pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
         %(publish_key)s, %(payload)s,
@@ -109,7 +158,9 @@ VALUES (%(queue)s, %(priority)s,
         %(okey)s::text, %(task_id)s::text, %(follows)s::text,
         pg_catalog.now() + pg_catalog.make_interval(
             secs => %(delay)s::float8 + %(follow_wait)s::float8),
-        %(followable)s::boolean)
+        %(followable)s::boolean,
+        CASE WHEN (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
+             THEN COALESCE(%(fkey)s::text, '') END)
 ON CONFLICT (publish_key) DO NOTHING
 
 -- name: wake
@@ -152,7 +203,7 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 -- subqueries with LIMIT 1, not EXISTS: the planner may turn an EXISTS into a hash of
 -- every row it could match.
 WITH wanted AS (
-    SELECT w.name, w.vt, w.max_attempts
+    SELECT w.name, w.vt, w.max_attempts, false AS fair
     FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
                     pg_catalog.unnest(%(vts)s::float8[]),
                     pg_catalog.unnest(%(max_attempts)s::integer[]))
@@ -205,6 +256,65 @@ WITH wanted AS (
 )
 {part:claim_answer}
 
+-- name: fair_claim
+-- The claim of a consumer of at least one fair queue (queue_fair_share;
+-- docs/design/flow-control.md, "Fair share"): claim, but a queue recorded fair
+-- (queue.fair) is picked by claim_pick_fair, round-robin over its messages' fair keys,
+-- and each fair queue's cursor is moved to the last key served (claim_fair_served,
+-- claim_fair_move: a new cursor row inserted, an existing one updated through a SKIP
+-- LOCKED lock). A separate statement so that a claim of plain queues only carries none
+-- of it (measured: the fair parts in every claim cost plain claims about 1.3x).
+WITH wanted AS (
+    SELECT w.name, w.vt, w.max_attempts,
+           (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = w.name) IS TRUE AS fair
+    FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
+                    pg_catalog.unnest(%(vts)s::float8[]),
+                    pg_catalog.unnest(%(max_attempts)s::integer[]))
+        AS w(name, vt, max_attempts)
+    WHERE {part:claim_relax}
+), acked AS (
+    {part:claim_ack}
+), levels AS (
+    {part:claim_levels}
+), candidates AS MATERIALIZED (
+    SELECT u.* FROM (({part:claim_pick}) UNION ALL ({part:claim_pick_fair})) AS u
+    ORDER BY u.priority DESC, u.visible_at, u.id
+    LIMIT %(limit)s::integer
+), fair_served AS MATERIALIZED (
+    {part:claim_fair_served}
+), fair_started AS (
+    INSERT INTO {schema}.fair_cursor (queue, after)
+    SELECT f.queue, f.last FROM fair_served AS f WHERE NOT f.known
+    ON CONFLICT (queue) DO NOTHING
+), fair_moved AS (
+    {part:claim_fair_move}
+), gated AS MATERIALIZED (
+    SELECT c.*, {part:claim_gate_key} AS key_gate,
+           {part:claim_gate_follows} AS follow_gate
+    FROM candidates AS c
+), held AS MATERIALIZED (
+    {part:claim_hold}
+), parked AS (
+    {part:claim_park}
+), handed AS MATERIALIZED (
+    {part:claim_handoff}
+), picked AS MATERIALIZED (
+    {part:claim_budget}
+), poisoned AS (
+    {part:claim_dead}
+), dead AS (
+    INSERT INTO {schema}.dead_letter
+        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
+    FROM poisoned AS p JOIN picked ON picked.id = p.id
+    RETURNING id, message_id
+), claimed AS (
+    {part:claim_update}
+), delivered AS (
+    {part:claim_delivered}
+)
+{part:claim_answer}
+
 -- part: claim_relax
 -- Behind a transaction pooler (use_notify off) no session setting outlives a statement,
 -- so the claim relaxes its own commit, as the consumer's own session is relaxed on
@@ -240,11 +350,13 @@ RETURNING m.id, m.queue, m.okey
 
 -- part: claim_levels
 -- The priorities present in each wanted queue, highest first: one index descent per
--- priority (a skip scan of message_claim_idx), whatever lies between them.
+-- priority (a skip scan of message_claim_idx), whatever lies between them. A fair queue
+-- is picked by claim_pick_fair instead.
 WITH RECURSIVE level AS (
     SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
                     WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
     FROM wanted AS w
+    WHERE NOT w.fair
     UNION ALL
     SELECT l.name, (SELECT m.priority FROM {schema}.message AS m
                     WHERE m.queue = l.name AND m.priority < l.priority
@@ -265,7 +377,7 @@ SELECT name, priority FROM level WHERE priority IS NOT NULL
 -- reads the stored size, without detoasting.
 SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind,
        wanted.vt, wanted.max_attempts, levels.name AS queue,
-       c.okey, c.oseq, c.follows, c.follow_until
+       c.okey, c.oseq, c.follows, c.follow_until, NULL::text AS fkey
 FROM levels JOIN wanted ON wanted.name = levels.name
 CROSS JOIN LATERAL (
     SELECT m.id, m.priority, m.visible_at, m.read_ct,
@@ -283,6 +395,128 @@ CROSS JOIN LATERAL (
 ) AS c
 ORDER BY c.priority DESC, c.visible_at, c.id
 LIMIT %(limit)s::integer
+
+-- part: claim_pick_fair
+-- Pick of a fair queue (queue.fair; docs/design/flow-control.md, "Fair share"): its keys
+-- (fkey; a message published without one has the key '') are walked in key order from
+-- where the queue's last claim stopped (the key after fair_cursor.after; from the first
+-- key when the queue has no cursor yet), wrapping once: one descent of
+-- message_fair_idx per key (a skip scan), at most 4 x per_queue keys, until per_queue keys
+-- with a ready message were found. Each such key gives up to its share of per_queue
+-- (per_queue divided among them, rounded up), its oldest ready rows first, locked as
+-- claim_pick locks; then the rows are taken turn by turn (every key's first, then every
+-- key's second, ...), in walk order within a turn, up to per_queue. So a key with a lone
+-- message waits at most for the claims that serve the keys walked before it, however many
+-- messages another key holds. Invariant: a key is served by a claim only if every key
+-- between the cursor and it (in walk order) was served or had nothing ready.
+SELECT r.id, r.priority, r.visible_at, r.read_ct, r.bytes, r.kind, r.vt, r.max_attempts,
+       r.queue, r.okey, r.oseq, r.follows, r.follow_until, r.fkey
+FROM (
+  SELECT t.*, pg_catalog.row_number() OVER (PARTITION BY t.queue ORDER BY t.turn, t.n)
+                  AS place
+  FROM (
+    SELECT c.*, k.queue, k.fkey, k.n, wanted.vt, wanted.max_attempts,
+           pg_catalog.row_number() OVER (
+               PARTITION BY k.queue, k.fkey ORDER BY c.visible_at, c.id) AS turn
+    FROM (
+        SELECT f.*, pg_catalog.ceil(%(per_queue)s::numeric
+                                    / pg_catalog.count(*) OVER (PARTITION BY f.queue))::integer
+                    AS share
+        FROM (
+            WITH RECURSIVE walk AS (
+                SELECT b.queue, b.after, b.first, b.fkey, b.wrapped, 1 AS n,
+                       r.ready, r.ready::integer AS found
+                FROM (
+                    SELECT w.name AS queue, a.after, a.first,
+                           COALESCE(a.next, a.first) AS fkey, a.next IS NULL AS wrapped
+                    FROM wanted AS w
+                    CROSS JOIN LATERAL (
+                        SELECT c.after,
+                               (SELECT m.fkey FROM {schema}.message AS m
+                                WHERE m.queue = w.name AND m.fkey > c.after
+                                ORDER BY m.fkey LIMIT 1) AS next,
+                               (SELECT m.fkey FROM {schema}.message AS m
+                                WHERE m.queue = w.name AND m.fkey >= ''
+                                ORDER BY m.fkey LIMIT 1) AS first
+                        FROM (SELECT (SELECT fc.after FROM {schema}.fair_cursor AS fc
+                                      WHERE fc.queue = w.name) AS after) AS c
+                    ) AS a
+                    WHERE w.fair
+                ) AS b
+                CROSS JOIN LATERAL (SELECT {part:claim_fair_ready} AS ready) AS r
+                UNION ALL
+                SELECT k.queue, k.after, k.first, b.fkey, b.wrapped, k.n + 1,
+                       r.ready, k.found + r.ready::integer
+                FROM walk AS k
+                CROSS JOIN LATERAL (
+                    SELECT COALESCE(x.next, CASE WHEN NOT k.wrapped THEN k.first END) AS fkey,
+                           k.wrapped OR x.next IS NULL AS wrapped, k.queue AS queue
+                    FROM (SELECT (SELECT m.fkey FROM {schema}.message AS m
+                                  WHERE m.queue = k.queue AND m.fkey > k.fkey
+                                  ORDER BY m.fkey LIMIT 1) AS next) AS x
+                ) AS b
+                CROSS JOIN LATERAL (SELECT {part:claim_fair_ready} AS ready) AS r
+                WHERE k.fkey IS NOT NULL AND NOT (k.wrapped AND COALESCE(k.fkey > k.after, false))
+                  AND k.n < 4 * %(per_queue)s::integer AND k.found < %(per_queue)s::integer
+            )
+            SELECT walk.queue, walk.fkey, walk.n FROM walk
+            WHERE walk.ready AND NOT (walk.wrapped AND COALESCE(walk.fkey > walk.after, false))
+        ) AS f
+    ) AS k
+    JOIN wanted ON wanted.name = k.queue
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.priority, m.visible_at, m.read_ct,
+               pg_catalog.octet_length(m.payload::text) AS bytes,
+               pg_catalog.json_typeof(m.payload) AS kind,
+               m.okey, m.oseq, m.follows, m.follow_until
+        FROM {schema}.message AS m
+        WHERE m.queue = k.queue AND m.fkey = k.fkey
+          AND m.visible_at <= pg_catalog.now()
+          AND (m.expires_at IS NULL OR m.expires_at > pg_catalog.now())
+          AND m.id <> ALL(%(ack_ids)s::bigint[])
+        ORDER BY m.visible_at, m.id
+        LIMIT k.share
+        FOR NO KEY UPDATE SKIP LOCKED
+    ) AS c
+  ) AS t
+) AS r
+WHERE r.place <= %(per_queue)s::integer
+
+-- part: claim_fair_ready
+-- Whether key b.fkey of fair queue b.queue has a ready message: its first entry in
+-- message_fair_idx is one (ready rows sort before those in flight or delayed).
+b.fkey IS NOT NULL AND (SELECT m.visible_at <= pg_catalog.now() FROM {schema}.message AS m
+                        WHERE m.queue = b.queue AND m.fkey = b.fkey
+                        ORDER BY m.visible_at, m.id LIMIT 1)
+
+-- part: claim_fair_served
+-- Per fair queue this claim picked from: the last key it served in walk order (the
+-- greatest key at or before the cursor when the walk wrapped, else the greatest), and
+-- whether the queue has a cursor row yet.
+SELECT c.queue,
+       COALESCE(pg_catalog.max(c.fkey) FILTER (WHERE c.fkey <= p.after),
+                pg_catalog.max(c.fkey)) AS last,
+       p.known
+FROM candidates AS c
+CROSS JOIN LATERAL (
+    SELECT fc.after, fc.queue IS NOT NULL AS known
+    FROM (SELECT 1) AS one
+    LEFT JOIN {schema}.fair_cursor AS fc ON fc.queue = c.queue
+) AS p
+WHERE c.fkey IS NOT NULL
+GROUP BY c.queue, p.known
+
+-- part: claim_fair_move
+-- Move each fair queue's cursor to the last key served, through a SKIP LOCKED lock: a
+-- claim never waits for another's cursor move (two claims at once may serve the same
+-- keys, never the same row).
+UPDATE {schema}.fair_cursor AS f
+SET after = s.last
+FROM fair_served AS s
+WHERE f.queue = s.queue
+  AND f.queue = ANY(ARRAY(SELECT fc.queue FROM {schema}.fair_cursor AS fc
+                          WHERE fc.queue = ANY(ARRAY(SELECT s2.queue FROM fair_served AS s2))
+                          FOR UPDATE SKIP LOCKED))
 
 -- part: claim_gate_key
 -- Gate (ordering key, migrations 0011-0012): never two messages of one key at once,
@@ -626,7 +860,10 @@ SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
     ckey = CASE WHEN {part:claim_flow_on}
                 THEN COALESCE((SELECT f.ckey FROM slotted AS f
                                WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
-                ELSE t.ckey END
+                ELSE t.ckey END,
+    -- unique_while="queued": delivered, it no longer holds its key (a plain message's
+    -- stays NULL: no index entry, the update stays HOT).
+    ukey = CASE WHEN t.urun THEN t.ukey END
 WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
   AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
   AND (t.visible_at = 'infinity'::timestamptz
@@ -875,12 +1112,22 @@ SELECT pg_catalog.count(*) FROM purged
 -- name: declare_queue
 -- Record a declared queue; declaring again updates its expiry and TTL and counts as use.
 -- Its ordering failure mode is set only by a declarer configured with one (NULL: keep).
-INSERT INTO {schema}.queue AS q (name, expires_ms, message_ttl_ms, ordering)
-VALUES (%(queue)s, %(expires_ms)s, %(message_ttl_ms)s, %(ordering)s)
+-- Fair mode likewise (NULL: keep).
+INSERT INTO {schema}.queue AS q (name, expires_ms, message_ttl_ms, ordering, fair)
+VALUES (%(queue)s, %(expires_ms)s, %(message_ttl_ms)s, %(ordering)s,
+        COALESCE(%(fair)s::boolean, false))
 ON CONFLICT (name) DO UPDATE
 SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms,
     ordering = COALESCE(EXCLUDED.ordering, q.ordering),
+    fair = COALESCE(%(fair)s::boolean, q.fair),
     last_used = pg_catalog.now()
+
+-- name: fair_adopt
+-- A queue declared fair: its messages published before (no fair key) take the key '',
+-- so the fair pick, which walks keys only, reaches them.
+UPDATE {schema}.message AS m SET fkey = ''
+WHERE m.queue = %(queue)s::text AND m.fkey IS NULL
+  AND (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
 
 -- name: has_queue
 -- Whether a queue has been declared.
@@ -938,8 +1185,16 @@ SELECT queue, exchange, routing_key FROM {schema}.binding ORDER BY exchange, rou
 -- whether its copy was inserted now or found there: a publish sent again after its
 -- session was lost finds its copies committed, and their wake-up may have been lost with
 -- that session. At worst a wake-up too many.
+-- A message with a unique key (ukey) is inserted only when exactly one queue matched (one
+-- copy per queue would conflict with itself), waits for a holder's open transaction at
+-- most unique_wait, and, when nothing was inserted, names the holder as publish_unique does.
 WITH ex AS (
     SELECT type FROM {schema}.exchange WHERE name = %(exchange)s::text
+), waits AS MATERIALIZED (
+    SELECT pg_catalog.current_setting('lock_timeout') AS before,
+           CASE WHEN %(ukey)s::text IS NOT NULL
+                THEN pg_catalog.set_config('lock_timeout', %(unique_wait)s::text, true) END
+               AS set
 ), targets AS (
     SELECT DISTINCT b.queue
     FROM {schema}.binding AS b CROSS JOIN ex
@@ -951,7 +1206,8 @@ WITH ex AS (
           END
 ), inserted AS (
     INSERT INTO {schema}.message (queue, priority, visible_at, publish_key, payload, expires_at,
-                                  okey, task_id, follows, follow_until, followable)
+                                  okey, task_id, follows, follow_until, followable, ukey, urun,
+                                  fkey)
     SELECT t.queue, %(priority)s,
            pg_catalog.now() + pg_catalog.make_interval(secs => %(delay)s::float8),
            pg_catalog.md5(%(publish_tag)s::text || t.queue), %(payload)s,
@@ -960,10 +1216,14 @@ WITH ex AS (
            %(okey)s::text, %(task_id)s::text, %(follows)s::text,
            pg_catalog.now() + pg_catalog.make_interval(
                secs => %(delay)s::float8 + %(follow_wait)s::float8),
-           %(followable)s::boolean
+           %(followable)s::boolean, %(ukey)s::text, %(urun)s::boolean,
+           CASE WHEN q.fair THEN COALESCE(%(fkey)s::text, '') END
     FROM targets AS t
+    CROSS JOIN waits
     LEFT JOIN {schema}.queue AS q ON q.name = t.queue
-    ON CONFLICT (publish_key) DO NOTHING
+    WHERE %(ukey)s::text IS NULL OR (SELECT pg_catalog.count(*) FROM targets) = 1
+    ON CONFLICT DO NOTHING
+    RETURNING 1
 ), woken AS (
     SELECT pg_catalog.pg_notify(
                %(channel_prefix)s::text
@@ -971,7 +1231,15 @@ WITH ex AS (
     FROM targets AS t
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
-       (SELECT pg_catalog.count(*) FROM woken)
+       (SELECT pg_catalog.count(*) FROM woken),
+       CASE WHEN %(ukey)s::text IS NOT NULL AND NOT EXISTS (SELECT FROM inserted)
+                 AND (SELECT pg_catalog.count(*) FROM targets) = 1
+            THEN {schema}.unique_holder(
+                %(ukey)s::text,
+                (SELECT pg_catalog.md5(%(publish_tag)s::text || t.queue) FROM targets AS t))
+       END AS holder,
+       (SELECT w.before FROM waits AS w) AS lock_timeout,
+       (SELECT pg_catalog.count(*) FROM inserted) AS inserted
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.

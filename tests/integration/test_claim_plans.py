@@ -134,3 +134,47 @@ def test_a_claim_reads_as_much_from_a_deep_queue_as_from_a_shallow_one(
             assert node.get("Rows Removed by Filter", 0) <= live, node
     # The same plan over the same index: a deeper queue costs at most an index level.
     assert buffers(deep) <= buffers(shallow) + 10, (buffers(deep), buffers(shallow))
+
+
+def test_a_plain_queue_claim_reads_nothing_of_fair_share(backlog: Store) -> None:
+    """The claim of plain queues holds nothing of fair share (fair_claim is another
+    statement); fair_claim over a queue that is not fair (the backlog's 100,000 rows)
+    has the fair pick's nodes but never runs them: no probe of message_fair_idx, no row
+    of fair_cursor read, and it takes LIMIT rows by the claim index."""
+    plain = claimed_in(backlog, "q1")
+    assert not [n for n in walk(plain) if "fair" in str(n.get("Index Name") or "")]
+    assert not [n for n in walk(plain) if n.get("Relation Name") == "fair_cursor"]
+    params = claim_params(["q1"], [30.0], LIMIT, [5], [])
+    plan = generic_plan(backlog, "fair_claim", params, analyze=True)
+    fair = [n for n in message_nodes(plan) if n.get("Index Name") == "message_fair_idx"]
+    assert fair and all(n["Actual Loops"] == 0 for n in fair), fair
+    cursor = [n for n in walk(plan) if n.get("Relation Name") == "fair_cursor"]
+    assert all(n["Actual Rows"] == 0 for n in cursor), cursor
+    assert subplan(plan, "candidates")["Actual Rows"] == LIMIT
+
+
+def test_a_fair_claim_walks_its_keys_by_the_fair_index(backlog: Store, peek: Peek) -> None:
+    """A fair queue of 10,000 messages over 100 keys: the claim's pick descends
+    message_fair_idx once per key visited (no scan of a key's backlog), reads no row of
+    the claim index for it, and delivers one message of each of LIMIT keys."""
+    backlog.declare_queue("fq", fair=True)
+    peek(
+        "INSERT INTO {schema}.message (queue, payload, fkey)"
+        " SELECT 'fq', '{{}}', 'k' || lpad((n %% 100)::text, 3, '0')"
+        " FROM generate_series(1, 10000) AS n"
+    )
+    peek("ANALYZE {schema}.message")
+    params = claim_params(["fq"], [30.0], LIMIT, [5], [])
+    nodes = scans(generic_plan(backlog, "fair_claim", params))
+    assert uses(nodes, "message_fair_idx"), nodes
+    assert no_seq_scan(nodes), nodes
+    plan = generic_plan(backlog, "fair_claim", params, analyze=True)
+    fair = [n for n in message_nodes(plan) if n.get("Index Name") == "message_fair_idx"]
+    # every probe reads at most the rows its key gives (one ready head, or a share)
+    assert all(n["Actual Rows"] <= n["Actual Loops"] * LIMIT for n in fair), fair
+    assert sum(n["Actual Rows"] for n in fair) <= 6 * LIMIT, fair
+    assert not [
+        n
+        for n in message_nodes(plan)
+        if n.get("Index Name") == "message_claim_idx" and "fq" in str(n.get("Index Cond", ""))
+    ]

@@ -64,7 +64,7 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
             "message": {"publish_key"},
             "exchange": {"name", "type"},
             "binding": {"exchange", "queue", "routing_key", "pattern"},
-            "queue": {"name", "message_ttl_ms"},
+            "queue": {"name", "message_ttl_ms", "fair"},
             "dead_letter": {"id"},
         },
         "INSERT": {
@@ -80,6 +80,9 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "follows",
                 "follow_until",
                 "followable",
+                "ukey",
+                "urun",
+                "fkey",
             },
             "dead_letter": {
                 "message_id",
@@ -655,6 +658,47 @@ def test_publisher_publishes_every_way_and_the_worker_gets_it(granted: Roles) ->
             )
         ).fetchall()
     assert task_id == eta_id  # the ETA message waits for its time
+
+
+def test_publisher_publishes_unique_tasks_and_learns_only_the_holders_id(
+    granted: Roles,
+) -> None:
+    """A publisher-only role publishes unique tasks, direct and routed (Celery's default
+    exchange), and a duplicate is answered with the holder's task id, through
+    unique_holder(), the one function it may run beside none: it still reads no row."""
+    declared_by_the_worker(granted)
+    app = publisher_app(granted, ["jobs"])
+
+    @app.task(name="t.unique", base=pg_transport.UniqueTask, unique_key="n")
+    def unique_task(n: int) -> None: ...
+
+    first = unique_task.delay(1)
+    assert unique_task.delay(1).id == first.id
+    with pytest.raises(pg_transport.DuplicateTask) as dup:
+        unique_task.apply_async((1,), unique_conflict="raise")
+    assert dup.value.existing_id == first.id
+    second = unique_task.delay(2)
+    app.close()
+    # Direct to the queue (the default exchange), in a batch too.
+    with Connection(granted.url(granted.publisher), transport_options=options(granted)) as pub:
+        producer = Producer(pub.channel())
+        for _ in range(2):
+            producer.publish({"n": "u"}, routing_key="jobs", headers={"pgq-unique-key": "u"})
+        with pg_transport.batch():
+            producer.publish({"n": "v"}, routing_key="jobs", headers={"pgq-unique-key": "v"})
+            producer.publish({"n": "v"}, routing_key="jobs", headers={"pgq-unique-key": "v"})
+    with granted.connect(granted.publisher) as conn:
+        s = sql.Identifier(granted.schema)
+        assert refused(conn, sql.SQL("SELECT ukey FROM {}.message").format(s))
+        assert refused(conn, sql.SQL("SELECT task_id FROM {}.message").format(s))
+    with psycopg.connect(granted.pg_url) as admin:
+        stored = admin.execute(
+            sql.SQL("SELECT ukey, task_id FROM {}.message ORDER BY id").format(
+                sql.Identifier(granted.schema)
+            )
+        ).fetchall()
+    assert [k for k, _ in stored] == ["t.unique:1", "t.unique:2", "u", "v"]
+    assert [t for _, t in stored][:2] == [first.id, second.id]
 
 
 def test_publisher_may_not_read_take_or_reroute(granted: Roles) -> None:

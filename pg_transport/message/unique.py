@@ -1,0 +1,235 @@
+"""Unique tasks: what a message asks for, and where it says so (docs/flow-control.md).
+
+A message asks in its headers, which a Celery task's retry keeps:
+
+* ``pgq-unique-key``: no other message holding this key may be queued at the same time
+  (the key is global to the schema: a task's default key starts with the task's name).
+* ``pgq-unique-while``: ``queued`` (the default: the key is free again once the message
+  is delivered) or ``queued_or_running`` (held until the message is acked, dead-lettered,
+  expired or purged).
+* ``pgq-unique-conflict``: what the publish of a duplicate does: ``return`` (the default:
+  nothing is inserted, the publish succeeds) or ``raise``
+  (:class:`~pg_transport.errors.DuplicateTask` naming the holder's task id).
+
+Celery's ``apply_async`` passes options it does not know on as message properties:
+``unique_key=``, ``unique_while=`` and ``unique_conflict=`` are moved into those headers
+(:func:`move_options`). A task's own defaults (task attributes ``unique_key``: an
+argument's name, a callable of the call's arguments, or ``True`` for the task's name and
+all its arguments; ``unique_while``; ``unique_conflict``) are applied when it is sent
+(:func:`task_defaults`, from Celery's ``before_task_publish``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pg_transport.errors import ConfigurationError
+
+__all__ = [
+    "DEFAULT_UNIQUE_WAIT",
+    "UNIQUE_CONFLICT",
+    "UNIQUE_KEY",
+    "UNIQUE_WHILE",
+    "UniqueError",
+    "Uniqueness",
+    "move_options",
+    "task_defaults",
+    "uniqueness",
+]
+
+UNIQUE_KEY = "pgq-unique-key"
+UNIQUE_WHILE = "pgq-unique-while"
+UNIQUE_CONFLICT = "pgq-unique-conflict"
+
+# apply_async's options -> the headers they become.
+OPTIONS = {
+    "unique_key": UNIQUE_KEY,
+    "unique_while": UNIQUE_WHILE,
+    "unique_conflict": UNIQUE_CONFLICT,
+}
+
+WHILE = ("queued", "queued_or_running")
+CONFLICT = ("return", "raise")
+
+# Set by task_defaults when a task's default key cannot be had for a call: why (Celery
+# only logs what a before_task_publish receiver raises, and would publish the message).
+DEFAULT_REFUSED = "pgq-unique-refused"
+
+#: Keys are index keys: well under Postgres' limit for one.
+MAX_KEY_BYTES = 1024
+
+#: Seconds a unique publish waits for a transaction that inserted the same key and has not
+#: ended yet (an application's transaction) before it raises UniqueBusy.
+DEFAULT_UNIQUE_WAIT = 5.0
+
+
+class UniqueError(ConfigurationError):
+    """A message asks for uniqueness in a way pgq cannot honour (the option and the value
+    named); it was not published."""
+
+
+@dataclass(frozen=True)
+class Uniqueness:
+    """What a message's unique headers ask for (``key`` None: nothing)."""
+
+    key: str | None = None
+    while_running: bool = False
+    conflict: str = "return"
+
+    def params(self) -> dict[str, Any]:
+        return {"ukey": self.key, "urun": self.while_running}
+
+
+NOT_UNIQUE = Uniqueness()
+
+
+def _key_text(value: Any, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise UniqueError(f"{what}={value!r}: must be a string (or an integer)")
+    text = str(value)
+    if not text or "\x00" in text:
+        raise UniqueError(f"{what}={text[:40]!r}: must be non-empty text without NUL")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise UniqueError(f"{what}={text[:40]!r}: not valid Unicode") from None
+    if size > MAX_KEY_BYTES:
+        raise UniqueError(f"{what}={text[:40]!r}…: {size} bytes, at most {MAX_KEY_BYTES}")
+    return text
+
+
+def _choice(header: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise UniqueError(f"{header}={value!r}: must be one of {', '.join(choices)}")
+    return str(value)
+
+
+def uniqueness(payload: Mapping[str, Any]) -> Uniqueness:
+    """What ``payload`` (a kombu message) asks for; :class:`UniqueError` when a header is
+    not usable (the message is then not published)."""
+    headers = payload.get("headers")
+    if not isinstance(headers, Mapping):
+        return NOT_UNIQUE
+    refused = headers.get(DEFAULT_REFUSED)
+    if refused is not None:
+        raise UniqueError(str(refused))
+    key = headers.get(UNIQUE_KEY)
+    mode = headers.get(UNIQUE_WHILE)
+    conflict = headers.get(UNIQUE_CONFLICT)
+    if key is None and mode is None and conflict is None:
+        return NOT_UNIQUE
+    # Each checked even without a key: a bad value is refused wherever it is given.
+    mode = _choice(UNIQUE_WHILE, "queued" if mode is None else mode, WHILE)
+    conflict = _choice(UNIQUE_CONFLICT, "return" if conflict is None else conflict, CONFLICT)
+    if key is None:
+        return NOT_UNIQUE
+    return Uniqueness(
+        key=_key_text(key, UNIQUE_KEY),
+        while_running=mode == "queued_or_running",
+        conflict=conflict,
+    )
+
+
+def task_id_of(payload: Mapping[str, Any]) -> str | None:
+    """The Celery task id a message carries (protocol 2 headers, else protocol 1's
+    correlation id)."""
+    headers = payload.get("headers")
+    task_id = headers.get("id") if isinstance(headers, Mapping) else None
+    if task_id is None:
+        properties = payload.get("properties")
+        if isinstance(properties, Mapping):
+            task_id = properties.get("correlation_id")
+    return None if task_id is None else str(task_id)
+
+
+def move_options(message: dict[str, Any]) -> None:
+    """Move apply_async's unique options (message properties) into the headers, where a
+    retry of the task keeps them. A header already there wins."""
+    properties = message.get("properties")
+    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
+        return
+    headers = message.get("headers")
+    if not isinstance(headers, dict):
+        headers = message["headers"] = {}
+    for option, header in OPTIONS.items():
+        if option in properties:
+            value = properties.pop(option)
+            if value is not None:
+                headers.setdefault(header, value)
+
+
+def canonical(args: Any, kwargs: Any) -> str:
+    """The arguments of a call as one text: JSON with sorted keys and no spaces, so equal
+    arguments give equal keys whatever the order the keywords were given in."""
+    return json.dumps(
+        [list(args), dict(kwargs)], sort_keys=True, separators=(",", ":"), default=repr
+    )
+
+
+def _default_key(task: Any, spec: Any, args: Any, kwargs: Any) -> str | None:
+    """The unique key a task's ``unique_key`` attribute gives for one call, prefixed by
+    the task's name (two tasks never share a default key)."""
+    args = list(args) if isinstance(args, (list, tuple)) else []
+    kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
+    if spec is True:
+        return f"{task.name}:{canonical(args, kwargs)}"
+    if callable(spec):
+        value = spec(*args, **kwargs)
+    elif isinstance(spec, str):
+        if spec in kwargs:
+            value = kwargs[spec]
+        else:
+            try:
+                bound = inspect.signature(task.run).bind_partial(*args)
+            except (TypeError, ValueError):
+                bound = None
+            if bound is None or spec not in bound.arguments:
+                raise UniqueError(
+                    f"task {task.name}: unique_key names argument {spec!r}, "
+                    "which this call does not pass"
+                )
+            value = bound.arguments[spec]
+    else:
+        raise UniqueError(
+            f"task {task.name}: unique_key={spec!r} must name an argument, be callable or True"
+        )
+    if value is None:
+        return None
+    return _key_text(f"{task.name}:{_key_text(value, 'unique_key')}", "unique_key")
+
+
+def task_defaults(
+    task: Any, body: Any, headers: dict[str, Any], properties: Mapping[str, Any] | None = None
+) -> None:
+    """A task's ``unique_key``, ``unique_while`` and ``unique_conflict`` attributes as
+    ``headers``, unless the call gave them (as headers, or as options still among the
+    message's ``properties``). A key this call cannot give makes the publish refuse the
+    message (:data:`DEFAULT_REFUSED`)."""
+    given = dict(properties or {})
+
+    def unset(option: str) -> bool:
+        return OPTIONS[option] not in headers and given.get(option) is None
+
+    spec: Any = inspect.getattr_static(task, "unique_key", None)
+    if isinstance(spec, (staticmethod, classmethod)):
+        spec = spec.__func__
+    if spec is not None and spec is not False and unset("unique_key"):
+        args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
+        try:
+            key = _default_key(task, spec, args, kwargs)
+            if key is not None:
+                headers[UNIQUE_KEY] = key
+        except Exception as exc:  # Celery would log it and publish the message anyway
+            headers[DEFAULT_REFUSED] = (
+                str(exc)
+                if isinstance(exc, UniqueError)
+                else f"task {task.name}: unique_key raised {exc!r}"
+            )
+    for option in ("unique_while", "unique_conflict"):
+        value = getattr(task, option, None)
+        if isinstance(value, str) and unset(option):
+            headers[OPTIONS[option]] = value

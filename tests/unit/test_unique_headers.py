@@ -1,0 +1,105 @@
+"""What a message asks for with the unique and fair headers, and how Celery's options
+and a task's defaults become them (no database)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pg_transport.message import fair, unique
+from pg_transport.message.unique import UniqueError
+
+
+class Task:
+    name = "app.report"
+
+    def run(self, report_id: int, fmt: str = "pdf") -> None: ...
+
+
+def headers_for(task: Any, args: Any, kwargs: Any, **properties: Any) -> dict[str, Any]:
+    headers: dict[str, Any] = {}
+    unique.task_defaults(task, (args, kwargs, {}), headers, properties)
+    fair.task_defaults(task, (args, kwargs, {}), headers, properties)
+    return headers
+
+
+def test_a_default_key_names_an_argument_and_is_prefixed_by_the_task() -> None:
+    class T(Task):
+        unique_key = "report_id"
+        unique_while = "queued_or_running"
+        fair_key = "fmt"
+
+    assert headers_for(T(), [7, "csv"], {}) == {
+        "pgq-unique-key": "app.report:7",
+        "pgq-unique-while": "queued_or_running",
+        "pgq-fair-key": "csv",
+    }
+    assert headers_for(T(), [], {"report_id": 8, "fmt": "pdf"})["pgq-unique-key"] == (
+        "app.report:8"
+    )
+
+
+def test_true_keys_on_all_arguments_whatever_their_keyword_order() -> None:
+    class T(Task):
+        unique_key = True
+
+    one = headers_for(T(), [1], {"a": 1, "b": 2})["pgq-unique-key"]
+    assert one == headers_for(T(), [1], {"b": 2, "a": 1})["pgq-unique-key"]
+    assert one != headers_for(T(), [2], {"a": 1, "b": 2})["pgq-unique-key"]
+
+
+def test_call_options_win_over_the_task_defaults() -> None:
+    class T(Task):
+        unique_key = "report_id"
+        unique_conflict = "return"
+        fair_key = "fmt"
+
+    got = headers_for(T(), [7], {}, unique_key="mine", unique_conflict="raise", fair_key="x")
+    assert got == {}
+    message = {"properties": {"unique_key": "mine", "unique_conflict": "raise", "fair_key": "x"}}
+    unique.move_options(message)
+    fair.move_options(message)
+    assert message["headers"] == {
+        "pgq-unique-key": "mine",
+        "pgq-unique-conflict": "raise",
+        "pgq-fair-key": "x",
+    }
+    assert message["properties"] == {}
+
+
+def test_a_default_the_call_cannot_give_refuses_the_publish() -> None:
+    class T(Task):
+        unique_key = "missing"
+
+    headers = headers_for(T(), [7], {})
+    with pytest.raises(UniqueError, match="missing"):
+        unique.uniqueness({"headers": headers})
+
+
+@pytest.mark.parametrize(
+    ("headers", "named"),
+    [
+        ({"pgq-unique-key": "k", "pgq-unique-while": "sometimes"}, "pgq-unique-while"),
+        ({"pgq-unique-key": "k", "pgq-unique-conflict": "maybe"}, "pgq-unique-conflict"),
+        ({"pgq-unique-key": ""}, "pgq-unique-key"),
+        ({"pgq-unique-key": "é" * 600}, "pgq-unique-key"),
+        ({"pgq-unique-key": 1.5}, "pgq-unique-key"),
+        ({"pgq-unique-key": True}, "pgq-unique-key"),
+    ],
+)
+def test_bad_headers_are_refused_naming_them(headers: dict[str, Any], named: str) -> None:
+    with pytest.raises(UniqueError, match=named):
+        unique.uniqueness({"headers": headers})
+
+
+def test_what_a_message_asks_for() -> None:
+    assert unique.uniqueness({"headers": {}}).key is None
+    asked = unique.uniqueness(
+        {"headers": {"pgq-unique-key": 42, "pgq-unique-while": "queued_or_running"}}
+    )
+    assert asked == unique.Uniqueness(key="42", while_running=True, conflict="return")
+    assert fair.fair_key({"headers": {"pgq-fair-key": "t-1"}}) == "t-1"
+    assert fair.fair_key({"headers": {}}) is None
+    with pytest.raises(fair.FairKeyError, match="pgq-fair-key"):
+        fair.fair_key({"headers": {"pgq-fair-key": ["a"]}})
