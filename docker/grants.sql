@@ -15,10 +15,6 @@ GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
       pgq.result_group_save(text, text, text, bytea, float8), pgq.result_group_read(text),
       pgq.result_group_delete(text)
     TO pgq_worker;
--- The claim's flow-limit gates (flow-control.md) count tokens and slots through these.
-GRANT EXECUTE ON FUNCTION pgq.flow_tokens(text, text, integer),
-      pgq.flow_slots(text, text, integer)
-    TO pgq_worker;
 -- A duplicate unique task's publish asks who holds its key (a task id, nothing else).
 GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_worker;
 

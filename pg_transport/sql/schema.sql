@@ -832,7 +832,8 @@ $$;
 CREATE TRIGGER message_leave_slot AFTER DELETE ON {schema}.message
 FOR EACH ROW WHEN (OLD.climit IS NOT NULL) EXECUTE FUNCTION {schema}.flow_leave();
 
--- Granted by name: to the workers' role (docs/least-privilege.md, block 4).
-REVOKE ALL ON FUNCTION {schema}.flow_tokens(text, text, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION {schema}.flow_slots(text, text, integer) FROM PUBLIC;
+-- flow_tokens and flow_slots keep EXECUTE for PUBLIC: they run as the caller, who needs
+-- the worker's table rights for them to do anything, so any role a claim runs as (one
+-- granted tables only, as pgq's refusal hints say) claims with or without limits. The
+-- trigger function runs as the owner and is the trigger's alone.
 REVOKE ALL ON FUNCTION {schema}.flow_leave() FROM PUBLIC;
