@@ -29,8 +29,9 @@ from pg_transport.message.rows import Lease
 from pg_transport.publish.joined import Joined, on_caller
 from pg_transport.publish.joined import transaction as joined_transaction
 from pg_transport.sql import load_named, load_queries
+from pg_transport.store import Store
 
-__all__ = ["Completion", "Run", "current", "open_run"]
+__all__ = ["Completion", "Run", "current", "open_run", "refuse"]
 
 logger = logging.getLogger("pg_transport.atomic")
 
@@ -261,3 +262,25 @@ def open_run(task: Any) -> Run:
         run.abandon()
         raise
     return run
+
+
+def refuse(task: Any, reason: str) -> None:
+    """Dead-letter ``task``'s delivery with ``reason``, under its fencing token, on the
+    broker's own connection (a run that was refused has no transaction to do it in).
+    Never raises: the worker's own dead-lettering of the Reject that follows is the
+    fallback, with Celery's reason."""
+    token = token_of(task.request)
+    if token is None:
+        return
+    try:
+        conf = task.app.conf
+        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+        broker = conf.broker_write_url or conf.broker_url
+        store = Store(shared(url_to_conninfo(str(broker).split(";")[0])), schema)
+        dead = store.dead_letter(token, reason[:1000])
+        if dead is not None:
+            store.identify_dead_letter(
+                dead, task_id=token.task, task_name=task.name, identity={}, reasons=[]
+            )
+    except Exception:
+        logger.exception("pgq: could not dead-letter refused atomic task %s", token.task)

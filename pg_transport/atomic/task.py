@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import psycopg
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from pg_transport.atomic.checks import check_or_stop
-from pg_transport.atomic.run import Completion, Run, current, open_run
+from pg_transport.atomic.run import Completion, Run, current, open_run, refuse
+from pg_transport.db.retry import is_dead_connection
 from pg_transport.errors import ConfigurationError, TransactionRefused
 
 __all__ = ["AtomicTask"]
@@ -39,6 +41,9 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     #: The message is acknowledged by the run's own commit, after the body: never before.
     acks_late = True
+    #: A killed child committed nothing (or its commit ended the delivery): the message
+    #: is released, not failed (Celery would store FAILURE for a run that never counted).
+    reject_on_worker_lost = True
     #: Read by the worker's delivery guard (kombu/guard.py): its ack becomes a settle.
     pgq_completes_delivery = True
     #: Where the run's transaction comes from (None: the app's ``pgq_atomic_connection``).
@@ -63,21 +68,40 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
         try:
             run = open_run(self)
         except (TransactionRefused, ConfigurationError) as exc:
-            # A connection pgq cannot run on does not get better by redelivery.
+            # A connection pgq cannot run on does not get better by redelivery: the
+            # message is dead-lettered now, with the refusal as its reason (the worker's
+            # own dead-lettering of the Reject then finds it gone).
             logger.error("pgq: atomic task %s[%s] refused: %s", self.name, request.id, exc)
+            refuse(self, f"atomic task refused: {exc}")
             raise Reject(str(exc), requeue=False) from exc
         try:
-            result = self.run(*args, **kwargs)
-        except (Ignore, Reject):
-            raise  # (LeaseLost included) rolled back at the end of the run
-        except Retry:
-            raise  # retry() fenced it; a Retry raised by hand is rolled back
-        except Exception:
-            run.rollback_body()
-            if self._acks_failures():
-                run.fence()  # a stale run's failure is not recorded: LeaseLost instead
-            raise
-        run.fence()
+            try:
+                result = self.run(*args, **kwargs)
+            except (Ignore, Reject):
+                raise  # (LeaseLost included) rolled back at the end of the run
+            except Retry:
+                raise  # retry() fenced it; a Retry raised by hand is rolled back
+            except Exception as exc:
+                if is_dead_connection(exc, run.conn):
+                    raise
+                run.rollback_body()
+                if self._acks_failures():
+                    run.fence()  # a stale run's failure is not recorded: LeaseLost instead
+                raise
+            run.fence()
+        except psycopg.Error as exc:
+            if not is_dead_connection(exc, run.conn):
+                raise
+            # The run's transaction is gone with its session: nothing of it committed.
+            # Requeued (released), not failed: the next delivery may well commit.
+            logger.error(
+                "pgq: atomic task %s[%s]: its transaction's connection was lost (%s); nothing "
+                "of its run is kept and its message is delivered again",
+                self.name,
+                request.id,
+                exc,
+            )
+            raise Reject(str(exc), requeue=True) from exc
         return result
 
     def _acks_failures(self) -> bool:

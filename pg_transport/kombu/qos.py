@@ -188,8 +188,14 @@ class QoS(virtual.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
+            settle = delivery_tag in self._settles
         try:
-            if held is not None:
+            if held is not None and requeue and settle:
+                # An atomic task's (its process lost, its run requeued): released unless
+                # its commit deleted it, never waiting on a commit in progress.
+                token = held[0]
+                self._land("settle", held, lambda: self.channel.store.settle([token]))
+            elif held is not None:
                 token = held[0]
                 if requeue:
                     self._land(
