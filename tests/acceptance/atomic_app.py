@@ -196,6 +196,35 @@ def note(self: Any, label: str) -> str:
     return label
 
 
+@app.task(bind=True, base=pg_transport.AtomicTask)
+def part(self: Any, i: int, gate: str | None = None) -> int:
+    execute(
+        self,
+        "INSERT INTO {schema}.audit (task_id, label) VALUES (%s, %s)",
+        [
+            self.request.id,
+            f"part{i}",
+        ],
+    )
+    reached(self.request.id, f"part{i}")
+    if gate and not self.request.delivery_info.get("redelivered"):
+        wait_gate(gate)
+    return i
+
+
+@app.task(bind=True)
+def collect(self: Any, results: list[int], label: str) -> int:
+    reached(self.request.id, f"{label}:{sum(results)}")
+    return sum(results)
+
+
+if os.environ.get("TEST_ACKS_EARLY"):
+
+    @app.task(bind=True, base=pg_transport.AtomicTask, acks_late=False)
+    def early(self: Any) -> None:
+        pass
+
+
 # A crash right after a commit (test_atomic's "after commit"): the run blocks there.
 if os.environ.get("TEST_BLOCK_AFTER_COMMIT"):
 

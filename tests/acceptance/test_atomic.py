@@ -229,7 +229,7 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     with psycopg.connect(env.pg_url, autocommit=True) as admin:
         row = admin.execute(
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM"
-            " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pgq-atomic:%%'"
+            " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pgq-atomic:%%' AND datname = current_database()"
             " AND state = 'idle in transaction') AS s"
         ).fetchone()
     assert row is not None and row[0] == 1
@@ -263,7 +263,7 @@ def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
         wait_for(
             lambda: env.scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND application_name LIKE 'pgq-atomic:%%'"
+                " AND application_name LIKE 'pgq-atomic:%%' AND datname = current_database()"
             ),
             60,
             "B's run to wait on A's row lock",
@@ -306,3 +306,153 @@ def test_a_connection_it_cannot_run_on_dead_letters_with_the_reason(
     assert reason in str(env.scalar("SELECT reason FROM {schema}.dead_letter"))
     assert counts(env) == (0, 0)
     assert points(env, tid, "written") == 0
+
+
+def test_an_atomic_worker_on_gevent_runs_each_greenlet_in_a_transaction_of_its_own(
+    env: Env,
+) -> None:
+    with workers(env, "g", pool="gevent", concurrency=4, app=APP, environ=QUICK):
+        app = client(env)
+        ids = [app.send_task(f"{APP}.part", args=[i], kwargs={"gate": "hold"}).id for i in range(3)]
+        app.close()
+        # Three runs open at once in one process: three sessions, each in its transaction.
+        wait_for(
+            lambda: (
+                env.scalar("SELECT count(*) FROM {schema}.points WHERE point LIKE 'part%%'") == 3
+            ),
+            60,
+            "three bodies running",
+        )
+        assert int(env.scalar("SELECT count(DISTINCT pid) FROM {schema}.points")) == 1
+        assert (
+            env.scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE"
+                " 'pgq-atomic:%%' AND datname = current_database() AND state = 'idle in transaction'"
+            )
+            == 3
+        )
+        assert int(env.scalar("SELECT count(*) FROM {schema}.audit")) == 0  # none committed
+        open_gate(env, "hold")
+        wait_for(lambda: all(result_state(env, t) == "SUCCESS" for t in ids), 60, "three results")
+        wait_for(lambda: messages(env) == 0, 30, "every message gone")
+        assert int(env.scalar("SELECT count(*) FROM {schema}.audit")) == 3
+
+
+# -- chords and ordering ------------------------------------------------------------
+def test_a_chord_of_atomic_parts_counts_each_part_once_through_a_kill(
+    env: Env, stopped: list[Any]
+) -> None:
+    from celery import chord
+
+    worker = start(env, "a", "prefork")
+    stopped.append(worker)
+    app = client(env)
+    header = [app.signature(f"{APP}.part", args=[i]) for i in range(3)]
+    header.append(app.signature(f"{APP}.part", args=[3], kwargs={"gate": "hold"}))
+    chord(header, app=app)(app.signature(f"{APP}.collect", kwargs={"label": "sum"}))
+    wait_for(
+        lambda: (
+            env.scalar("SELECT remaining FROM {schema}.barrier WHERE id LIKE 'celery-chord:%%'")
+            == 1
+        ),
+        60,
+        "three parts counted",
+    )
+    wait_for(
+        lambda: env.scalar("SELECT count(*) FROM {schema}.points WHERE point = 'part3'"),
+        60,
+        "the last part's body",
+    )
+    worker.kill()  # inside the last part, before its commit
+    assert env.scalar("SELECT remaining FROM {schema}.barrier WHERE id LIKE 'celery-chord:%%'") == 1
+    stopped.append(start(env, "b", "prefork"))
+    wait_for(
+        lambda: env.scalar("SELECT count(*) FROM {schema}.points WHERE point LIKE 'sum:%%'"),
+        60,
+        "the chord's body",
+    )
+    wait_for(lambda: messages(env) == 0, 30, "every message gone")
+    assert env.scalar("SELECT array_agg(point) FROM {schema}.points WHERE point LIKE 'sum:%%'") == [
+        "sum:6"
+    ]
+    assert int(env.scalar("SELECT count(*) FROM {schema}.audit")) == 4  # each part once
+    app.close()
+
+
+def test_an_ordering_key_is_released_by_the_commit_and_kept_through_a_kill(
+    env: Env, stopped: list[Any]
+) -> None:
+    worker = start(env, "a", "prefork")
+    stopped.append(worker)
+    app = client(env)
+    first = app.send_task(
+        f"{APP}.bump", kwargs={"label": "first", "gate": "hold"}, ordering_key="K"
+    ).id
+    second = app.send_task(f"{APP}.bump", kwargs={"label": "second"}, ordering_key="K").id
+    app.close()
+    wait_for(lambda: points(env, first, "written") == 1, 60, "the first body")
+    worker.kill()  # before the first run's commit: the key stays held by it
+    stopped.append(start(env, "b", "prefork"))
+    wait_for(lambda: result_state(env, second) == "SUCCESS", 60, "the second task")
+    assert result_state(env, first) == "SUCCESS"
+    order = env.scalar(
+        "SELECT array_agg(task_id ORDER BY at) FROM {schema}.points WHERE point = 'written'"
+    )
+    # The first ran (killed), ran again and committed; only then did the second start.
+    assert order == [first, first, second]
+    assert counts(env) == (2, 2)
+
+
+# -- refusals at worker start -------------------------------------------------------
+@pytest.mark.parametrize(
+    ("environ", "says"),
+    [
+        ({"TEST_ACKS_EARLY": "1"}, "has acks_late=False"),
+        ({"PGQ_BROKER_URL": "memory://"}, "needs a pgq:// broker"),
+    ],
+)
+def test_a_worker_whose_atomic_tasks_cannot_hold_does_not_start(
+    env: Env, environ: dict[str, str], says: str
+) -> None:
+    extra = dict(environ)
+    if "PGQ_BROKER_URL" in extra:
+        extra["TEST_RESULT_BACKEND"] = env.broker_url
+    worker = start_worker(env, "x", app=APP, environ={**QUICK, **extra}, may_exit=True, wait=False)
+    assert worker.proc.wait(60) == 1
+    assert "pgq: atomic task" in worker.output() and says in worker.output()
+
+
+def test_a_foreign_result_backend_is_warned_about_at_start(env: Env) -> None:
+    with workers(
+        env, "w", app=APP, environ={**QUICK, "TEST_RESULT_BACKEND": "cache+memory://"}
+    ) as (worker,):
+        assert "results are stored at least once" in worker.output()
+
+
+def test_a_connection_to_another_database_is_refused_naming_both(env: Env, pg_url: str) -> None:
+    name = f"{env.schema}_other"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        other = psycopg.conninfo.make_conninfo(pg_url, dbname=name)
+        with workers(
+            env,
+            "a",
+            pool="threads",
+            app=APP,
+            environ={**QUICK, "TEST_ATOMIC_PROVIDER": "other-database", "TEST_OTHER_URL": other},
+        ):
+            send(env, label="o")
+            wait_for(
+                lambda: env.scalar("SELECT reason FROM {schema}.dead_letter"),
+                60,
+                "the dead letter",
+            )
+        reason = str(env.scalar("SELECT reason FROM {schema}.dead_letter"))
+        assert name in reason and env.pg_url.rsplit("/", 1)[1] in reason, reason
+        assert counts(env) == (0, 0)
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
