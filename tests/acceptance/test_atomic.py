@@ -229,8 +229,8 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     with psycopg.connect(env.pg_url, autocommit=True) as admin:
         row = admin.execute(
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM"
-            " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pgq-atomic:%%' AND datname = current_database()"
-            " AND state = 'idle in transaction') AS s"
+            " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pgq-atomic:%%'"
+            " AND datname = current_database() AND state = 'idle in transaction') AS s"
         ).fetchone()
     assert row is not None and row[0] == 1
     open_gate(env, "hold")  # the first run goes on, and its commit fails
@@ -327,7 +327,8 @@ def test_an_atomic_worker_on_gevent_runs_each_greenlet_in_a_transaction_of_its_o
         assert (
             env.scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE"
-                " 'pgq-atomic:%%' AND datname = current_database() AND state = 'idle in transaction'"
+                " 'pgq-atomic:%%' AND datname = current_database()"
+                " AND state = 'idle in transaction'"
             )
             == 3
         )
