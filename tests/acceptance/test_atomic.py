@@ -457,3 +457,23 @@ def test_a_connection_to_another_database_is_refused_naming_both(env: Env, pg_ur
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+def test_leases_are_renewed_while_a_run_keeps_its_transaction_open(
+    env: Env, stopped: list[Any]
+) -> None:
+    worker = start(env, "a", "threads")
+    stopped.append(worker)
+    tid = send(env, label="long", gate="hold")
+    wait_for(lambda: points(env, tid, "written") == 1, 60, "the body's writes")
+    opened = time.monotonic()
+    # Three visibility timeouts with the transaction open: the lease is renewed, so no
+    # other delivery starts (the worker's own claim would take a lapsed message back).
+    while time.monotonic() < opened + 3 * VT:
+        assert env.scalar("SELECT visible_at > now() FROM {schema}.message WHERE queue = 'celery'")
+        time.sleep(VT / 4)
+    assert points(env, tid, "written") == 1
+    open_gate(env, "hold")
+    wait_for(lambda: result_state(env, tid) == "SUCCESS", 60, "the success")
+    assert counts(env) == (1, 1)
+    assert points(env, tid, "written") == 1
