@@ -31,7 +31,7 @@ from pg_transport.publish.joined import transaction as joined_transaction
 from pg_transport.sql import load_named, load_queries
 from pg_transport.store import Store
 
-__all__ = ["Completion", "Run", "current", "open_run", "refuse"]
+__all__ = ["Completion", "ConnectionLost", "Run", "current", "open_run", "refuse"]
 
 logger = logging.getLogger("pg_transport.atomic")
 
@@ -251,17 +251,33 @@ def _one_or_none(
         return row
 
 
+class ConnectionLost(Exception):
+    """The run's connection was lost as the run opened (terminated, reaped while idle,
+    a server restart): not a refusal; the delivery is requeued."""
+
+
 def open_run(task: Any) -> Run:
-    """Begin ``task``'s run (step 1). What cannot be run on is refused here."""
+    """Begin ``task``'s run (step 1). What cannot be run on is refused here. A kept
+    connection found dead (reaped while idle) is replaced once; lost again:
+    :class:`ConnectionLost`."""
     conf = task.app.conf
     schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
-    run = Run(task, handle_for(task), token_of(task.request), schema)
-    try:
-        run.open()
-    except BaseException:
-        run.abandon()
-        raise
-    return run
+    for attempt in (1, 2):
+        run = Run(task, handle_for(task), token_of(task.request), schema)
+        try:
+            run.open()
+            return run
+        except (TransactionRefused, psycopg.Error) as exc:
+            run.abandon()
+            conn = getattr(run, "conn", None)
+            if conn is None or not (conn.closed or conn.broken):
+                raise
+            if attempt == 2:
+                raise ConnectionLost(str(exc)) from exc
+        except BaseException:
+            run.abandon()
+            raise
+    raise AssertionError("unreachable")
 
 
 def refuse(task: Any, reason: str) -> None:

@@ -17,7 +17,14 @@ from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from pg_transport.atomic.checks import check_or_stop
-from pg_transport.atomic.run import Completion, Run, current, open_run, refuse
+from pg_transport.atomic.run import (
+    Completion,
+    ConnectionLost,
+    Run,
+    current,
+    open_run,
+    refuse,
+)
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.errors import ConfigurationError, TransactionRefused
 
@@ -67,6 +74,15 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
             return super().__call__(*args, **kwargs)
         try:
             run = open_run(self)
+        except ConnectionLost as exc:
+            logger.error(
+                "pgq: atomic task %s[%s]: its connection was lost as its run opened (%s); "
+                "its message is delivered again",
+                self.name,
+                request.id,
+                exc,
+            )
+            raise Reject(str(exc), requeue=True) from exc
         except (TransactionRefused, ConfigurationError) as exc:
             # A connection pgq cannot run on does not get better by redelivery: the
             # message is dead-lettered now, with the refusal as its reason (the worker's

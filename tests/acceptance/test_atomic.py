@@ -477,3 +477,21 @@ def test_leases_are_renewed_while_a_run_keeps_its_transaction_open(
     wait_for(lambda: result_state(env, tid) == "SUCCESS", 60, "the success")
     assert counts(env) == (1, 1)
     assert points(env, tid, "written") == 1
+
+
+def test_a_kept_connection_reaped_while_idle_is_replaced_not_refused(env: Env) -> None:
+    with workers(env, "a", pool="threads", concurrency=1, app=APP, environ=QUICK):
+        first = send(env, label="one")
+        wait_for(lambda: result_state(env, first) == "SUCCESS", 60, "the first run")
+        with psycopg.connect(env.pg_url, autocommit=True) as admin:
+            row = admin.execute(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM"
+                " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE"
+                " 'pgq-atomic:%%' AND datname = current_database() AND state = 'idle') AS s"
+            ).fetchone()
+        assert row is not None and row[0] == 1
+        second = send(env, label="two")
+        wait_for(lambda: result_state(env, second) == "SUCCESS", 60, "the second run")
+        wait_for(lambda: messages(env) == 0, 30, "the messages gone")
+    assert counts(env) == (2, 2)
+    assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
