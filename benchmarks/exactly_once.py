@@ -98,11 +98,13 @@ def _prepare(args: argparse.Namespace, way: str) -> dict[str, str]:
 
 
 def _publish(args: argparse.Namespace, way: str, env: dict[str, str]) -> None:
-    os.environ["PGQ_SCHEMA"] = env["PGQ_SCHEMA"]
     from celery import Celery
 
-    app = Celery("publisher", broker=env["BENCH_BROKER"])
-    app.conf.broker_transport_options = {"visibility_timeout": args.vt}
+    app = Celery(f"publisher-{way}", broker=env["BENCH_BROKER"])
+    options: dict[str, Any] = {"visibility_timeout": args.vt}
+    if WAYS[way][0] == "pgq":
+        options["schema"] = env["PGQ_SCHEMA"]  # (each way's queue in a schema of its own)
+    app.conf.broker_transport_options = options
     if WAYS[way][0] == "redis":
         import redis
 

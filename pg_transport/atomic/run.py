@@ -23,9 +23,10 @@ from pg_transport.atomic.errors import LeaseLost
 from pg_transport.atomic.providers import Handle, handle_for
 from pg_transport.config import Options
 from pg_transport.db import completing
-from pg_transport.db.pool import shared, url_to_conninfo
+from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.errors import TransactionRefused
 from pg_transport.message.rows import Lease
+from pg_transport.publish.callers import caller_for
 from pg_transport.publish.joined import Joined, on_caller
 from pg_transport.publish.joined import transaction as joined_transaction
 from pg_transport.sql import load_named, load_queries
@@ -45,6 +46,22 @@ def _q(schema: str) -> dict[str, str]:
         found = {**load_named("atomic.sql", schema, "pg_transport.atomic")}
         found["server_identity"] = load_queries(schema)["server_identity"]
         _queries[schema] = found
+    return found
+
+
+_brokers: dict[tuple[int, int, str], tuple[str, Connector]] = {}
+
+
+def _broker_of(app: Any) -> tuple[str, Connector]:
+    """The broker's schema and this process's connector for it (read once per app and
+    process: a run must not parse the configuration again)."""
+    conf = app.conf
+    broker = str(conf.broker_write_url or conf.broker_url).split(";")[0]
+    key = (id(app), os.getpid(), broker)
+    found = _brokers.get(key)
+    if found is None:
+        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+        found = _brokers[key] = (schema, shared(url_to_conninfo(broker)))
     return found
 
 
@@ -113,10 +130,7 @@ class Run:
         self.conn = handle.begin()
         self._open = True
         q = _q(self.schema)
-        conf = self.task.app.conf
-        broker = conf.broker_write_url or conf.broker_url
-        connector = shared(url_to_conninfo(str(broker).split(";")[0]))
-        from pg_transport.publish.callers import caller_for
+        connector = _broker_of(self.task.app)[1]
 
         caller = caller_for(handle.target)
         row = on_caller(
@@ -260,8 +274,7 @@ def open_run(task: Any) -> Run:
     """Begin ``task``'s run (step 1). What cannot be run on is refused here. A kept
     connection found dead (reaped while idle) is replaced once; lost again:
     :class:`ConnectionLost`."""
-    conf = task.app.conf
-    schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+    schema = _broker_of(task.app)[0]
     for attempt in (1, 2):
         run = Run(task, handle_for(task), token_of(task.request), schema)
         try:
@@ -289,10 +302,8 @@ def refuse(task: Any, reason: str) -> None:
     if token is None:
         return
     try:
-        conf = task.app.conf
-        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
-        broker = conf.broker_write_url or conf.broker_url
-        store = Store(shared(url_to_conninfo(str(broker).split(";")[0])), schema)
+        schema, connector = _broker_of(task.app)
+        store = Store(connector, schema)
         dead = store.dead_letter(token, reason[:1000])
         if dead is not None:
             store.identify_dead_letter(
