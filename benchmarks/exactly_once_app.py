@@ -61,7 +61,14 @@ if BROKER.startswith("pgq"):  # (a worker on another broker refuses atomic tasks
         conn.execute(AUDIT, [i])
 
 
-@app.task(ignore_result=True)
+# A terminated session fails the run: retried, as an application on any broker would.
+@app.task(
+    ignore_result=True,
+    autoretry_for=(psycopg.OperationalError,),
+    retry_backoff=False,
+    default_retry_delay=0,
+    max_retries=None,
+)
 def plain_bump(i: int) -> None:
     conn = _plain_conn()
     with conn.transaction():
