@@ -190,18 +190,27 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
     started = time.monotonic()
     worker = _start(args, env, log)
     next_kill = started + args.kill_every
+    last_distinct, stalled_since, last_kill = -1, started, started
     try:
         while True:
             now = time.monotonic()
             if now - started > args.timeout:
                 raise SystemExit(f"{way}: not done in {args.timeout}s (log {log})")
             counter, audit, distinct = _counts(args, env)
-            if distinct == args.tasks and _queue_empty(args, way, env):
+            empty = _queue_empty(args, way, env)
+            if distinct == args.tasks and empty:
+                break
+            # Nothing left to deliver and no progress for three visibility timeouts after
+            # the last kill: the missing tasks are lost (a broker that lost a message).
+            if distinct != last_distinct or not empty:
+                last_distinct, stalled_since = distinct, now
+            elif now - max(stalled_since, last_kill) > 3 * args.vt:
                 break
             if args.kill_every > 0 and now >= next_kill:
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
                 kills += 1
+                last_kill = now
                 worker = _start(args, env, log)
                 next_kill = now + args.kill_every
             if rng.random() < args.terminate_rate:
@@ -218,8 +227,9 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
         "tasks": args.tasks,
         "counter": counter,
         "audit_rows": audit,
-        "over_count": audit - args.tasks,
-        "exact": counter == audit == args.tasks,
+        "over_count": audit - distinct,
+        "lost": args.tasks - distinct,
+        "exact": counter == audit == distinct == args.tasks,
         "kills": kills,
         "terminations": terminations,
         "seconds": round(elapsed, 2),
@@ -230,7 +240,10 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    rows = [run_way(args, way, rng) for way in args.ways]
+    rows = []
+    for way in args.ways:
+        rows.append(run_way(args, way, rng))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each way as it ends
     by = {r["way"]: r for r in rows}
     report: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items() if k != "pg_url"},
@@ -246,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for r in rows:
             print(
                 f"{r['way']:>11}: counter {r['counter']}, audit {r['audit_rows']} of "
-                f"{r['tasks']} (over {r['over_count']}), {r['kills']} kills, "
+                f"{r['tasks']} (over {r['over_count']}, lost {r['lost']}), {r['kills']} kills, "
                 f"{r['terminations']} terminations, {r['tasks_per_s']} tasks/s"
             )
         if "atomic_over_plain_pgq" in report:
