@@ -11,6 +11,7 @@ from __future__ import annotations
 from kombu.transport import TRANSPORT_ALIASES
 
 from pg_transport import hints as _hints
+from pg_transport.atomic import AtomicTask, Completion, LeaseLost
 from pg_transport.config import Options
 from pg_transport.errors import (
     BrokerRefused,
@@ -54,12 +55,15 @@ except ImportError:  # a source tree on sys.path, never installed
 
 __all__ = [
     "TRANSPORT",
+    "AtomicTask",
     "BrokerRefused",
     "BrokerUnavailable",
     "BrokerUnreachable",
+    "Completion",
     "ConfigurationError",
     "DuplicateTask",
     "InvalidMessage",
+    "LeaseLost",
     "LimitError",
     "MessageTooLarge",
     "NotPermitted",

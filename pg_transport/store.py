@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import psycopg
@@ -224,14 +224,31 @@ class Store:
 
         return self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
 
+    def settle(self, tokens: Sequence[Lease]) -> list[int]:
+        """The worker's ack of atomic deliveries: release those their task's transaction
+        did not complete (still held, not being committed right now); the ids released.
+        One already gone was completed by its commit: not a refusal, nothing reported."""
+        if not tokens:
+            return []
+        params = {**_lease_params(tokens), "channel_prefix": self.channel_prefix}
+
+        def work(conn: psycopg.Connection[Any]) -> list[int]:
+            return [row[0] for row in conn.execute(self.q["settle"], params).fetchall()]
+
+        return self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
+
     def renew(self, held: Sequence[tuple[Lease, float]]) -> int:
         """Push the visibility timeout of held messages to now + their vt; how many were
         still held. The leases the fencing refused (lapsed: the message was delivered
         again) are reported."""
         return len(held) - len(self.renew_lost(held))
 
-    def renew_lost(self, held: Sequence[tuple[Lease, float]]) -> list[Lease]:
-        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported)."""
+    def renew_lost(
+        self, held: Sequence[tuple[Lease, float]], *, expected: Collection[int] = ()
+    ) -> list[Lease]:
+        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported,
+        but for the row ids ``expected`` to be gone: atomic tasks' deliveries, which
+        their own commit ends before the worker's ack)."""
         if not held:
             return []
         tokens = [t for t, _ in held]
@@ -242,7 +259,7 @@ class Store:
 
         landed = self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
         lost = fencing.refused_of(tokens, landed)
-        fencing.refused("renewal", lost)
+        fencing.refused("renewal", [t for t in lost if t.id not in expected])
         return lost
 
     def _fenced(self, name: str, tokens: Sequence[Lease]) -> list[int]:

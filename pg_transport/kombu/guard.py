@@ -30,7 +30,7 @@ from celery.worker import state
 
 from pg_transport.kombu.qos import QoS
 
-__all__ = ["DeliveryGuard", "drop", "guard", "lapsed"]
+__all__ = ["DeliveryGuard", "drop", "guard", "lapsed", "settles"]
 
 logger = logging.getLogger("pg_transport.guard")
 
@@ -53,6 +53,7 @@ def guard(consumer: Any) -> None:
         sem_run: Callable[[Any], Any] = run
 
         def guarded_run(request: Any) -> None:
+            settles(request)
             if lapsed(request):
                 try:
                     drop(request)
@@ -73,6 +74,7 @@ def guard(consumer: Any) -> None:
     else:
 
         def on_task_request(request: Any) -> Any:
+            settles(request)
             if lapsed(request):
                 drop(request)
                 return None
@@ -88,6 +90,19 @@ def guard(consumer: Any) -> None:
 def _qos_of(request: Any) -> QoS | None:
     qos = getattr(getattr(getattr(request, "message", None), "channel", None), "qos", None)
     return qos if isinstance(qos, QoS) else None
+
+
+def settles(request: Any) -> None:
+    """A task that completes its delivery in its own transaction (``AtomicTask``, which
+    says so with the class attribute ``pgq_completes_delivery``): the worker's ack of it
+    becomes a settle (:meth:`QoS.settle_on_ack`). Never raises."""
+    try:
+        task = getattr(request, "task", None)
+        qos = _qos_of(request)
+        if qos is not None and getattr(task, "pgq_completes_delivery", False) is True:
+            qos.settle_on_ack(request.message.delivery_tag)
+    except Exception:  # a bug here must not keep a task from running
+        logger.exception("pgq: could not mark an atomic task's delivery")
 
 
 def lapsed(request: Any) -> bool:

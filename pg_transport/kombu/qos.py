@@ -79,6 +79,9 @@ class QoS(virtual.QoS):
         # renewal was refused (the message is someone else's now).
         self._expires: dict[str, float] = {}
         self._held_lock = threading.Lock()
+        # Deliveries of atomic tasks (docs/design/exactly-once.md): their task's own
+        # transaction deletes the row; the worker's ack only releases what it did not.
+        self._settles: set[str] = set()
 
     def append(self, message: Any, delivery_tag: str) -> None:
         token = lease_of(message)
@@ -112,10 +115,24 @@ class QoS(virtual.QoS):
         more); its prefetch slot is free again."""
         self._forget(delivery_tag)
 
+    def settle_on_ack(self, delivery_tag: str) -> None:
+        """The delivery's task completes it in its own transaction (an atomic task): its
+        ack is a *settle*, releasing the message if that transaction did not delete it
+        (rolled back, failed to commit, its process killed), and a no-op if it did."""
+        with self._held_lock:
+            if delivery_tag in self._held:
+                self._settles.add(delivery_tag)
+
+    def settling(self) -> set[int]:
+        """Row ids of held deliveries whose task completes them itself (atomic tasks)."""
+        with self._held_lock:
+            return {self._held[t][0].id for t in self._settles if t in self._held}
+
     def _forget(self, delivery_tag: str) -> None:
         with self._held_lock:
             self._held.pop(delivery_tag, None)
             self._expires.pop(delivery_tag, None)
+            self._settles.discard(delivery_tag)
         self._quick_ack(delivery_tag)
         transport = self.channel.connection
         if transport is not None:
@@ -134,10 +151,14 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
+            settle = delivery_tag in self._settles
         message = self._delivered.get(delivery_tag)
         undecodable = getattr(message, "undecodable", None)
         try:
-            if held is not None and undecodable:
+            if held is not None and settle:
+                token = held[0]
+                self._land("settle", held, lambda: self.channel.store.settle([token]))
+            elif held is not None and undecodable:
                 token = held[0]
                 self._land(
                     "dead-lettering",
@@ -167,8 +188,14 @@ class QoS(virtual.QoS):
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         with self._held_lock:
             held = self._held.get(delivery_tag)
+            settle = delivery_tag in self._settles
         try:
-            if held is not None:
+            if held is not None and requeue and settle:
+                # An atomic task's (its process lost, its run requeued): released unless
+                # its commit deleted it, never waiting on a commit in progress.
+                token = held[0]
+                self._land("settle", held, lambda: self.channel.store.settle([token]))
+            elif held is not None:
                 token = held[0]
                 if requeue:
                     self._land(

@@ -412,7 +412,15 @@ class Transport(virtual.Transport):
         """Renew ``held``; each channel's QoS learns which leases now run longer and
         which are lost (a delivery whose lease lapsed is not started: guard.py)."""
         sent = monotonic()
-        lost = {t.id for t in self.store.renew_lost(held)}
+        # An atomic task's commit deletes its row before the worker's ack (a settle)
+        # forgets it: a renewal in between finds it gone, expectedly.
+        completing = {
+            ident
+            for channel in list(self.channels)
+            if channel._qos is not None
+            for ident in channel._qos.settling()
+        }
+        lost = {t.id for t in self.store.renew_lost(held, expected=completing)}
         landed = {t.id for t, _ in held} - lost
         for channel in list(self.channels):
             qos = channel._qos

@@ -31,6 +31,7 @@ from kombu.serialization import dumps, loads
 from kombu.utils.encoding import bytes_to_str
 
 from pg_transport.config import Options
+from pg_transport.db import completing
 from pg_transport.db.migrate import ensure_schema
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
@@ -204,7 +205,11 @@ class PgqBackend(AsyncBackendMixin, Backend):
 
     def _run(self, work: Any, what: str) -> Any:
         self._ensure_schema()
+        run = completing.connection()
         try:
+            if run is not None:
+                # An atomic task's run: in its transaction, committed with its writes.
+                return work(run)
             return self.connector.run(work, idempotent=True)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise NotPermitted(

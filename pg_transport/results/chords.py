@@ -55,6 +55,7 @@ from psycopg.types.json import Jsonb
 
 import pg_transport
 from pg_transport.config import MAX_SECONDS
+from pg_transport.db import completing
 from pg_transport.db.pool import url_to_conninfo
 from pg_transport.fanin.backend import Backend as FaninDb
 from pg_transport.fanin.backend import backend_for, broker_url, uses_pgq
@@ -271,7 +272,10 @@ class Chords:
                     return self._succeeded(db, conn, request, after)
                 return self._failed(db, conn, request, result, after)
 
-        outcome: PartOutcome = db.run(work)
+        run = completing.connection()
+        # An atomic task's part: counted in its run's transaction (a savepoint there),
+        # committed with its writes, its result and its delivery's end, or not at all.
+        outcome: PartOutcome = work(run) if run is not None else db.run(work)
         for call in after:
             call()
         return outcome

@@ -1033,18 +1033,61 @@ FROM (SELECT DISTINCT queue FROM released) AS q
 
 -- name: renew
 -- Extend the visibility timeout of messages this consumer still holds (lease, queue);
--- the ids renewed (one missing was refused: its lease had lapsed). A message holding a
--- concurrency slot (climit) whose lease has lapsed is refused too: its slot may have
--- been given to another message, which must not share it with a worker that comes back.
-UPDATE {schema}.message AS m
-SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => a.vt)
-FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
-                pg_catalog.unnest(%(leases)s::integer[]),
-                pg_catalog.unnest(%(queues)s::text[]),
-                pg_catalog.unnest(%(vts)s::float8[])) AS a(id, lease, queue, vt)
-WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
-  AND (m.climit IS NULL OR m.visible_at > pg_catalog.now())
-RETURNING m.id
+-- the ids still held (one missing was refused: its lease had lapsed). A row locked right
+-- now is skipped, never waited for, and still counts as held: an atomic task's
+-- transaction is completing it (docs/design/exactly-once.md, "Locks"); it is gone at
+-- that commit, or the next renewal lands after a rollback. A message holding a
+-- concurrency slot (climit) whose lease has lapsed is refused too, locked or not: its
+-- slot may have been given to another message, which must not share it with a worker
+-- that comes back.
+WITH given AS (
+    SELECT a.*
+    FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
+                    pg_catalog.unnest(%(leases)s::integer[]),
+                    pg_catalog.unnest(%(queues)s::text[]),
+                    pg_catalog.unnest(%(vts)s::float8[])) AS a(id, lease, queue, vt)
+), renewed AS (
+    UPDATE {schema}.message AS m
+    SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => a.vt)
+    FROM given AS a
+    WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+      AND (m.climit IS NULL OR m.visible_at > pg_catalog.now())
+      AND m.id = ANY(ARRAY(SELECT x.id FROM {schema}.message AS x
+                           WHERE x.id = ANY(%(ids)s::bigint[])
+                           FOR NO KEY UPDATE SKIP LOCKED))
+    RETURNING m.id
+)
+SELECT id FROM renewed
+UNION
+SELECT m.id FROM {schema}.message AS m JOIN given AS a
+    ON m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+WHERE m.climit IS NULL OR m.visible_at > pg_catalog.now()
+
+-- name: settle
+-- The worker's ack of an atomic task's delivery (docs/design/exactly-once.md, step 6).
+-- The task's own transaction deleted the row under its fencing token when it committed:
+-- then this finds nothing (the usual case, not a refusal). A row still there under the
+-- lease was not completed (the run rolled back, its commit failed, its process was
+-- killed): it is released now (lease + 1, visible at once) instead of after its vt. A
+-- row locked right now is a completion still committing: left alone (it is gone or it
+-- lapses), never waited for. The ids released.
+WITH settled AS (
+    UPDATE {schema}.message AS m
+    SET visible_at = LEAST(m.enqueued_at, pg_catalog.now()), lease = m.lease + 1
+    FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
+                    pg_catalog.unnest(%(leases)s::integer[]),
+                    pg_catalog.unnest(%(queues)s::text[])) AS a(id, lease, queue)
+    WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
+      AND m.id = ANY(ARRAY(SELECT x.id FROM {schema}.message AS x
+                           WHERE x.id = ANY(%(ids)s::bigint[])
+                           FOR NO KEY UPDATE SKIP LOCKED))
+    RETURNING m.id, m.queue
+)
+-- (one notification a queue: Postgres folds equal ones of a transaction)
+SELECT s.id, pg_catalog.pg_notify(
+           %(channel_prefix)s::text || pg_catalog.md5(pg_catalog.convert_to(s.queue, 'UTF8')),
+           '')
+FROM settled AS s
 
 -- name: dead_letter
 -- Move one claimed message to dead_letter with a reason, fenced by lease and queue.

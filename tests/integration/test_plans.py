@@ -105,6 +105,7 @@ CONSUMER = {
     "ack": (TOKENS, ("message_pkey",)),
     "release": ({**TOKENS, "channel_prefix": "c", "failed": True}, ("message_pkey",)),
     "renew": ({**TOKENS, "vts": [30.0, 30.0, 30.0]}, ("message_pkey",)),
+    "settle": ({**TOKENS, "channel_prefix": "c"}, ("message_pkey",)),
     # An idle consumer's question: when does the first not-yet-visible message fall due?
     "next_due": ({"queues": ["q1", "q2"]}, ("message_claim_idx",)),
 }

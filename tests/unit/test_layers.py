@@ -115,6 +115,18 @@ RULES = [
         "(the name users and the install hook give the transport: a re-export)",
     ),
     (
+        "atomic",
+        [
+            "barrier",
+            "pg_transport.results",
+            "pg_transport.kombu",
+            "pg_transport.transport",
+            "pg_transport.consume",
+        ],
+        "an atomic run reaches the result backend through db/completing, and the "
+        "worker's QoS through the class attribute the delivery guard reads",
+    ),
+    (
         "ops",
         ["barrier", "pg_transport.consume"],
         "operator code reads rows and runs statements; it drives no engine",

@@ -1,0 +1,313 @@
+"""One atomic task's run: its transaction from the body's start to the commit.
+
+Steps (docs/design/exactly-once.md, "The run, step by step"): :func:`open_run` begins the
+transaction on the provider's connection, checks it (READ COMMITTED, on the broker's
+database), marks the body's start with a savepoint and opens a
+``pg_transport.transaction()`` block and the result backend's completion context on it;
+:meth:`Run.fence` deletes the delivery's message row under its fencing token;
+:meth:`Run.finish` commits (or rolls back) and closes the contexts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from contextvars import ContextVar, Token
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from pg_transport.atomic.errors import LeaseLost
+from pg_transport.atomic.providers import Handle, handle_for
+from pg_transport.config import Options
+from pg_transport.db import completing
+from pg_transport.db.pool import Connector, shared, url_to_conninfo
+from pg_transport.errors import TransactionRefused
+from pg_transport.message.rows import Lease
+from pg_transport.publish.callers import caller_for
+from pg_transport.publish.joined import Joined, on_caller
+from pg_transport.publish.joined import transaction as joined_transaction
+from pg_transport.sql import load_named, load_queries
+from pg_transport.store import Store
+
+__all__ = ["Completion", "ConnectionLost", "Run", "current", "open_run", "refuse"]
+
+logger = logging.getLogger("pg_transport.atomic")
+
+_current: ContextVar[Run | None] = ContextVar("pgq_atomic_run", default=None)
+_queries: dict[str, dict[str, str]] = {}
+
+
+def _q(schema: str) -> dict[str, str]:
+    found = _queries.get(schema)
+    if found is None:
+        found = {**load_named("atomic.sql", schema, "pg_transport.atomic")}
+        found["server_identity"] = load_queries(schema)["server_identity"]
+        _queries[schema] = found
+    return found
+
+
+_brokers: dict[tuple[int, int, str], tuple[str, Connector]] = {}
+
+
+def _broker_of(app: Any) -> tuple[str, Connector]:
+    """The broker's schema and this process's connector for it (read once per app and
+    process: a run must not parse the configuration again)."""
+    conf = app.conf
+    broker = str(conf.broker_write_url or conf.broker_url).split(";")[0]
+    key = (id(app), os.getpid(), broker)
+    found = _brokers.get(key)
+    if found is None:
+        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+        found = _brokers[key] = (schema, shared(url_to_conninfo(broker)))
+    return found
+
+
+def current() -> Run | None:
+    """The atomic run open in this context (thread, greenlet), if any."""
+    return _current.get()
+
+
+class Completion:
+    """What the task body sees as ``self.transaction``."""
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The psycopg 3 connection the run's transaction is on."""
+        return self._run.conn
+
+    @property
+    def session(self) -> Any:
+        """The SQLAlchemy ``Session`` the run's transaction is on."""
+        target = self._run.handle.target
+        if type(target).__name__ != "Session":
+            raise AttributeError(
+                f"the run's transaction is on {self._run.handle.describe}, not on a "
+                "SQLAlchemy Session"
+            )
+        return target
+
+    def on_commit(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once the run's transaction committed (never after a rollback)."""
+        self._run.after_commit.append(fn)
+
+
+def token_of(request: Any) -> Lease | None:
+    """The fencing token of the delivery ``request`` runs (None: no delivery to complete,
+    as with ``apply()`` or ``task_always_eager``). The transport writes it over anything
+    a publisher put there (transport.py, ``as_payload``)."""
+    props = getattr(request, "properties", None) or {}
+    info = props.get("delivery_info") if isinstance(props, dict) else None
+    if not isinstance(info, dict):
+        return None
+    pair, queue = info.get("pgq_token"), info.get("pgq_queue")
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not isinstance(queue, str):
+        return None
+    task = getattr(request, "id", None)
+    return Lease(int(pair[0]), int(pair[1]), queue, task if isinstance(task, str) else None)
+
+
+class Run:
+    def __init__(self, task: Any, handle: Handle, token: Lease | None, schema: str) -> None:
+        self.task, self.handle, self.token, self.schema = task, handle, token, schema
+        self.task_id: str | None = getattr(task.request, "id", None)
+        self.after_commit: list[Callable[[], object]] = []
+        self.fenced = False
+        self.conn: psycopg.Connection[Any]
+        self._xid = ""
+        self._joined: Joined | None = None
+        self._tokens: list[Token[Any]] = []
+        self._open = False
+
+    # -- 1. open ---------------------------------------------------------------------
+    def open(self) -> None:
+        handle = self.handle
+        self.conn = handle.begin()
+        self._open = True
+        q = _q(self.schema)
+        connector = _broker_of(self.task.app)[1]
+
+        caller = caller_for(handle.target)
+        row = on_caller(
+            caller,
+            connector,
+            self.schema,
+            q["server_identity"],
+            lambda conn: _one(conn, q["open"]),
+        )
+        self._xid, isolation = str(row[0]), str(row[1])
+        if isolation != "read committed":
+            raise TransactionRefused(
+                f"pgq cannot run an atomic task on {handle.describe}: its transaction is "
+                f"{isolation.upper()}, and must be READ COMMITTED (a lease renewal "
+                "updates the message row while the task runs: under a snapshot kept for "
+                "the whole transaction the delivery's end would fail to serialize)"
+            )
+        handle.savepoint()
+        self._joined = joined_transaction(handle.target)
+        self._joined.__enter__()
+        self._tokens = [completing.enter(self.conn), _current.set(self)]
+
+    # -- 3. fence --------------------------------------------------------------------
+    def rollback_body(self) -> None:
+        self.handle.rollback_body()
+
+    def fence(self) -> None:
+        """Delete the delivery's row under its fencing token, in the run's transaction;
+        :class:`LeaseLost` if it is no longer this delivery's."""
+        if self.fenced or self.token is None:
+            self.fenced = True
+            return
+        token = self.token
+        row = _one_or_none(
+            self.conn,
+            _q(self.schema)["complete"],
+            {"id": token.id, "lease": token.lease, "queue": token.queue},
+        )
+        if row is None:
+            logger.error(
+                "pgq: atomic task %s[%s] not completed: its lease on message %d of queue %r "
+                "lapsed and the message went to another delivery; its transaction is "
+                "rolled back",
+                getattr(self.task, "name", "?"),
+                self.task_id,
+                token.id,
+                token.queue,
+            )
+            raise LeaseLost(
+                f"the lease of task {self.task_id} on message {token.id} of queue "
+                f"{token.queue!r} lapsed: its run is rolled back, another delivery's counts"
+            )
+        if str(row[1]) != self._xid:
+            raise TransactionRefused(
+                f"atomic task {self.task_id} committed or rolled back pgq's transaction "
+                f"on {self.handle.describe} itself: what it committed stays, and its "
+                "delivery was not completed (it is delivered again)"
+            )
+        self.fenced = True
+
+    # -- 5. commit -------------------------------------------------------------------
+    def finish(self, commit: bool) -> bool:
+        """Commit (``commit``) or roll back, close the contexts; whether it committed.
+        Never raises: a commit that fails is logged, and the worker's settle releases
+        the message for another delivery."""
+        self._close_contexts()
+        done = False
+        try:
+            if commit:
+                self.handle.commit()
+                done = True
+            else:
+                self.handle.rollback()
+        except Exception:
+            logger.exception(
+                "pgq: atomic task %s[%s]: its transaction could not commit; nothing of its "
+                "run is kept and its message is delivered again",
+                getattr(self.task, "name", "?"),
+                self.task_id,
+            )
+            try:
+                self.handle.rollback()
+            except Exception:  # the connection is gone: so is the transaction
+                logger.debug("pgq: rollback after a failed commit failed", exc_info=True)
+        finally:
+            self.handle.close()
+        if done:
+            hook = _after_commit_hook
+            if hook is not None:
+                hook(self)
+            for fn in self.after_commit:
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("pgq: an on_commit callback of task %s raised", self.task_id)
+        return done
+
+    def abandon(self) -> None:
+        """A run refused as it opened: roll back only a transaction pgq began."""
+        if self._open:
+            self.finish(commit=False)
+        else:
+            self.handle.close()
+
+    def _close_contexts(self) -> None:
+        tokens, self._tokens = self._tokens, []
+        if tokens:
+            _current.reset(tokens[1])
+            completing.leave(tokens[0])
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            joined.__exit__(None, None, None)
+
+
+#: A test hook (pg_transport.testing's crash tests): called after each commit.
+_after_commit_hook: Callable[[Run], object] | None = None
+
+
+def _one(conn: psycopg.Connection[Any], query: str) -> tuple[Any, ...]:
+    row = _one_or_none(conn, query, None)
+    assert row is not None
+    return row
+
+
+def _one_or_none(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any] | None
+) -> tuple[Any, ...] | None:
+    # A cursor of pgq's own (the application may have set a row factory); unprepared
+    # (the session may be a transaction pooler's).
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        row: tuple[Any, ...] | None = cur.execute(query, params, prepare=False).fetchone()
+        return row
+
+
+class ConnectionLost(Exception):
+    """The run's connection was lost as the run opened (terminated, reaped while idle,
+    a server restart): not a refusal; the delivery is requeued."""
+
+
+def open_run(task: Any) -> Run:
+    """Begin ``task``'s run (step 1). What cannot be run on is refused here. A kept
+    connection found dead (reaped while idle) is replaced once; lost again:
+    :class:`ConnectionLost`."""
+    schema = _broker_of(task.app)[0]
+    for attempt in (1, 2):
+        run = Run(task, handle_for(task), token_of(task.request), schema)
+        try:
+            run.open()
+            return run
+        except (TransactionRefused, psycopg.Error) as exc:
+            run.abandon()
+            conn = getattr(run, "conn", None)
+            if conn is None or not (conn.closed or conn.broken):
+                raise
+            if attempt == 2:
+                raise ConnectionLost(str(exc)) from exc
+        except BaseException:
+            run.abandon()
+            raise
+    raise AssertionError("unreachable")
+
+
+def refuse(task: Any, reason: str) -> None:
+    """Dead-letter ``task``'s delivery with ``reason``, under its fencing token, on the
+    broker's own connection (a run that was refused has no transaction to do it in).
+    Never raises: the worker's own dead-lettering of the Reject that follows is the
+    fallback, with Celery's reason."""
+    token = token_of(task.request)
+    if token is None:
+        return
+    try:
+        schema, connector = _broker_of(task.app)
+        store = Store(connector, schema)
+        dead = store.dead_letter(token, reason[:1000])
+        if dead is not None:
+            store.identify_dead_letter(
+                dead, task_id=token.task, task_name=task.name, identity={}, reasons=[]
+            )
+    except Exception:
+        logger.exception("pgq: could not dead-letter refused atomic task %s", token.task)

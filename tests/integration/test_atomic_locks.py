@@ -1,0 +1,114 @@
+"""An atomic task's fence (the ``complete`` statement in its own transaction) against the
+worker's own statements, on real concurrent sessions (docs/design/exactly-once.md,
+"Locks"): the worker never waits on the task's row lock, a renewal meeting it is not a
+lost lease, and the settle after a commit or a rollback does what each needs."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+from pg_transport import fencing
+from pg_transport.atomic.run import _q
+from pg_transport.message.rows import Lease
+from tests.integration.conftest import Peek, PublishingStore
+
+
+def claimed(store: PublishingStore, queue: str = "q") -> Lease:
+    store.declare_queue(queue)
+    store.publisher.publish(queue, {"body": "b", "headers": {"id": "t1"}}, priority=0)
+    (row,) = store.claim([queue], [30.0], 1)
+    return Lease(row.id, row.lease, queue, "t1")
+
+
+def fence(conn: psycopg.Connection[Any], schema: str, token: Lease) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        _q(schema)["complete"], {"id": token.id, "lease": token.lease, "queue": token.queue}
+    ).fetchall()
+
+
+@pytest.fixture
+def rows(pg_url: str, schema: str, store: PublishingStore) -> Any:
+    peek = Peek(pg_url, schema)
+    yield peek
+    peek.conn.close()
+
+
+def test_renewal_and_settle_skip_a_row_a_task_is_completing(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    token = claimed(store)
+    before = fencing.counts()["renewal"]
+    with psycopg.connect(pg_url) as task:
+        assert len(fence(task, schema, token)) == 1  # the row is locked by the task now
+        # Neither statement waits (each would block until the commit otherwise): they
+        # return while the task's transaction is still open.
+        assert store.renew([(token, 30.0)]) == 1  # still held: being completed, not lost
+        assert store.settle([token]) == []  # left alone: the commit may still come
+        assert fencing.counts()["renewal"] == before
+        task.commit()
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+    # After the commit the worker's settle finds nothing: a no-op, not a refusal.
+    assert store.settle([token]) == []
+    assert fencing.counts()["renewal"] == before
+
+
+def test_a_settle_after_a_rolled_back_run_releases_the_message_at_once(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    token = claimed(store)
+    with psycopg.connect(pg_url) as task:
+        assert len(fence(task, schema, token)) == 1
+        task.rollback()
+    assert store.settle([token]) == [token.id]
+    (again,) = store.claim(["q"], [30.0], 1)
+    assert (again.id, again.lease) == (token.id, token.lease + 2)  # released, claimed anew
+    # The old delivery can no longer complete it.
+    with psycopg.connect(pg_url) as late:
+        assert fence(late, schema, token) == []
+
+
+def test_the_fence_of_a_stale_delivery_waits_on_a_claim_and_then_finds_no_row(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    """The reverse direction, short and allowed: the fence waits on a claim in progress
+    (seen waiting in pg_stat_activity), re-reads the row under READ COMMITTED and finds
+    it claimed again (another lease): no row, so LeaseLost for the run."""
+    token = claimed(store)
+    rows.expire_leases()
+    with psycopg.connect(pg_url) as claimer, psycopg.connect(pg_url) as task:
+        # A claim's effect held open: what another worker's claim does to the row.
+        claimer.execute(
+            psycopg.sql.SQL(
+                "UPDATE {}.message SET lease = lease + 1, visible_at = now() + interval '30 s'"
+                " WHERE id = %s"
+            ).format(psycopg.sql.Identifier(schema)),
+            [token.id],
+        )
+        pid = task.info.backend_pid
+        found: list[list[tuple[Any, ...]]] = []
+        fencing_thread = threading.Thread(target=lambda: found.append(fence(task, schema, token)))
+        fencing_thread.start()
+        rows.wait_for_lock(pid, "the fence to wait on the claim's row lock")
+        claimer.commit()
+        fencing_thread.join(10)
+        assert found == [[]]
+        task.rollback()
+    assert rows("SELECT lease FROM {schema}.message WHERE id = %s", token.id) == [
+        (token.lease + 1,)
+    ]
+
+
+def test_the_fence_returns_the_transaction_id(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    token = claimed(store)
+    with psycopg.connect(pg_url) as task:
+        opened = task.execute(_q(schema)["open"]).fetchone()
+        assert opened is not None and opened[1] == "read committed"
+        ((ident, xid),) = fence(task, schema, token)
+        assert (ident, xid) == (token.id, opened[0])
+        task.rollback()
