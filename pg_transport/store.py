@@ -36,6 +36,7 @@ from pg_transport.errors import NotPermitted
 from pg_transport.message.limits import Limit
 from pg_transport.message.rows import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    LIMITS,
     Claimed,
     Lease,
     decode_claimed,
@@ -52,6 +53,7 @@ __all__ = [
     "Claimed",
     "Lease",
     "Store",
+    "claim_limits",
     "claim_params",
     "decode_claimed",
     "read_claim",
@@ -96,6 +98,11 @@ class Store:
         self.claim_statement = Statement("claim", self.q["claim"])
         #: The claim of a consumer of a fair queue (fair_claim in queries.sql).
         self.fair_claim_statement = Statement("fair_claim", self.q["fair_claim"])
+        #: The claim with the flow gates (flow_claim), sent while flow limits exist.
+        self.flow_claim_statement = Statement("flow_claim", self.q["flow_claim"])
+        #: Whether the last claim's answer said a flow limit exists: the next claim is
+        #: then flow_claim (a plain claim's answer saying so picked nothing).
+        self.flow = False
 
     @property
     def fenced_window(self) -> float:
@@ -153,13 +160,26 @@ class Store:
                 per_queue=per_queue,
             )
 
-            def work(conn: psycopg.Connection[Any], params: dict[str, Any] = params) -> list[Row]:
+            if fair:
+                statement = self.fair_claim_statement
+            else:
+                statement = self.flow_claim_statement if self.flow else self.claim_statement
+
+            def work(
+                conn: psycopg.Connection[Any],
+                params: dict[str, Any] = params,
+                statement: Statement = statement,
+            ) -> list[Row]:
                 prepare = conn.prepare_threshold is not None
-                statement = self.fair_claim_statement if fair else self.claim_statement
                 return statement.execute(conn, params, prepare=prepare)
 
-            batch = read_claim(acks, self.relaxed.run(work, idempotent=False, statement=True))
+            rows = self.relaxed.run(work, idempotent=False, statement=True)
+            batch = read_claim(acks, rows)
             acks = ()
+            plain = statement is self.claim_statement
+            self.flow = claim_limits(rows)
+            if plain and self.flow:
+                continue  # a flow limit exists: it picked nothing; flow_claim now
             delivered = [c for c in batch if not c.held]
             found += delivered
             # Rows held back (ordering) took room: what is behind them is claimed too.
@@ -519,12 +539,21 @@ def read_claim(acks: Sequence[Lease], rows: Sequence[Row]) -> list[Claimed]:
     that the fencing refused reported and left out; rows held back (ordering) kept, for
     they took room (a claim they filled is not short)."""
     batch = [decode_claimed(row) for row in rows]
+    if batch and batch[-1].note == LIMITS:
+        batch.pop()
     if not acks:
         return batch
     refused = {c.id for c in batch if c.refused}
     if refused:
         fencing.refused("ack", [t for t in acks if t.id in refused])
     return [c for c in batch if not c.refused]
+
+
+def claim_limits(rows: Sequence[Row]) -> bool:
+    """Whether a claim's answer (its rows as they came) ends with the row that says a
+    flow limit exists (claim_limits in queries.sql): the next claim is then flow_claim;
+    without it, the plain claim."""
+    return bool(rows) and len(rows[-1]) > 8 and rows[-1][8] == LIMITS.encode()
 
 
 def _lease_params(tokens: Sequence[Lease]) -> dict[str, Any]:

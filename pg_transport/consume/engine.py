@@ -60,7 +60,7 @@ from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.message import envelope, ordering
 from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease
-from pg_transport.store import Store, claim_params, read_claim
+from pg_transport.store import Store, claim_limits, claim_params, read_claim
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
 
@@ -87,6 +87,8 @@ class _InFlight:
     sent: float = 0.0
     #: Most candidates a claim took of each queue (a queue that gave fewer is empty).
     per_queue: int = 0
+    #: The claim statement sent (claim, flow_claim or fair_claim).
+    statement: str = ""
 
 
 class Engine:
@@ -110,6 +112,9 @@ class Engine:
         self._pipe = WakePipe()
         #: Queues whose last claim (or pop) came back short.
         self.exhausted: set[str] = set()
+        #: Whether the last claim's answer said a flow limit exists: claims are then sent
+        #: as flow_claim, and as claim again once an answer says none is left.
+        self.flow = False
         #: Messages handed to kombu so far (a blocking driver returns once this grows).
         self.delivered = 0
         self.statements = Statements()
@@ -388,12 +393,21 @@ class Engine:
             limit = want.room if want.room is not None else UNLIMITED_BATCH
             queues = queues[: max(limit, 1)]
             per_queue = -(-limit // max(len(queues), 1))
+            if any(self.source.fair_share(q) for q in queues):
+                statement = "fair_claim"
+            else:
+                statement = "flow_claim" if self.flow else "claim"
             self._in_flight = _InFlight(
-                "claim", acks, queues, limit, sent=monotonic(), per_queue=per_queue
+                "claim",
+                acks,
+                queues,
+                limit,
+                sent=monotonic(),
+                per_queue=per_queue,
+                statement=statement,
             )
-            fair = any(self.source.fair_share(q) for q in queues)
             session.send(
-                "fair_claim" if fair else "claim",
+                statement,
                 claim_params(
                     queues,
                     [self.source.visibility_timeout(q) for q in queues],
@@ -500,6 +514,13 @@ class Engine:
             self._arm_due(None if due is None else float(due))
             return
         batch = read_claim(flight.acks, rows)
+        if flight.kind == "claim":
+            self.flow = claim_limits(rows)
+            if self.flow and flight.statement == "claim":
+                # A flow limit exists: the plain claim picked nothing (its acks landed).
+                # Not a short claim: the kick that follows sends flow_claim.
+                self.statements.flow_switch += 1
+                return
         # Rows an ordered queue held back count: a claim they filled is not short. A
         # short claim took every candidate it found: a queue that gave fewer than its
         # share has no more (one that gave its share may have).

@@ -70,3 +70,5 @@ class Statements:
     next_due: int = 0
     #: Rows claims held back (ordered messages parked or waiting: not delivered).
     held: int = 0
+    #: Plain claims that found a flow limit (picked nothing; flow_claim sent after).
+    flow_switch: int = 0

@@ -34,6 +34,9 @@ HELD = "held"
 #: An ack the claim carried that the fencing refused (not a delivery).
 REFUSED = "refused"
 FOLLOWS_MISSING = "follows-missing"
+#: The claim's last row when a flow limit exists (not a message): the plain claim picked
+#: nothing, and the flow claim is the one to send (queries.sql, claim_limits).
+LIMITS = "limits"
 
 
 @dataclass(frozen=True)

@@ -189,19 +189,74 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 --                claim_hold, claim_park          what a gate stops is held or parked
 --                claim_handoff                   an ack here hands its key's next on
 --   budget       claim_budget                    limit and max_bytes over what passed
---   flow         claim_flow_meets                what each message asks of the limits
---                claim_gate_slots, claim_slots    at most N of a key in flight (flow_slots)
---                claim_flow_wants, claim_gate_rate  a token of each rate bucket (flow_tokens)
---                claim_flow_hold, claim_flow_park what the limits stop is held or deferred
 --   doom         claim_doom, claim_dead          never delivered, never lost
 --   update       claim_update                    the lease
---   answer       claim_delivered, claim_answer
+--   answer       claim_delivered, claim_answer   (claim_limits: a flow limit exists)
 --   commit       claim_relax                     behind a pooler: how it commits
+-- It carries no flow gate: when any flow limit exists (claim_flow_on, in its snapshot)
+-- it picks nothing, hands nothing on, lands its acks and answers the row claim_limits,
+-- and the caller sends flow_claim instead (docs/design/claim.md, "Flow limits").
 -- Shaped for one cached generic plan (no planning per claim): rows picked are reached
 -- by primary key (id = ANY), never by a join the planner could turn into a scan of the
 -- whole table when it cannot see the limit. Checks that take no lock are scalar
 -- subqueries with LIMIT 1, not EXISTS: the planner may turn an EXISTS into a hash of
 -- every row it could match.
+WITH wanted AS (
+    SELECT w.name, w.vt, w.max_attempts, false AS fair
+    FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
+                    pg_catalog.unnest(%(vts)s::float8[]),
+                    pg_catalog.unnest(%(max_attempts)s::integer[]))
+        AS w(name, vt, max_attempts)
+    WHERE {part:claim_relax} AND {part:claim_flow_on} IS NULL
+), acked AS (
+    {part:claim_ack}
+), levels AS (
+    {part:claim_levels}
+), candidates AS MATERIALIZED (
+    {part:claim_pick}
+), gated AS MATERIALIZED (
+    SELECT c.*, {part:claim_gate_key} AS key_gate,
+           {part:claim_gate_follows} AS follow_gate
+    FROM candidates AS c
+), held AS MATERIALIZED (
+    {part:claim_hold}
+), parked AS (
+    {part:claim_park}
+), handed AS MATERIALIZED (
+    {part:claim_handoff}
+), picked AS MATERIALIZED (
+    {part:claim_budget}
+), poisoned AS (
+    {part:claim_dead}
+), dead AS (
+    INSERT INTO {schema}.dead_letter
+        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
+    FROM poisoned AS p JOIN picked ON picked.id = p.id
+    RETURNING id, message_id
+), claimed AS (
+    {part:claim_update}
+), stopped AS (
+    SELECT id, queue, priority, read_ct, visible_at FROM held
+), delivered AS (
+    {part:claim_delivered}
+)
+{part:claim_answer}
+
+-- name: flow_claim
+-- The claim when flow limits exist (flow_limit has a row; docs/flow-control.md): claim,
+-- and after the budget the flow gates, in this outline:
+--   flow         claim_flow_meets                what each message asks of the limits
+--                claim_gate_slots, claim_slots    at most N of a key in flight (flow_slots)
+--                claim_flow_wants, claim_gate_rate  a token of each rate bucket (flow_tokens)
+--                claim_flow_hold, claim_flow_park what the limits stop is held or deferred
+--   update       claim_flow_update               the lease, and the slot it grants
+--   answer       claim_flow_stopped              what the gates and the limits held back
+-- Every read of a flow part is guarded by claim_flow_on, so with no limit left it is the
+-- plain claim (plus those probes); its answer then lacks the row claim_limits, and the
+-- caller goes back to claim. A separate statement so that the plain claim carries none
+-- of it (measured: the flow parts in every claim cost plain claims 1.11-1.14x, the
+-- executor's start-up of a larger statement, the parts themselves never running).
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts, false AS fair
     FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
@@ -250,11 +305,14 @@ WITH wanted AS (
     FROM poisoned AS p JOIN picked ON picked.id = p.id
     RETURNING id, message_id
 ), claimed AS (
-    {part:claim_update}
+    {part:claim_flow_update}
+), stopped AS (
+    {part:claim_flow_stopped}
 ), delivered AS (
     {part:claim_delivered}
 )
 {part:claim_answer}
+
 
 -- name: fair_claim
 -- The claim of a consumer of at least one fair queue (queue_fair_share;
@@ -263,7 +321,10 @@ WITH wanted AS (
 -- and each fair queue's cursor is moved to the last key served (claim_fair_served,
 -- claim_fair_move: a new cursor row inserted, an existing one updated through a SKIP
 -- LOCKED lock). A separate statement so that a claim of plain queues only carries none
--- of it (measured: the fair parts in every claim cost plain claims about 1.3x).
+-- of it (measured: the fair parts in every claim cost plain claims about 1.3x). It
+-- carries the flow gates as flow_claim does (guarded by claim_flow_on): a fair queue's
+-- consumer always sends it, limits or not, and its answer's row claim_limits is only
+-- a report.
 WITH wanted AS (
     SELECT w.name, w.vt, w.max_attempts,
            (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = w.name) IS TRUE AS fair
@@ -300,6 +361,20 @@ WITH wanted AS (
     {part:claim_handoff}
 ), picked AS MATERIALIZED (
     {part:claim_budget}
+), flow_meets AS MATERIALIZED (
+    {part:claim_flow_meets}
+), slots AS MATERIALIZED (
+    {part:claim_gate_slots}
+), slotted AS MATERIALIZED (
+    {part:claim_slots}
+), flow_wants AS MATERIALIZED (
+    {part:claim_flow_wants}
+), rate AS MATERIALIZED (
+    {part:claim_gate_rate}
+), flow_held AS MATERIALIZED (
+    {part:claim_flow_hold}
+), flow_parked AS (
+    {part:claim_flow_park}
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
@@ -309,7 +384,9 @@ WITH wanted AS (
     FROM poisoned AS p JOIN picked ON picked.id = p.id
     RETURNING id, message_id
 ), claimed AS (
-    {part:claim_update}
+    {part:claim_flow_update}
+), stopped AS (
+    {part:claim_flow_stopped}
 ), delivered AS (
     {part:claim_delivered}
 )
@@ -842,17 +919,20 @@ WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.enqueued_at, t.payload
 
 -- part: claim_update
--- Update: each row picked, not doomed and not held by a flow limit is leased for its
--- queue's vt under a new grant (lease + 1, the fencing token its ack, release and renewal
--- must show), one delivery more; a slot granted is written on it (climit, ckey), which is
--- what counts it in flight. A handed row was not locked before: taken only if still
--- parked once it is.
+-- Update: each row picked and not doomed is leased for its queue's vt under a new grant
+-- (claim_lease). A handed row was not locked before: taken only if still parked once it
+-- is (claim_leased).
 UPDATE {schema}.message AS t
-SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
-        SELECT picked.vt FROM picked WHERE picked.id = t.id)),
-    read_ct = t.read_ct + 1,
-    lease = t.lease + 1,
-    due_at = NULL,
+SET {part:claim_lease}
+WHERE {part:claim_leased}
+RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
+
+-- part: claim_flow_update
+-- Update past the flow gates: claim_update, but a row a flow limit held is not leased,
+-- and a slot granted is written on the row it is granted to (climit, ckey), which is
+-- what counts it in flight.
+UPDATE {schema}.message AS t
+SET {part:claim_lease},
     climit = CASE WHEN {part:claim_flow_on}
                   THEN COALESCE((SELECT f.climit FROM slotted AS f
                                  WHERE f.id = t.id AND f.slot_gate = 'slot'), t.climit)
@@ -860,15 +940,37 @@ SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
     ckey = CASE WHEN {part:claim_flow_on}
                 THEN COALESCE((SELECT f.ckey FROM slotted AS f
                                WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
-                ELSE t.ckey END,
+                ELSE t.ckey END
+WHERE {part:claim_leased}
+  AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
+RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
+
+-- part: claim_lease
+-- The lease (in an UPDATE of message t): visible again after its queue's vt, one
+-- delivery more, a new grant (lease + 1, the fencing token its ack, release and renewal
+-- must show), no longer parked.
+visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => (
+        SELECT picked.vt FROM picked WHERE picked.id = t.id)),
+    read_ct = t.read_ct + 1,
+    lease = t.lease + 1,
+    due_at = NULL,
     -- unique_while="queued": delivered, it no longer holds its key (a plain message's
     -- stays NULL: no index entry, the update stays HOT).
     ukey = CASE WHEN t.urun THEN t.ukey END
-WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
-  AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
+
+-- part: claim_leased
+-- Which rows of message t are leased: picked and not doomed; a handed row only if it is
+-- still parked once locked.
+t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NULL))
   AND (t.visible_at = 'infinity'::timestamptz
        OR NOT t.id = ANY(ARRAY(SELECT id FROM handed)))
-RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
+
+-- part: claim_flow_stopped
+-- What the gates held back (held) and what the flow limits held (flow_held), for the
+-- answer (claim_answer's stopped).
+SELECT id, queue, priority, read_ct, visible_at FROM held
+UNION ALL
+SELECT id, queue, priority, read_ct, visible_at FROM flow_held WHERE {part:claim_flow_on}
 
 -- part: claim_delivered
 -- What comes back as delivered: leased rows, and dead-lettered ones with their
@@ -880,9 +982,10 @@ SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
 FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
 
 -- part: claim_answer
--- The answer, in three parts: delivered in claim order (an oversized payload not sent),
--- held, then the acks that deleted nothing: refused by the fencing (the lease lapsed and
--- the message was claimed again, or released).
+-- The answer, in four parts: delivered in claim order (an oversized payload not sent),
+-- held (stopped: what the statement's gates held back), then the acks that deleted
+-- nothing: refused by the fencing (the lease lapsed and the message was claimed again,
+-- or released), and last the row claim_limits when a flow limit exists.
 SELECT r.id, r.queue, r.priority, r.read_ct, r.lease, r.payload, r.dead_letter_id, r.doom,
        r.note
 FROM (
@@ -893,21 +996,27 @@ FROM (
            0 AS part, picked.visible_at
     FROM delivered JOIN picked ON picked.id = delivered.id
     UNION ALL
-    SELECT held.id, held.queue, held.priority, held.read_ct, 0, NULL::json, NULL::bigint,
-           NULL::text, 'held', 1, held.visible_at
-    FROM held
-    UNION ALL
-    SELECT f.id, f.queue, f.priority, f.read_ct, 0, NULL::json, NULL::bigint,
-           NULL::text, 'held', 1, f.visible_at
-    FROM flow_held AS f
-    WHERE {part:claim_flow_on}
+    SELECT h.id, h.queue, h.priority, h.read_ct, 0, NULL::json, NULL::bigint,
+           NULL::text, 'held', 1, h.visible_at
+    FROM stopped AS h
     UNION ALL
     SELECT a.id, a.queue, 0, 0, a.lease, NULL::json, NULL::bigint, NULL::text, 'refused',
            2, NULL::timestamptz
     FROM {part:claim_acks}
     WHERE a.id <> ALL(ARRAY(SELECT id FROM acked))
+    UNION ALL
+    {part:claim_limits}
 ) AS r
 ORDER BY r.part, r.priority DESC, r.visible_at, r.id
+
+-- part: claim_limits
+-- The answer's last row, note limits, when any flow limit exists (in this statement's
+-- snapshot): the plain claim then picked nothing and the caller sends flow_claim; the
+-- flow claim's answer without it says the caller may go back to claim. Not a message:
+-- id 0, no payload.
+SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'limits', 3,
+       NULL::timestamptz
+WHERE {part:claim_flow_on}
 
 -- name: next_due
 -- Seconds from now until the first message of the given queues that is not visible yet

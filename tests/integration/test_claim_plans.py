@@ -178,3 +178,37 @@ def test_a_fair_claim_walks_its_keys_by_the_fair_index(backlog: Store, peek: Pee
         for n in message_nodes(plan)
         if n.get("Index Name") == "message_claim_idx" and "fq" in str(n.get("Index Cond", ""))
     ]
+
+
+FLOW_CTES = {"CTE flow_meets", "CTE slots", "CTE slotted", "CTE flow_wants", "CTE rate",
+             "CTE flow_held", "CTE flow_parked"}  # fmt: skip
+
+
+def flow_calls(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [n for n in walk(plan) if n.get("Function Name") in ("flow_tokens", "flow_slots")]
+
+
+def test_a_claim_without_limits_carries_nothing_of_them(backlog: Store) -> None:
+    """The plain claim holds no flow gate (flow_claim is another statement): no CTE of
+    the flow parts, no call of flow_tokens or flow_slots; flow_limit is read only by
+    its probes (claim_flow_on). With a limit defined it picks nothing: no candidate, not
+    one row of the backlog read. flow_claim without a limit has the flow nodes but never
+    runs them, and takes LIMIT rows."""
+    params = claim_params(["q1"], [30.0], LIMIT, [5], [])
+    plain = claimed_in(backlog, "q1")
+    assert not {n.get("Subplan Name") for n in walk(plain)} & FLOW_CTES
+    assert not flow_calls(plain)
+    probes = [n for n in walk(plain) if n.get("Relation Name") == "flow_limit"]
+    assert 0 < len(probes) <= 3, probes
+    assert subplan(plain, "candidates")["Actual Rows"] == LIMIT
+    limit = (
+        f'INSERT INTO "{backlog.schema}".flow_limit (name, rate_count, rate_period, origin)'
+        " VALUES ('task:elsewhere', 1, 1, 'command')"
+    )
+    stopped = generic_plan(backlog, "claim", params, analyze=True, setup=[limit])
+    assert subplan(stopped, "candidates")["Actual Rows"] == 0
+    assert all(n["Actual Rows"] == 0 for n in message_nodes(stopped)), message_nodes(stopped)
+    flow = generic_plan(backlog, "flow_claim", params, analyze=True)
+    assert {n.get("Subplan Name") for n in walk(flow)} >= FLOW_CTES
+    assert flow_calls(flow) and all(n["Actual Loops"] == 0 for n in flow_calls(flow))
+    assert subplan(flow, "candidates")["Actual Rows"] == LIMIT

@@ -66,8 +66,12 @@ def delivered(batch: list[Claimed]) -> list[int]:
 
 
 def raw_claim(store: Store, conn: psycopg.Connection[Any], limit: int = 100) -> list[Any]:
-    """The claim statement on ``conn``, in whatever transaction ``conn`` has open."""
-    return conn.execute(store.q["claim"], claim_params([Q], [30.0], limit, None, [])).fetchall()
+    """The claim statement sent while limits exist (flow_claim) on ``conn``, in whatever
+    transaction ``conn`` has open; its last row saying so (note limits) left out."""
+    rows = conn.execute(
+        store.q["flow_claim"], claim_params([Q], [30.0], limit, None, [])
+    ).fetchall()
+    return [r for r in rows if r[8] != "limits"]
 
 
 @pytest.fixture
