@@ -173,7 +173,11 @@ def test_the_worker_role_forgets_and_keeps_groups_through_the_functions(granted:
 def test_the_page_grants_the_publisher_one_function_and_takes_back_the_table(
     granted: Roles,
 ) -> None:
-    """The block runs again as it is (and over the SELECT earlier versions granted)."""
+    """The block runs again as it is (and over the SELECT earlier versions granted). Of
+    the functions that run as their owner (the ones that can do more than the caller's own
+    grants), the publisher may call the result read and, from least-privilege.md, the unique
+    key's holder look-up, nothing else; the ones that run as the caller (the flow gates')
+    stay callable by anyone and do nothing without the worker's tables."""
     with granted.connect(granted.owner) as owner:
         owner.execute(
             sql.SQL("GRANT SELECT ON {} TO {}").format(
@@ -186,10 +190,16 @@ def test_the_page_grants_the_publisher_one_function_and_takes_back_the_table(
         rows: list[Any] = conn.execute(
             "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
             " WHERE n.nspname = %s AND has_function_privilege(p.oid, 'EXECUTE')"
-            " ORDER BY 1",
+            " AND p.prosecdef ORDER BY 1",
             [granted.schema],
         ).fetchall()
-    assert json.dumps(rows) == json.dumps([["result_read"]])
+        assert refused(
+            conn,
+            sql.SQL("SELECT * FROM {}.flow_tokens('task:t', 'k', 1)").format(
+                sql.Identifier(granted.schema)
+            ),
+        )
+    assert json.dumps(rows) == json.dumps([["result_read"], ["unique_holder"]])
 
 
 def test_a_role_without_the_functions_is_told_what_to_grant(granted: Roles) -> None:
