@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add("--part", default="a,b", help="parts to run, of a and b (a,b)")
     add("--rate", type=int, default=50, help="(a) the global rate, starts per second (50)")
+    add("--burst", type=int, default=1, help="(a) pgq's burst, pgq_rate_burst (1)")
     add("--seconds", type=float, default=60.0, help="(a) the measured window, s (60)")
     add("--celery-seconds", type=float, help="(a) Celery's window, s (as --seconds; 0 skips)")
     add("--workers", type=int, default=4, help="worker processes of the fleet (4)")
@@ -92,9 +94,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--part takes a, b or a,b; got {args.part!r}")
     if args.celery_seconds is None:
         args.celery_seconds = args.seconds
-    whole = (args.rate, args.workers, args.concurrency, args.keys, args.per_key, args.limit)
+    whole = (
+        args.rate,
+        args.burst,
+        args.workers,
+        args.concurrency,
+        args.keys,
+        args.per_key,
+        args.limit,
+    )
     if min(*whole, args.b_concurrency) < 1:
-        parser.error("--rate, --workers, --concurrency, --keys, --per-key, --limit and "
+        parser.error("--rate, --burst, --workers, --concurrency, --keys, --per-key, --limit and "
                      "--b-concurrency must be >= 1")  # fmt: skip
     if args.seconds < 1 or args.celery_seconds < 0 or args.task_ms < 0:
         parser.error("--seconds must be >= 1; --celery-seconds and --task-ms not negative")
@@ -112,6 +122,7 @@ class Fleet:
     label: str
     rate: int
     limit: int
+    burst: int = 1
     schema: str = ""
     runs: str = ""
     queue: str = ""
@@ -136,6 +147,7 @@ class Fleet:
             fapp.ENV_RUNS: self.runs,
             fapp.ENV_RATE: f"{self.rate}/s",
             fapp.ENV_CONCURRENCY: str(self.limit),
+            fapp.ENV_BURST: str(self.burst),
         }
 
     def sql(self, query: str, params: list[Any] | None = None) -> list[tuple[Any, ...]]:
@@ -145,8 +157,8 @@ class Fleet:
 
 
 @contextmanager
-def fleet(pg_url: str, label: str, rate: int, limit: int) -> Iterator[Fleet]:
-    f = Fleet(pg_url, label, rate, limit)
+def fleet(pg_url: str, label: str, rate: int, limit: int, burst: int = 1) -> Iterator[Fleet]:
+    f = Fleet(pg_url, label, rate, limit, burst)
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL(fapp.TABLES).format(runs=sql.Identifier(f.runs)))
     try:
@@ -164,7 +176,8 @@ def publish(f: Fleet, task: str, calls: Iterator[tuple[Any, ...]]) -> float:
     The app is the workers' (same task attributes: pgq's limits travel as headers)."""
     began = time.monotonic()
     with patched_environ(f.env()):
-        app = fapp.make_app(f.broker_url, f.queue, {"schema": f.schema}, f"{f.rate}/s", f.limit)
+        options = {"schema": f.schema}
+        app = fapp.make_app(f.broker_url, f.queue, options, f"{f.rate}/s", f.limit, f.burst)
         try:
             batch: list[tuple[Any, ...]] = []
             for args in calls:
@@ -260,6 +273,9 @@ def analyse_rate(
         sliding = max(sliding, j - i)
     calendar = Counter(int(t) for t in starts)
     achieved = len(in_window) / seconds
+    inside = Counter(int(t - window_from) for t in in_window)
+    per_second = sorted(inside.get(s, 0) for s in range(int(seconds)))
+    gaps = [b - a for a, b in pairwise(in_window)]
     return {
         "starts": len(starts),
         "window_starts": len(in_window),
@@ -269,6 +285,10 @@ def analyse_rate(
         "max_in_any_1s": sliding,
         "max_in_a_calendar_second": max(calendar.values(), default=0),
         "per_worker": dict(sorted(Counter(workers).items())),
+        "window_second_min_median_max": per_second[:1]
+        + per_second[len(per_second) // 2 :][:1]
+        + per_second[-1:],
+        "longest_gap_ms": round(max(gaps, default=0.0) * 1000, 1),
     }
 
 
@@ -278,7 +298,7 @@ def part_a(args: argparse.Namespace, task: str, seconds: float, label: str) -> d
     # Enough for the window and the start-up: Celery's fleet may run workers * rate.
     backlog = int(args.rate * (args.workers if celery else 1) * (seconds + 30))
     before = load()
-    with fleet(args.pg_url, label, args.rate, args.limit) as f:
+    with fleet(args.pg_url, label, args.rate, args.limit, args.burst) as f:
         publish_s = publish(f, task, iter([()] * backlog))
         workers = start_workers(f, args.workers, args.pool, args.concurrency)
         try:
@@ -292,12 +312,15 @@ def part_a(args: argparse.Namespace, task: str, seconds: float, label: str) -> d
             wait_until("the window", lambda: f.sql(now_q)[0][0] >= end, workers, seconds * 3 + 120)
         finally:
             trouble = stop_workers(workers)
-        rows = f.sql("SELECT started, worker FROM {runs}.runs WHERE task = %s", [task])
+        rows = f.sql("SELECT started, worker, tid FROM {runs}.runs WHERE task = %s", [task])
     found = analyse_rate([_epoch(r[0]) for r in rows], [r[1] for r in rows],
                          window_from, seconds, args.rate)  # fmt: skip
+    # A task run twice (its lease lapsed before its ack: delivered again).
+    found["ran_twice"] = len(rows) - len({r[2] for r in rows})
     found.update(
         task=task,
         rate=args.rate,
+        burst=args.burst if not celery else None,
         backlog=backlog,
         publish_seconds=round(publish_s, 2),
         load_before=before,
@@ -307,6 +330,7 @@ def part_a(args: argparse.Namespace, task: str, seconds: float, label: str) -> d
     if not celery:
         found["rate_ok"] = abs(found["achieved_vs_rate"] - 1) <= RATE_TOLERANCE
         found["second_ok"] = found["max_in_any_1s"] <= args.rate * RATE_SLACK
+        found["once_ok"] = found["ran_twice"] == 0
     return found
 
 
@@ -364,9 +388,10 @@ def part_b(args: argparse.Namespace) -> dict[str, Any]:
                        240 + bound * 20)  # fmt: skip
         finally:
             trouble = stop_workers(workers)
-        rows = f.sql("SELECT key, started, ended FROM {runs}.runs WHERE task = %s",
+        rows = f.sql("SELECT key, started, ended, tid FROM {runs}.runs WHERE task = %s",
                      [fapp.PER_KEY])  # fmt: skip
-    found = analyse_keys([(k, _epoch(s), _epoch(e)) for k, s, e in rows if e is not None])
+    found = analyse_keys([(k, _epoch(s), _epoch(e)) for k, s, e, _ in rows if e is not None])
+    found["ran_twice"] = len(rows) - len({r[3] for r in rows})
     found.update(
         tasks=tasks,
         limit=args.limit,
@@ -382,7 +407,7 @@ def part_b(args: argparse.Namespace) -> dict[str, Any]:
         worker_trouble=trouble,
     )
     found["limit_ok"] = found["max_in_flight_of_a_key"] <= args.limit
-    found["all_ran_once"] = len(rows) == tasks
+    found["all_ran_once"] = len(rows) == tasks and found["ran_twice"] == 0
     return found
 
 
@@ -401,7 +426,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "b" in args.parts:
         report["b"] = part_b(args)
     report["load_end"] = load()
-    checks = [report["a_pgq"][k] for k in ("rate_ok", "second_ok")] if "a_pgq" in report else []
+    a_checks = ("rate_ok", "second_ok", "once_ok")
+    checks = [report["a_pgq"][k] for k in a_checks] if "a_pgq" in report else []
     if "b" in report:
         checks += [report["b"]["limit_ok"], report["b"]["all_ran_once"]]
     report["guarantees_hold"] = all(checks)
@@ -414,11 +440,14 @@ def table(report: dict[str, Any]) -> str:
         m = report.get(name)
         if m:
             lines.append(
-                f"({name}) {m['task']} at {m['rate']}/s: {m['window_starts']} starts in "
+                f"({name}) {m['task']} at {m['rate']}/s (burst {m['burst']}): "
+                f"{m['window_starts']} starts in "
                 f"{m['window_seconds']:g} s = {m['achieved_rate']}/s "
                 f"(x{m['achieved_vs_rate']}); most in any 1 s {m['max_in_any_1s']}, "
                 f"in a calendar second {m['max_in_a_calendar_second']}; "
-                f"per worker {m['per_worker']}; load {m['load_before']} -> {m['load_after']}"
+                f"per worker {m['per_worker']}; window seconds min/median/max "
+                f"{m['window_second_min_median_max']}, longest gap {m['longest_gap_ms']} ms; "
+                f"ran twice {m['ran_twice']}; load {m['load_before']} -> {m['load_after']}"
             )
     b = report.get("b")
     if b:
@@ -429,6 +458,7 @@ def table(report: dict[str, Any]) -> str:
             f"{b['max_running']} mean {b['mean_running']} (bound {b['parallel_bound']}); "
             f"keys at once max {b['max_keys_running']} mean {b['mean_keys_running']}; "
             f"{b['tasks_per_second']} tasks/s over {b['span_seconds']} s; "
+            f"ran twice {b['ran_twice']}; "
             f"load {b['load_before']} -> {b['load_after']}"
         )
     for name in ("a_pgq", "a_celery", "b"):

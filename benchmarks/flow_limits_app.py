@@ -3,18 +3,18 @@
 Configured by environment (``FLOW_*``, read by :func:`app_from_env`), so the worker
 subprocesses and the harness that publishes build the same app with the same limits:
 
-* ``flow.paced``: pgq's global rate ``pgq_rate_limit`` (``FLOW_RATE``, burst 1), across
+* ``flow.paced``: pgq's global rate ``pgq_rate_limit`` (``FLOW_RATE``, burst ``FLOW_BURST``), across
   the fleet;
 * ``flow.celery_paced``: Celery's own ``rate_limit`` at the same rate, which each worker
   applies on its own;
 * ``flow.per_key``: at most ``FLOW_CONCURRENCY`` tasks of a key at once
   (``concurrency_key="key"``), across the fleet.
 
-Every task records its own start: one row in ``<FLOW_RUNS>.runs`` whose ``started`` is
-the database's ``clock_timestamp()`` when the task body begins (one clock for every
-worker process, none of it the publisher's); ``flow.per_key`` sleeps its task time and
-then sets ``ended``. Each worker (named by ``FLOW_WORKER``) records when it is ready in
-``<FLOW_RUNS>.ready``.
+Every task records its own start: one row (with its task id) in ``<FLOW_RUNS>.runs``
+whose ``started`` is the database's ``clock_timestamp()`` when the task body begins
+(one clock for every worker process, none of it the publisher's); ``flow.per_key``
+sleeps its task time and then sets ``ended``. Each worker (named by ``FLOW_WORKER``)
+records when it is ready in ``<FLOW_RUNS>.ready``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from celery import Celery, signals
+from celery import Celery, current_task, signals
 from psycopg import sql
 
 __all__ = ["CELERY_PACED", "PACED", "PER_KEY", "TABLES", "app", "app_from_env", "make_app"]
@@ -42,13 +42,14 @@ ENV_TRANSPORT_OPTIONS = "FLOW_TRANSPORT_OPTIONS"
 ENV_PG_URL = "FLOW_PG_URL"
 ENV_RUNS = "FLOW_RUNS"
 ENV_RATE = "FLOW_RATE"
+ENV_BURST = "FLOW_BURST"
 ENV_CONCURRENCY = "FLOW_CONCURRENCY"
 ENV_WORKER = "FLOW_WORKER"
 
 TABLES = """
 CREATE SCHEMA {runs};
 CREATE TABLE {runs}.runs (
-    seq bigserial PRIMARY KEY, task text NOT NULL, key text, worker text NOT NULL,
+    seq bigserial PRIMARY KEY, task text NOT NULL, tid text, key text, worker text NOT NULL,
     pid integer NOT NULL, started timestamptz NOT NULL DEFAULT clock_timestamp(),
     ended timestamptz);
 CREATE TABLE {runs}.ready (worker text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
@@ -75,9 +76,9 @@ def _start(task: str, key: str | None) -> int:
     row = (
         _db()
         .execute(
-            sql.SQL("INSERT INTO {}.runs (task, key, worker, pid) VALUES (%s, %s, %s, %s) "
-                    "RETURNING seq").format(_runs()),
-            [task, key, os.environ.get(ENV_WORKER, "?"), os.getpid()],
+            sql.SQL("INSERT INTO {}.runs (task, tid, key, worker, pid) "
+                    "VALUES (%s, %s, %s, %s, %s) RETURNING seq").format(_runs()),
+            [task, current_task.request.id, key, os.environ.get(ENV_WORKER, "?"), os.getpid()],
         )
         .fetchone()
     )  # fmt: skip
@@ -109,6 +110,7 @@ def make_app(
     transport_options: Mapping[str, Any] | None,
     rate: str,
     concurrency: int,
+    burst: int = 1,
 ) -> Celery:
     """The benchmark app; identical in the workers and in the publisher."""
     app = Celery("flow_limits", broker=broker_url)
@@ -122,7 +124,7 @@ def make_app(
         task_ignore_result=True,
         worker_hijack_root_logger=False,
     )
-    app.task(name=PACED, ignore_result=True, pgq_rate_limit=rate)(paced)
+    app.task(name=PACED, ignore_result=True, pgq_rate_limit=rate, pgq_rate_burst=burst)(paced)
     app.task(name=CELERY_PACED, ignore_result=True, rate_limit=rate)(celery_paced)
     app.task(
         name=PER_KEY,
@@ -141,6 +143,7 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> Celery:
         json.loads(environ.get(ENV_TRANSPORT_OPTIONS, "{}")),
         environ.get(ENV_RATE, "50/s"),
         int(environ.get(ENV_CONCURRENCY, "3")),
+        int(environ.get(ENV_BURST, "1")),
     )
 
 
