@@ -30,7 +30,16 @@ import psycopg
 from celery import Celery, current_task, signals
 from psycopg import sql
 
-__all__ = ["CELERY_PACED", "PACED", "PER_KEY", "TABLES", "app", "app_from_env", "make_app"]
+__all__ = [
+    "CELERY_PACED",
+    "CLAIMS",
+    "PACED",
+    "PER_KEY",
+    "TABLES",
+    "app",
+    "app_from_env",
+    "make_app",
+]
 
 PACED = "flow.paced"
 CELERY_PACED = "flow.celery_paced"
@@ -53,6 +62,20 @@ CREATE TABLE {runs}.runs (
     pid integer NOT NULL, started timestamptz NOT NULL DEFAULT clock_timestamp(),
     ended timestamptz);
 CREATE TABLE {runs}.ready (worker text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE TABLE {runs}.claims (id bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+"""
+
+# Every lease the claim grants, when the claim grants it (the row trigger fires as the
+# claim's UPDATE writes the row: after the gates). Added to the pgq schema by the harness
+# (not pgq's): the rate's bound is on grants; a start follows its grant by the worker's lag.
+CLAIMS = """
+CREATE FUNCTION {runs}.claimed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO {runs}.claims (id) VALUES (NEW.id);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER flow_bench_claimed AFTER UPDATE OF lease ON {schema}.message
+    FOR EACH ROW WHEN (NEW.lease <> OLD.lease) EXECUTE FUNCTION {runs}.claimed();
 """
 
 _local = threading.local()
