@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -224,8 +224,16 @@ class Store:
         again) are reported."""
         return len(held) - len(self.renew_lost(held))
 
-    def renew_lost(self, held: Sequence[tuple[Lease, float]]) -> list[Lease]:
-        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported)."""
+    def renew_lost(
+        self,
+        held: Sequence[tuple[Lease, float]],
+        still_held: Callable[[list[Lease]], list[Lease]] | None = None,
+    ) -> list[Lease]:
+        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported).
+        ``still_held``, asked once the statement is done, keeps of the refused leases
+        those the caller still holds: one it let go meanwhile (acked, released: its row
+        gone or changed by its own hand) was not lost to another consumer, and is
+        neither reported nor returned (its ack or release reports its own refusal)."""
         if not held:
             return []
         tokens = [t for t, _ in held]
@@ -236,6 +244,8 @@ class Store:
 
         landed = self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
         lost = fencing.refused_of(tokens, landed)
+        if lost and still_held is not None:
+            lost = still_held(lost)
         fencing.refused("renewal", lost)
         return lost
 

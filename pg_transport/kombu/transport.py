@@ -409,12 +409,19 @@ class Transport(virtual.Transport):
         """Renew ``held``; each channel's QoS learns which leases now run longer and
         which are lost (a delivery whose lease lapsed is not started: guard.py)."""
         sent = monotonic()
-        lost = {t.id for t in self.store.renew_lost(held)}
+        # The renewal races this consumer's acks: a message acked after ``held`` was read
+        # may be gone when the statement runs, which is no loss (only a row still held
+        # once the statement is done was lost to another consumer).
+        lost = {t.id for t in self.store.renew_lost(held, self._still_held)}
         landed = {t.id for t, _ in held} - lost
         for channel in list(self.channels):
             qos = channel._qos
             if qos is not None:
                 qos.renewed(landed, lost, sent)
+
+    def _still_held(self, tokens: list[Lease]) -> list[Lease]:
+        now = {(t.id, t.lease) for t, _ in self.held()}
+        return [t for t in tokens if (t.id, t.lease) in now]
 
     def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or
