@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import psycopg
@@ -264,11 +264,19 @@ class Store:
         return len(held) - len(self.renew_lost(held))
 
     def renew_lost(
-        self, held: Sequence[tuple[Lease, float]], *, expected: Collection[int] = ()
+        self,
+        held: Sequence[tuple[Lease, float]],
+        still_held: Callable[[list[Lease]], list[Lease]] | None = None,
+        *,
+        expected: Collection[int] = (),
     ) -> list[Lease]:
-        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported,
-        but for the row ids ``expected`` to be gone: atomic tasks' deliveries, which
-        their own commit ends before the worker's ack)."""
+        """Renew ``held`` (as :meth:`renew`); the leases the fencing refused (reported).
+        ``still_held``, asked once the statement is done, keeps of the refused leases
+        those the caller still holds: one it let go meanwhile (acked, released: its row
+        gone or changed by its own hand) was not lost to another consumer, and is
+        neither reported nor returned (its ack or release reports its own refusal).
+        Row ids ``expected`` to be gone (atomic tasks' deliveries, which their own commit
+        ends before the worker's ack) are returned but not reported."""
         if not held:
             return []
         tokens = [t for t, _ in held]
@@ -279,6 +287,8 @@ class Store:
 
         landed = self.relaxed.run(work, idempotent=True, retry=self._fenced_policy)
         lost = fencing.refused_of(tokens, landed)
+        if lost and still_held is not None:
+            lost = still_held(lost)
         fencing.refused("renewal", [t for t in lost if t.id not in expected])
         return lost
 

@@ -413,19 +413,26 @@ class Transport(virtual.Transport):
         which are lost (a delivery whose lease lapsed is not started: guard.py)."""
         sent = monotonic()
         # An atomic task's commit deletes its row before the worker's ack (a settle)
-        # forgets it: a renewal in between finds it gone, expectedly.
+        # forgets it: a renewal in between finds it gone, expectedly. The renewal also
+        # races this consumer's acks: a message acked after ``held`` was read may be gone
+        # when the statement runs, which is no loss (only a row still held once the
+        # statement is done was lost to another consumer).
         completing = {
             ident
             for channel in list(self.channels)
             if channel._qos is not None
             for ident in channel._qos.settling()
         }
-        lost = {t.id for t in self.store.renew_lost(held, expected=completing)}
+        lost = {t.id for t in self.store.renew_lost(held, self._still_held, expected=completing)}
         landed = {t.id for t, _ in held} - lost
         for channel in list(self.channels):
             qos = channel._qos
             if qos is not None:
                 qos.renewed(landed, lost, sent)
+
+    def _still_held(self, tokens: list[Lease]) -> list[Lease]:
+        now = {(t.id, t.lease) for t, _ in self.held()}
+        return [t for t in tokens if (t.id, t.lease) in now]
 
     def held(self) -> list[tuple[Lease, float]]:
         """Every message this consumer holds a lease on: delivered and unacked, or

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -10,6 +11,8 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
+from pg_transport import fencing
+from pg_transport.kombu.qos import lease_of
 from tests.integration.conftest import Peek, idle_consumer
 
 
@@ -142,6 +145,46 @@ def test_an_ack_that_cannot_land_does_not_raise_and_stops_renewal(
     assert "will be delivered again" in caplog.text
     # The message is still there, leased: it comes back when the lease lapses.
     assert rows("SELECT read_ct FROM {schema}.message") == [(1,)]
+    queue.close()
+
+
+def test_a_renewal_that_races_an_ack_reports_no_refusal_but_a_lapse_it_does(
+    conn: Connection, rows: Peek, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The renewer reads what the consumer holds, then renews it: an ack landing in
+    between deletes a row the renewal then misses. That message was not lost to another
+    consumer (no warning, no count); a held one whose lease lapsed and was claimed again
+    still is."""
+    queue = conn.SimpleQueue("renew-race")
+    queue.put({"n": 1})
+    queue.put({"n": 2})
+    first = queue.get(timeout=5)
+    transport = conn.transport
+    read = transport.held()  # what the renewer read, just before the ack
+    assert lease_of(first).id in {t.id for t, _ in read}
+    first.ack()
+    transport.engine.flush_acks()  # the ack lands (as on the consumer's next claim)
+    assert rows("SELECT count(*) FROM {schema}.message") == [(1,)]
+    before = fencing.counts()["renewal"]
+    with caplog.at_level(logging.WARNING, logger="pg_transport.fencing"):
+        transport.renew(read)  # the renewal's statement, after the ack landed
+    assert fencing.counts()["renewal"] == before
+    assert not [r for r in caplog.records if r.name == "pg_transport.fencing"]
+    # A lease that lapsed while held, the message claimed again: reported.
+    second = queue.get(timeout=5)
+    held = transport.held()
+    (token,) = [t for t, _ in held if t.id == lease_of(second).id]
+    rows(
+        "UPDATE {schema}.message SET visible_at = now() - interval '1 second' WHERE id = %s",
+        token.id,
+    )
+    (again,) = transport.store.claim([token.queue], [30.0], 1)
+    assert again.id == token.id
+    with caplog.at_level(logging.WARNING, logger="pg_transport.fencing"):
+        transport.renew(held)
+    assert fencing.counts()["renewal"] > before
+    assert any(str(token.id) in r.getMessage() for r in caplog.records)
+    second.ack()
     queue.close()
 
 
