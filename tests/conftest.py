@@ -263,8 +263,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _run_summary(terminalreporter: pytest.TerminalReporter, meter: RunMeter) -> None:
     if _workers_started:
         terminalreporter.write_line(
-            f"pgq: {_workers_started} celery worker processes started "
-            "(tests/acceptance/harness.py)"
+            f"pgq: {_workers_started} celery worker processes started (tests/acceptance/harness.py)"
         )
     over = meter.peak > MAX_CONNECTIONS
     terminalreporter.write_line(

@@ -130,7 +130,7 @@ def test_two_beats_racing_for_one_slot_send_it_once(
     two.start()
     peek.wait_until(
         "SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND query LIKE %s",
+        " AND datname = current_database() AND query LIKE %s",  # (not another run's beat)
         "%beat_slot%",
         failure="the second beat did not wait for the first's slot",
     )
