@@ -39,8 +39,10 @@ DEFAULT_WORKERS = 3
 #: Sessions a test holds at most, by tier, unless it says otherwise with
 #: ``@pytest.mark.sessions(n)`` (on the test or its module): what a test takes of the
 #: run's budget before it starts (tests/budget.py). Every test takes at least one token, so
-#: one that takes them all runs alone.
-TIER_SESSIONS = {"unit": 1, "integration": 6, "conformance": 6, "acceptance": 10}
+#: one that takes them all runs alone. Measured, not guessed: a parallel run reports each
+#: test that held more than it declares (counting what earlier tests of its process still
+#: hold: a unit test sees a few idle sessions its process's pools keep).
+TIER_SESSIONS = {"unit": 4, "integration": 8, "conformance": 8, "acceptance": 14}
 OTHER_SESSIONS = 6
 _budget: budget.Budget | None = None
 _run_dir: Path | None = None
@@ -133,13 +135,29 @@ def _announce_database() -> None:
         path.write_text(unquote(urlsplit(session_database()).path[1:]))
 
 
-def sessions_of(item: pytest.Item) -> int:
-    """The most sessions ``item`` holds at once: its ``sessions`` marker, else its tier's."""
+def declared_sessions(item: pytest.Item) -> int:
+    """What ``item`` says it holds at most: its ``sessions`` marker, else its tier's."""
     marker = item.get_closest_marker("sessions")
     if marker is not None:
         return int(marker.args[0])
     tier = TIERS[tier_of(item)] if tier_of(item) < len(TIERS) else ""
     return TIER_SESSIONS.get(tier, OTHER_SESSIONS)
+
+
+#: A module's fleet (a ``*_fleet`` fixture: tests/acceptance/harness.py) lives across the
+#: tests it serves: each of them holds the most any of them declares.
+_fleet_sessions: dict[str, int] = {}
+
+
+def _uses_fleet(item: pytest.Item) -> bool:
+    return any(name.endswith("_fleet") for name in getattr(item, "fixturenames", ()))
+
+
+def sessions_of(item: pytest.Item) -> int:
+    """The most sessions ``item`` holds at once (its share of the run's budget)."""
+    if _uses_fleet(item):
+        return _fleet_sessions.get(item.nodeid.split("::", 1)[0], declared_sessions(item))
+    return declared_sessions(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -218,10 +236,91 @@ def tier_of(item: pytest.Item) -> int:
     return len(TIERS)
 
 
-#: Seconds each test file took in a whole default run (serial, on a quiet 2-core machine;
-#: files not listed count as 0). When tests run side by side the longest files start
-#: first, so that the run does not end with one process still in a long file.
-FILE_SECONDS: dict[str, float] = {}
+#: Seconds each test file took (setup, call and teardown of its tests) in a whole default
+#: run side by side at load 8-22, files of 10 s or more (others count as 0): only their
+#: order matters. The longest files start first, so that the run does not end with one
+#: process still in a long file while the others are done.
+FILE_SECONDS: dict[str, float] = {
+    "tests/acceptance/test_install.py": 209,
+    "tests/acceptance/test_ordering.py": 205,
+    "tests/acceptance/test_compose.py": 174,
+    "tests/acceptance/test_password_masking.py": 168,
+    "tests/acceptance/test_beat.py": 155,
+    "tests/acceptance/test_chords.py": 124,
+    "tests/acceptance/test_web.py": 118,
+    "tests/acceptance/test_delivery.py": 100,
+    "tests/acceptance/test_pools.py": 99,
+    "tests/acceptance/test_failover.py": 97,
+    "tests/acceptance/test_barrier.py": 95,
+    "tests/integration/test_plans.py": 91,
+    "tests/acceptance/test_features.py": 81,
+    "tests/integration/test_kombu_suite.py": 77,
+    "tests/unit/test_url.py": 76,
+    "tests/acceptance/test_restart.py": 72,
+    "tests/integration/test_ordering_plans.py": 70,
+    "tests/unit/test_web_processes.py": 68,
+    "tests/integration/test_privileges.py": 67,
+    "tests/acceptance/test_demo.py": 60,
+    "tests/integration/test_cli_dead.py": 57,
+    "tests/acceptance/test_headers.py": 55,
+    "tests/acceptance/test_control.py": 50,
+    "tests/integration/test_barrier_races.py": 47,
+    "tests/acceptance/test_due.py": 42,
+    "tests/acceptance/test_results.py": 42,
+    "tests/acceptance/test_result_dead_letters.py": 41,
+    "tests/acceptance/test_transactional.py": 41,
+    "tests/unit/test_sql_placement.py": 38,
+    "tests/integration/test_queue_names.py": 38,
+    "tests/integration/test_trust.py": 38,
+    "tests/unit/test_layers.py": 38,
+    "tests/acceptance/test_footprint.py": 37,
+    "tests/benchmarks/test_stream.py": 36,
+    "tests/acceptance/test_poison.py": 35,
+    "tests/benchmarks/test_compare.py": 35,
+    "tests/unit/test_web_chart.py": 33,
+    "tests/integration/test_claim_plans.py": 32,
+    "tests/integration/test_joined.py": 32,
+    "tests/integration/test_results.py": 29,
+    "tests/acceptance/test_delayed.py": 29,
+    "tests/integration/test_metrics.py": 28,
+    "tests/integration/test_cli.py": 28,
+    "tests/integration/test_barrier.py": 27,
+    "tests/acceptance/test_poolers.py": 26,
+    "tests/acceptance/test_dead_peer.py": 25,
+    "tests/integration/test_event_loop.py": 24,
+    "tests/integration/test_suites.py": 24,
+    "tests/integration/test_schema.py": 23,
+    "tests/integration/test_bad_input.py": 23,
+    "tests/acceptance/test_testing_plugin.py": 22,
+    "tests/integration/test_suite_portability.py": 21,
+    "tests/acceptance/test_partition.py": 21,
+    "tests/integration/test_guards.py": 20,
+    "tests/integration/test_ordering.py": 20,
+    "tests/integration/test_result_roles.py": 20,
+    "tests/integration/test_topic.py": 20,
+    "tests/integration/test_transport.py": 19,
+    "tests/integration/test_chords.py": 19,
+    "tests/integration/test_batch.py": 18,
+    "tests/integration/test_housekeeping.py": 18,
+    "tests/integration/test_cli_status.py": 18,
+    "tests/benchmarks/test_batch_peers.py": 17,
+    "tests/acceptance/test_preflight.py": 17,
+    "tests/integration/test_publisher_boundary.py": 17,
+    "tests/integration/test_many_fds.py": 17,
+    "tests/integration/test_poolers.py": 16,
+    "tests/integration/test_docs.py": 15,
+    "tests/benchmarks/test_layers.py": 14,
+    "tests/acceptance/test_registration.py": 14,
+    "tests/integration/test_ordering_commit.py": 13,
+    "tests/integration/test_cli_schedule.py": 12,
+    "tests/benchmarks/test_wake.py": 12,
+    "tests/benchmarks/test_producers.py": 12,
+    "tests/integration/test_fencing.py": 12,
+    "tests/acceptance/test_no_grants.py": 11,
+    "tests/integration/test_session_databases.py": 11,
+    "tests/acceptance/test_faults.py": 11,
+    "tests/unit/test_budget.py": 11,
+}
 
 
 def file_seconds(item: pytest.Item) -> float:
@@ -232,6 +331,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Stable: each module's tests stay together and in order (module-scoped fixtures).
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: (-file_seconds(item), -tier_of(item)))
+        for item in filter(_uses_fleet, items):
+            module = item.nodeid.split("::", 1)[0]
+            _fleet_sessions[module] = max(_fleet_sessions.get(module, 0), declared_sessions(item))
     else:
         items.sort(key=tier_of)
 

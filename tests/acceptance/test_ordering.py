@@ -154,6 +154,7 @@ def overlapping_pairs_of_different_keys(rows: Sequence[Run]) -> int:
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.sessions(28)
 def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_parallel(
     oenv: Env, pool: str
 ) -> None:
@@ -192,6 +193,7 @@ def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_p
 # -- 2. a worker killed mid-key ----------------------------------------------------
 
 
+@pytest.mark.sessions(19)
 def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: Env) -> None:
     vt = 3.0
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt), "TEST_PREFETCH": "1"}
@@ -377,6 +379,7 @@ def test_a_follower_published_first_waits_for_its_predecessor(shared: Env, finda
     assert oenv.scalar("SELECT count(*) FROM {schema}.ordering_signals") == 0
 
 
+@pytest.mark.sessions(16)
 def test_a_chain_published_backwards_across_queues_runs_forwards(shared: Env) -> None:
     """c follows b follows a, published c, b, a, b in another queue; and a follower of a
     task that fails and is dead-lettered runs after it, as after one that succeeded."""
@@ -469,6 +472,7 @@ else:
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.sessions(16)
 def test_a_task_s_ordering_key_argument_keys_its_calls(shared: Env, where: str) -> None:
     oenv = shared
     # A separate service importing the app publishes with .delay(customer=...), no header.
