@@ -260,8 +260,10 @@ def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_on
 ) -> None:
     oenv = shared
     client = oenv.client()
-    for n in (1, 2, 3):
-        client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
+    # In one transaction: a worker cannot take m1 (and send its retry) before m3 is there.
+    with pg_transport.batch():
+        for n in (1, 2, 3):
+            client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
     wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
     wait_for(lambda: queue_empty(oenv), 30, "every message acked")
     rows = runs(oenv)
@@ -288,11 +290,16 @@ def test_a_message_given_back_until_dead_lettered_releases_its_key(
     client = oenv.client()
     environ = {f"PGQ_MAX_ATTEMPTS_{queue.upper()}": "2"}
     with together(oenv, "g1", "g2", concurrency=2, queues="celery,relaxed", environ=environ):
-        first = client.send_task(
-            f"{APP}.requeue_first", args=["G", 1], ordering_key="G", queue=queue
-        )
-        for n in (2, 3):
-            client.send_task(f"{APP}.requeue_first", args=["G", n], ordering_key="G", queue=queue)
+        # In one transaction: a worker cannot take m1 (and give it back to the end of
+        # its key) before m3 is there, which would put m1 before m3.
+        with pg_transport.batch():
+            first = client.send_task(
+                f"{APP}.requeue_first", args=["G", 1], ordering_key="G", queue=queue
+            )
+            for n in (2, 3):
+                client.send_task(
+                    f"{APP}.requeue_first", args=["G", n], ordering_key="G", queue=queue
+                )
         wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
         wait_for(lambda: queue_empty(oenv), 30, "m1 dead-lettered, the others acked")
     rows = runs(oenv)
