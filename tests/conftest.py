@@ -166,6 +166,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _running = item.nodeid
     if _budget is not None and _run_dir is not None:
         need = sessions_of(item)
+        (_run_dir / f"running-{_worker_id()}").write_text("")  # waiting: nothing running
         _budget.hold(need)
         _announce_database()  # (a settings module may have made it at import)
         (_run_dir / f"running-{_worker_id()}").write_text(f"{need}\t{item.nodeid}")
