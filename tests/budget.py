@@ -9,9 +9,10 @@ gives them back when it is done. A test that needs every token runs alone.
 A token is an ``fcntl.flock`` on a file of its own in a directory the controlling process
 made for the run, so a process that dies gives its tokens back with its open files. Taking
 tokens happens under one more lock, the gate, and a process gives back all it holds before
-it waits for the gate: so nobody waits while holding tokens others wait for, and a test that
-needs many tokens is not starved by small ones taking each token as it frees (they queue
-behind it at the gate). The gate's holder waits on a token held by someone else with a
+it waits for the gate: so nobody waits while holding tokens others wait for. A test that
+needs many tokens is not starved by small ones: they queue behind it at the gate, and a
+process that would keep its tokens for its next test gives them back and queues too when
+someone is waiting there. The gate's holder waits on a token held by someone else with a
 blocking lock, never by polling.
 """
 
@@ -52,10 +53,12 @@ class Budget:
         """Hold exactly ``min(wanted, total)`` tokens: give back the surplus at once, or give
         back everything and wait at the gate for the whole number."""
         wanted = max(0, min(wanted, self.total))
-        if wanted <= self.held:
+        if wanted <= self.held and not self._someone_waiting():
             for path in list(self._held)[wanted:]:
                 self._give_back(path)
             return
+        # Growing, or someone is waiting at the gate: queue behind them with nothing held
+        # (holders that kept their tokens from test to test would starve a big request).
         self.release()
         with open(self.directory / GATE, "rb") as gate:
             fcntl.flock(gate, fcntl.LOCK_EX)
@@ -71,6 +74,16 @@ class Budget:
                         self._take(waiting, block=True)
             finally:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+
+    def _someone_waiting(self) -> bool:
+        """Whether another process is at the gate now (waiting for tokens)."""
+        with open(self.directory / GATE, "rb") as gate:
+            try:
+                fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            return False
 
     def release(self) -> None:
         for path in list(self._held):
