@@ -35,6 +35,7 @@ from pg_transport.testing import (
 __all__ = [
     "DEFAULT_DB_PREFIX",
     "ConnectionMeter",
+    "RunMeter",
     "abandoned_databases",
     "create_database",
     "created_session_database",
@@ -175,3 +176,77 @@ class ConnectionMeter:
                 if seen > self.peak:
                     self.peak, self.peak_during = seen, self.label()
                     self.peak_by = {str(name): int(n) for name, n in rows}
+
+
+class RunMeter:
+    """Samples, from the controlling process of a parallel run (pytest-xdist), how many
+    sessions are connected to the run's databases together (one per worker process).
+
+    Each worker names its database in ``<run dir>/db-<worker>`` and what it runs in
+    ``<run dir>/running-<worker>`` (``<sessions declared>\\t<test id>``). ``peak`` is the
+    most sessions seen at once, ``peak_during`` the tests running then, ``peak_by`` the
+    sessions at the peak by application_name; ``by_test`` the most each test's database
+    held while it ran, with the number the test declared.
+    """
+
+    def __init__(self, server_url: str, run_dir: Any, interval: float = 0.05) -> None:
+        self.server_url = server_url
+        self.run_dir = run_dir
+        self.interval = interval
+        self.peak = 0
+        self.peak_during = ""
+        self.peak_by: dict[str, int] = {}
+        self.by_test: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pgq-test-run-meter", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _read(self, kind: str) -> dict[str, str]:
+        found = {}
+        for path in self.run_dir.glob(f"{kind}-*"):
+            try:
+                found[path.name.split("-", 1)[1]] = path.read_text()
+            except OSError:
+                continue
+        return found
+
+    def _run(self) -> None:
+        query = (
+            "SELECT datname, application_name, pg_catalog.count(*)"
+            " FROM pg_catalog.pg_stat_activity WHERE datname = ANY(%s)"
+            " AND pid <> pg_catalog.pg_backend_pid() GROUP BY 1, 2"
+        )
+        with psycopg.connect(
+            self.server_url, autocommit=True, application_name="pgq-test-meter"
+        ) as c:
+            while not self._stop.wait(self.interval):
+                databases = self._read("db")  # worker -> its database
+                if not databases:
+                    continue
+                running = self._read("running")  # read before the count: the tests then
+                rows = c.execute(query, [list(databases.values())]).fetchall()
+                on: dict[str, int] = {}
+                by_name: dict[str, int] = {}
+                for datname, name, n in rows:
+                    on[str(datname)] = on.get(str(datname), 0) + int(n)
+                    by_name[str(name)] = by_name.get(str(name), 0) + int(n)
+                for worker, database in databases.items():
+                    declared, _, test = running.get(worker, "").partition("\t")
+                    if not test:
+                        continue
+                    held = on.get(database, 0)
+                    before = self.by_test.get(test, (0, 0))[0]
+                    self.by_test[test] = (max(before, held), int(declared or 0))
+                seen = sum(on.values())
+                if seen > self.peak:
+                    self.peak = seen
+                    self.peak_during = ", ".join(
+                        sorted(t.partition("\t")[2] for t in running.values() if t)
+                    )
+                    self.peak_by = dict(sorted(by_name.items(), key=lambda kv: -kv[1]))

@@ -10,15 +10,19 @@ from tests.pg import created_session_database, drop_schema, new_schema_name
 
 
 @pytest.fixture
-def env(pg_url: str, schema: str) -> Env:
-    return prepare(pg_url, schema)
+def env(pg_url: str, schema: str) -> Iterator[Env]:
+    made = prepare(pg_url, schema)
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="module")
 def module_env(pg_url: str) -> Iterator[Env]:
     """An :class:`Env` on a schema the module's tests share (a module's fleet works there)."""
     name = new_schema_name()
-    yield prepare(pg_url, name)
+    made = prepare(pg_url, name)
+    yield made
+    made.close()
     if not created_session_database():
         drop_schema(pg_url, name)
 

@@ -39,6 +39,10 @@ class Env:
     pg_url: str
     schema: str
     extra: dict[str, str] = field(default_factory=dict)
+    #: The apps :meth:`client` made: closed with the Env (:meth:`close`), or a connection
+    #: one consumed on (remote control's replies) keeps its housekeeping running past the
+    #: test, into the dropping of the run's database.
+    clients: list[Celery] = field(default_factory=list)
 
     @property
     def broker_url(self) -> str:
@@ -61,7 +65,13 @@ class Env:
         """A publishing app that names tasks by string, as a separate service would."""
         app = Celery("client", broker=self.broker_url)
         app.conf.update(broker_transport_options={"schema": self.schema}, **conf)
+        self.clients.append(app)
         return app
+
+    def close(self) -> None:
+        """Close the connections of the apps :meth:`client` made."""
+        while self.clients:
+            self.clients.pop().close()
 
     def runs(self) -> list[tuple[str, str, int]]:
         with psycopg.connect(self.pg_url) as conn:

@@ -159,6 +159,7 @@ def run_with_kills(
     }
 
 
+@pytest.mark.sessions(20)
 def test_barriers_fire_once_with_a_worker_killed_mid_run(env: Env, client: Celery) -> None:
     stats = run_with_kills(env, client, barriers=200, parts=20, kills=1)
     print(f"200 barriers x 20 parts, 1 kill: {stats}")

@@ -22,6 +22,7 @@ def env(env: Env) -> Env:
 MARK = "tests.acceptance.app.mark"
 
 
+@pytest.mark.sessions(16)
 def test_inspect_ping_reaches_every_worker(env: Env) -> None:
     with workers(env, "w1", "w2", "w3", concurrency=1):
         client = env.client()

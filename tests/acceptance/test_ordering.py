@@ -154,6 +154,7 @@ def overlapping_pairs_of_different_keys(rows: Sequence[Run]) -> int:
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
+@pytest.mark.sessions(28)
 def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_parallel(
     oenv: Env, pool: str
 ) -> None:
@@ -192,6 +193,7 @@ def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_p
 # -- 2. a worker killed mid-key ----------------------------------------------------
 
 
+@pytest.mark.sessions(19)
 def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: Env) -> None:
     vt = 3.0
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt), "TEST_PREFETCH": "1"}
@@ -258,8 +260,10 @@ def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_on
 ) -> None:
     oenv = shared
     client = oenv.client()
-    for n in (1, 2, 3):
-        client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
+    # In one transaction: a worker cannot take m1 (and send its retry) before m3 is there.
+    with pg_transport.batch():
+        for n in (1, 2, 3):
+            client.send_task(f"{APP}.retry_first", args=["R", n], ordering_key="R", queue=queue)
     wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
     wait_for(lambda: queue_empty(oenv), 30, "every message acked")
     rows = runs(oenv)
@@ -286,11 +290,16 @@ def test_a_message_given_back_until_dead_lettered_releases_its_key(
     client = oenv.client()
     environ = {f"PGQ_MAX_ATTEMPTS_{queue.upper()}": "2"}
     with together(oenv, "g1", "g2", concurrency=2, queues="celery,relaxed", environ=environ):
-        first = client.send_task(
-            f"{APP}.requeue_first", args=["G", 1], ordering_key="G", queue=queue
-        )
-        for n in (2, 3):
-            client.send_task(f"{APP}.requeue_first", args=["G", n], ordering_key="G", queue=queue)
+        # In one transaction: a worker cannot take m1 (and give it back to the end of
+        # its key) before m3 is there, which would put m1 before m3.
+        with pg_transport.batch():
+            first = client.send_task(
+                f"{APP}.requeue_first", args=["G", 1], ordering_key="G", queue=queue
+            )
+            for n in (2, 3):
+                client.send_task(
+                    f"{APP}.requeue_first", args=["G", n], ordering_key="G", queue=queue
+                )
         wait_for(lambda: ended(oenv) >= 4, 30, "four runs")
         wait_for(lambda: queue_empty(oenv), 30, "m1 dead-lettered, the others acked")
     rows = runs(oenv)
@@ -377,6 +386,7 @@ def test_a_follower_published_first_waits_for_its_predecessor(shared: Env, finda
     assert oenv.scalar("SELECT count(*) FROM {schema}.ordering_signals") == 0
 
 
+@pytest.mark.sessions(16)
 def test_a_chain_published_backwards_across_queues_runs_forwards(shared: Env) -> None:
     """c follows b follows a, published c, b, a, b in another queue; and a follower of a
     task that fails and is dead-lettered runs after it, as after one that succeeded."""
@@ -469,6 +479,7 @@ else:
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
+@pytest.mark.sessions(16)
 def test_a_task_s_ordering_key_argument_keys_its_calls(shared: Env, where: str) -> None:
     oenv = shared
     # A separate service importing the app publishes with .delay(customer=...), no header.

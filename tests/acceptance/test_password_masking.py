@@ -232,6 +232,7 @@ def start_flower(env: Env, url: str, app: str, log: Path) -> tuple[subprocess.Po
     return flower, base
 
 
+@pytest.mark.sessions(20)
 def test_worker_inspect_and_flower_show_the_url_masked(env: Env, hostile: Hostile) -> None:
     url, shown = hostile.url(), mask_url(hostile.url())
     worker = start_worker(env, "masked", environ={"PGQ_BROKER_URL": url})
@@ -310,6 +311,7 @@ def masked_alike(shown: str, url: str) -> bool:
     } and all(set(params[key]) == {"*"} for key in secrets)
 
 
+@pytest.mark.sessions(21)
 def test_result_backend_url_is_masked_in_conf_report_and_flower(env: Env, hostile: Hostile) -> None:
     """The hostile URL as result backend too: Celery shows ``result_backend`` through a
     pattern of its own, which a raw '#' or '?' in the password, or ?password=, gets by."""

@@ -185,6 +185,7 @@ def test_a_producer_killed_before_its_commit_leaves_nothing(
 
 
 @pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.sessions(16)
 def test_a_producer_killed_at_any_moment_leaves_a_task_for_every_committed_row(
     front: str, env: Env, worker: Worker, fronts: Fronts
 ) -> None:

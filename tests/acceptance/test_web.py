@@ -107,6 +107,7 @@ def add_dead(env: Env, count: int, queue: str = "web.dead") -> list[int]:
     return [int(r[0]) for r in rows]
 
 
+@pytest.mark.sessions(16)
 def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: Any) -> None:
     client = env.client()
     # Published before the console starts: its first sample of web.fill is of all 40.

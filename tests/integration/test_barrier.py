@@ -193,6 +193,7 @@ def test_canvas_parts_and_bad_ids_are_refused(app: Celery, db: Backend) -> None:
         Barrier(app).dispatch("", [], app.signature("t.collect"))
 
 
+@pytest.mark.sessions(10)
 def test_dispatch_joins_the_callers_transaction(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
 ) -> None:
@@ -215,6 +216,7 @@ def test_zero_parts_fire_the_callback_at_once(app: Celery, db: Backend, peek: Pe
 
 
 # -- counting and firing ----------------------------------------------------------
+@pytest.mark.sessions(10)
 def test_last_part_fires_with_results_in_part_order(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
 ) -> None:
@@ -269,6 +271,7 @@ def test_parts_of_unknown_barriers_or_out_of_range_are_ignored(
     assert status(peek, "b1") == ("armed", 2)
 
 
+@pytest.mark.sessions(11)
 def test_callback_message_is_consumable_through_the_transport(
     app: Celery, db: Backend, conn: psycopg.Connection[Any]
 ) -> None:
@@ -288,6 +291,7 @@ def test_callback_message_is_consumable_through_the_transport(
 
 
 # -- failure ----------------------------------------------------------------------
+@pytest.mark.sessions(10)
 def test_a_failed_part_fails_the_barrier_and_fires_the_errback_once(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek
 ) -> None:
@@ -484,6 +488,7 @@ def test_a_direct_call_always_runs_and_touches_nothing(
     assert [c[0] for c in calls.callback] == [["r0"], ["direct"], ["again"]]
 
 
+@pytest.mark.sessions(10)
 def test_concurrent_deliveries_of_one_callback_run_the_body_once(
     app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek, calls: Calls
 ) -> None:
@@ -520,6 +525,7 @@ def test_concurrent_deliveries_of_one_callback_run_the_body_once(
     assert len(calls.callback) == 1 and effects(peek) == 1
 
 
+@pytest.mark.sessions(11)
 def test_a_connect_only_role_holding_the_callbacks_key_delays_no_callback(
     pg_url: str, app: Celery, db: Backend, conn: psycopg.Connection[Any], peek: Peek, calls: Calls
 ) -> None:
@@ -587,6 +593,7 @@ def test_sweep_expires_past_ttl_and_stuck_barriers_once(
     assert done(db, conn, "old", 0) == st.IGNORED  # late parts change nothing
 
 
+@pytest.mark.sessions(12)
 def test_every_worker_sweeping_at_once_expires_each_barrier_once(
     app: Celery, db: Backend, peek: Peek, stranded: list[dict[str, Any]]
 ) -> None:
@@ -627,6 +634,7 @@ def test_every_worker_sweeping_at_once_expires_each_barrier_once(
 
 
 # -- inspection -----------------------------------------------------------------------
+@pytest.mark.sessions(10)
 def test_show_and_counts(app: Celery, db: Backend, conn: psycopg.Connection[Any]) -> None:
     b = Barrier(app)
     assert b.show("nope") is None

@@ -105,6 +105,7 @@ def callbacks(peek: Peek) -> Counter[str]:
     return Counter(r[0] for r in rows)
 
 
+@pytest.mark.sessions(11)
 def test_parts_finishing_together_always_fire(
     db: Backend, sessions: Callable[[int], Sessions], peek: Peek, pg_url: str
 ) -> None:

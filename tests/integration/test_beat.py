@@ -130,7 +130,7 @@ def test_two_beats_racing_for_one_slot_send_it_once(
     two.start()
     peek.wait_until(
         "SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND query LIKE %s",
+        " AND datname = current_database() AND query LIKE %s",  # (not another run's beat)
         "%beat_slot%",
         failure="the second beat did not wait for the first's slot",
     )
@@ -141,6 +141,7 @@ def test_two_beats_racing_for_one_slot_send_it_once(
     assert peek("SELECT entry, task_id FROM {schema}.beat_slot") == [("e", "task-1")]
 
 
+@pytest.mark.sessions(13)
 def test_beats_all_leading_at_once_send_every_slot_once(
     broker_url: str, schema: str, peek: Peek, schedulers: list[Scheduler]
 ) -> None:
@@ -226,6 +227,7 @@ def test_a_broker_that_is_not_pgq_is_refused() -> None:
         Scheduler(app)
 
 
+@pytest.mark.sessions(11)
 def test_a_connect_only_role_holding_every_key_delays_no_start_and_no_takeover(
     pg_url: str, broker_url: str, schema: str, peek: Peek, schedulers: list[Scheduler]
 ) -> None:

@@ -295,6 +295,7 @@ def test_a_generator_header_may_hold_a_group(app: Celery, pg_url: str, schema: s
     assert json.loads(sent_body["body"])[0] == [[0, 1, 2]]
 
 
+@pytest.mark.sessions(13)
 def test_concurrent_streamed_parts_and_their_copies_fire_once_in_header_order(
     app: Celery, pg_url: str, schema: str
 ) -> None:

@@ -236,6 +236,7 @@ def test_requeue_needs_ids_or_all(broker_url: str, schema: str, args: list[str])
     assert "Traceback" not in result.output
 
 
+@pytest.mark.sessions(13)
 def test_concurrent_requeues_of_one_row_move_it_once(
     pg_url: str, schema: str, store: Store, peek: Peek
 ) -> None:

@@ -99,6 +99,7 @@ def test_transition_from_an_illegal_status_returns_none(
 
 
 # -- claims with a lease ------------------------------------------------------------
+@pytest.mark.sessions(11)
 def test_two_workers_one_key_one_winner(
     guards: Guards, connect: Callable[[], psycopg.Connection[Any]]
 ) -> None:
@@ -143,6 +144,7 @@ def test_completed_claim_is_a_tombstone(
     assert state is not None and state.tombstone
 
 
+@pytest.mark.sessions(10)
 def test_release_is_idempotent_and_survives_a_reaped_connection(
     guards: Guards, pg_url: str, peek: Peek, connect: Callable[[], psycopg.Connection[Any]]
 ) -> None:
@@ -218,6 +220,7 @@ def test_replaced_task_cannot_overwrite_its_replacements_successor(
     assert peek("SELECT generation, interval_s FROM {schema}.schedule") == [(b, 0.5)]
 
 
+@pytest.mark.sessions(10)
 def test_a_replace_waits_for_a_holder_writing_under_its_tail_check(
     guards: Guards, peek: Peek, sched: Callable[[], psycopg.Connection[Any]]
 ) -> None:

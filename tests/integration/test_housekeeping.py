@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 from typing import Any
 
+import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
@@ -17,13 +18,17 @@ from tests.pg import create_database, drop_database, new_database_name, to_broke
 
 @pytest.fixture
 def own_database(pg_url: str) -> Iterator[str]:
-    """A database of this test's own (the session's prefix: cleaned up if interrupted)."""
-    name = new_database_name()
-    url = create_database(pg_url, name)
-    try:
-        yield url
-    finally:
-        drop_database(pg_url, name)
+    """A database of this test's own (the session's prefix: cleaned up if interrupted),
+    kept by a session of its own while the test runs: named with that session's pid, so
+    that no run starting beside this one (another pytest process, a run this suite
+    starts) takes it for abandoned."""
+    with psycopg.connect(pg_url, autocommit=True) as keeper:
+        name = new_database_name(keeper_pid=keeper.info.backend_pid)
+        url = create_database(pg_url, name, keeper)
+        try:
+            yield url
+        finally:
+            drop_database(pg_url, name)
 
 
 def consuming(url: str, schema: str) -> tuple[Connection, Consumer]:

@@ -123,6 +123,7 @@ OTHERS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONSUMER))
+@pytest.mark.sessions(10)
 def test_the_generic_plan_of_each_consumer_query_uses_its_index(backlog: Store, name: str) -> None:
     params, indexes = CONSUMER[name]
     nodes = scans(generic_plan(backlog, name, params))
@@ -132,6 +133,7 @@ def test_the_generic_plan_of_each_consumer_query_uses_its_index(backlog: Store, 
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
+@pytest.mark.sessions(10)
 def test_the_plan_of_each_other_queue_query_uses_its_index(backlog: Store, name: str) -> None:
     params, indexes = OTHERS[name]
     with (
@@ -159,6 +161,7 @@ def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("head", ["in flight", "delayed", "in flight, higher priority"])
+@pytest.mark.sessions(10)
 def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, head: str) -> None:
     # 20,000 invisible rows published before the ready ones: the head of the queue in
     # arrival order (or in priority order). Leased (claimed, not acked) or delayed (ETA),

@@ -99,6 +99,7 @@ def _first_connect(url: str, schema: str, start: Any, errors: Any) -> None:
         connector.close()
 
 
+@pytest.mark.sessions(13)
 def test_eight_processes_connecting_first_time_at_once(pg_url: str, schema: str) -> None:
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(8)

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import psycopg
+import pytest
 
 from pg_transport.db.pool import Connector
 from pg_transport.store import Lease, Store
@@ -189,6 +190,7 @@ def test_claim_past_max_attempts_dead_letters_in_the_same_statement(
     assert store.claim(["q"], [30.0], 10, [3]) == []
 
 
+@pytest.mark.sessions(12)
 def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, store: Store) -> None:
     total, workers = 600, 6
     for n in range(total):

@@ -90,6 +90,8 @@ def test_another_superuser_and_database_pass_and_leave_no_database(
             "-q",
             "-p",
             "no:randomly",
+            "-p",
+            "no:xdist",  # in this process: its meter's report is the one read below
             "tests/integration/test_bad_input.py",
             "-k",
             "foreign_schema",
