@@ -18,7 +18,7 @@ _NAME = re.compile(r"(?<![\w./-])((?:pg_transport|barrier)(?:\.[A-Za-z_][A-Za-z0
 LOGGERS = {"pg_transport.web.audit"}
 # Design pages of features not built yet: the names they propose do not exist until the
 # feature lands (the page then moves its names into user docs, and out of this list).
-PROPOSALS = {"design/flow-control.md"}
+PROPOSALS: set[str] = set()
 
 
 def doc_names() -> list[str]:
