@@ -83,6 +83,13 @@ KNOWN_DIFFERENCES: dict[str, str] = {
 #: Tests that pass on RabbitMQ + Redis and not with pgq as result backend too (the
 #: ``pgq-backend`` run), with why (docs/conformance.md).
 KNOWN_BACKEND_DIFFERENCES: dict[str, str] = {
+    "t/integration/test_canvas.py::test_chord::"
+    "test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure"
+    "[errback_new_style]": (
+        "timing: it needs a 50-task body with 42 errbacks run within about 1 s of the "
+        "send; each result is a Postgres commit, and on a loaded machine fewer have run "
+        "by then (every errback runs, exactly once, within seconds)"
+    ),
     "t/integration/test_redis_backend.py": (
         "tests Redis's result backend itself (its keys, pub/sub channels and connection "
         "pool); gated on a redis:// backend, left gated"
