@@ -941,6 +941,24 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
     reference = invoke("metrics", "--url", superuser, "--schema", granted.schema)
     assert queue_figures(metrics.stdout) == queue_figures(reference.stdout) != []
     assert 'pgq_limit_waiting_messages{limit="erp"} 1' in queue_figures(metrics.stdout)
+    # The console's limits page, run as the monitor: the same counts, no key.
+    pytest.importorskip("tornado")
+    from pg_transport.db.pool import Connector
+    from pg_transport.web.base import Console
+    from tests.integration.test_web_auth import Browser, serving
+    from tests.integration.test_web_limits import limit_rows
+
+    connector = Connector(granted.libpq(granted.monitor))
+    console = Console(connector, granted.schema)
+    try:
+        with serving(console) as port:
+            status_code, _, page = Browser(port).request("GET", "/limits")
+    finally:
+        console.executor.shutdown(wait=False)
+        connector.close()
+    assert status_code == 200, page
+    assert limit_rows(page) == {"erp": ["600/m", "3", "1", "1", "1"]}
+    assert secret not in page
 
     # monitoring.md's autoscaling queries, as the role its KEDA example connects as.
     with granted.connect(granted.monitor) as monitor, psycopg.connect(granted.pg_url) as admin:
