@@ -9,6 +9,10 @@ subprocesses and the harness that publishes build the same app with the same lim
   applies on its own;
 * ``flow.per_key``: at most ``FLOW_CONCURRENCY`` tasks of a key at once
   (``concurrency_key="key"``), across the fleet.
+* ``flow.unique``: a unique task (``pg_transport.UniqueTask``, ``unique_key="key"``,
+  held while queued or running) that records its start, then waits for the harness's
+  gate (an advisory lock the harness holds through the publishers' race,
+  ``benchmarks.unique_race``) before it ends.
 
 Every task records its own start: one row (with its task id) in ``<FLOW_RUNS>.runs``
 whose ``started`` is the database's ``clock_timestamp()`` when the task body begins
@@ -30,12 +34,15 @@ import psycopg
 from celery import Celery, current_task, signals
 from psycopg import sql
 
+import pg_transport
+
 __all__ = [
     "CELERY_PACED",
     "CLAIMS",
     "PACED",
     "PER_KEY",
     "TABLES",
+    "UNIQUE",
     "app",
     "app_from_env",
     "make_app",
@@ -44,6 +51,10 @@ __all__ = [
 PACED = "flow.paced"
 CELERY_PACED = "flow.celery_paced"
 PER_KEY = "flow.per_key"
+UNIQUE = "flow.unique"
+#: The advisory lock (two int4 keys: this and the runs schema's) the harness holds while
+#: its publishers race; a ``flow.unique`` task waits for it (shared) before it ends.
+GATE = 47
 
 ENV_BROKER_URL = "FLOW_BROKER_URL"
 ENV_QUEUE = "FLOW_QUEUE"
@@ -54,6 +65,7 @@ ENV_RATE = "FLOW_RATE"
 ENV_BURST = "FLOW_BURST"
 ENV_CONCURRENCY = "FLOW_CONCURRENCY"
 ENV_WORKER = "FLOW_WORKER"
+ENV_GATE = "FLOW_GATE"
 
 TABLES = """
 CREATE SCHEMA {runs};
@@ -127,6 +139,20 @@ def per_key(key: str, seconds: float) -> None:
     )
 
 
+def unique(key: str) -> None:
+    _start(UNIQUE, key)
+    conn = _db()
+    gate = [GATE, _gate_key()]
+    conn.execute("SELECT pg_advisory_lock_shared(%s::int4, %s::int4)", gate)
+    conn.execute("SELECT pg_advisory_unlock_shared(%s::int4, %s::int4)", gate)
+
+
+def _gate_key() -> int:
+    """The gate's second key (``FLOW_GATE``, a number the harness picks per run, so two
+    runs never share a gate)."""
+    return int(os.environ.get(ENV_GATE, "0"))
+
+
 def make_app(
     broker_url: str,
     queue: str,
@@ -155,6 +181,13 @@ def make_app(
         concurrency_key="key",
         concurrency_limit=concurrency,
     )(per_key)
+    app.task(
+        name=UNIQUE,
+        base=pg_transport.UniqueTask,
+        ignore_result=True,
+        unique_key="key",
+        unique_while="queued_or_running",
+    )(unique)
     return app
 
 

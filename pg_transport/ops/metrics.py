@@ -168,6 +168,11 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             "Followers parked until the task they follow finishes or their wait runs out.",
             lambda q: q.following,
         ),
+        per_queue(
+            "pgq_queue_fair",
+            "1 for a queue claimed in fair shares over its messages' fair keys, else 0.",
+            lambda q: 1 if q.fair else 0,
+        ),
         Family(
             "pgq_celery_queue_messages",
             "Messages waiting in Celery's own queues (not per-queue series), by kind:"
@@ -195,6 +200,7 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             [({"status": b.status}, b.count) for b in report.barriers],
         ),
     ]
+    found += limit_families(report)
     if collect_seconds is not None:
         found.append(
             Family(
@@ -205,6 +211,46 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             )
         )
     return found
+
+
+def limit_families(report: Status) -> list[Family]:
+    """The flow limits (docs/flow-control.md), one series per limit: its definition, the
+    messages holding its slots and those parked waiting for one. Counted per limit, never
+    per key: keys are the application's values (and unbounded as labels), and the
+    monitor role may not read them (``pgq limit show --keys`` does, as the workers' role)."""
+    limits = report.limits
+    return [
+        Family(
+            "pgq_limit_in_flight_messages",
+            "Messages holding one of the limit's concurrency slots (claimed, lease running).",
+            "gauge",
+            [({"limit": lim.name}, lim.in_flight) for lim in limits],
+        ),
+        Family(
+            "pgq_limit_waiting_messages",
+            "Messages parked until a concurrency slot of their key frees.",
+            "gauge",
+            [({"limit": lim.name}, lim.waiting) for lim in limits],
+        ),
+        Family(
+            "pgq_limit_concurrency",
+            "Slots per key of a limit with a concurrency (limits without one have no series).",
+            "gauge",
+            [({"limit": lim.name}, lim.concurrency) for lim in limits if lim.concurrency],
+        ),
+        Family(
+            "pgq_limit_rate_per_second",
+            "Starts per second a limit with a rate allows (limits without one have no series).",
+            "gauge",
+            [({"limit": lim.name}, lim.per_second) for lim in limits if lim.per_second],
+        ),
+        Family(
+            "pgq_limit_burst",
+            "Starts a limit with a rate allows at once after an idle spell.",
+            "gauge",
+            [({"limit": lim.name}, lim.burst) for lim in limits if lim.per_second],
+        ),
+    ]
 
 
 def render(report: Status, collect_seconds: float | None = None) -> str:

@@ -24,11 +24,14 @@ __all__ = [
     "BarrierCount",
     "ClientProcess",
     "Clients",
+    "LimitLine",
     "QueueStatus",
     "Status",
     "barrier_counts",
     "celery_own",
     "collect",
+    "limit_line",
+    "limit_lines",
     "queries",
 ]
 
@@ -72,6 +75,8 @@ class QueueStatus:
     oldest_blocked_age_s: float | None = None
     #: Followers parked until the task they follow finishes or their wait runs out.
     following: int = 0
+    #: Claimed in fair shares over its messages' fair keys (docs/unique-tasks.md).
+    fair: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class LimitLine:
     concurrency: int | None
     in_flight: int
     waiting: int
+    #: Starts per second its rate allows; None without a rate.
+    per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,7 @@ def queue_status(row: Sequence[Any], blocked: Sequence[Any] | None) -> QueueStat
         blocked=0 if blocked is None else int(blocked[2]),
         oldest_blocked_age_s=None if blocked is None else float(blocked[3]),
         following=int(row[7]),
+        fair=bool(row[8]),
     )
 
 
@@ -192,15 +200,29 @@ def collect(store: Store) -> Status:
             Clients(int(clients[0]), int(clients[1]), by_process) if clients else Clients(0, 0)
         ),
         barriers=barrier_counts(store),
-        limits=[
-            LimitLine(
-                str(r[0]),
-                None if r[1] is None else str(Rate(int(r[1]), float(r[2]))),
-                int(r[3]),
-                r[4],
-                int(r[5]),
-                int(r[6]),
-            )
-            for r in limits
-        ],
+        limits=[limit_line(r) for r in limits],
     )
+
+
+def limit_line(row: Sequence[Any]) -> LimitLine:
+    """A limit's line from its ``status_limits`` row."""
+    return LimitLine(
+        str(row[0]),
+        None if row[1] is None else str(Rate(int(row[1]), float(row[2]))),
+        int(row[3]),
+        row[4],
+        int(row[5]),
+        int(row[6]),
+        None if row[1] is None else int(row[1]) / float(row[2]),
+    )
+
+
+def limit_lines(store: Store) -> list[LimitLine]:
+    """The flow limits alone (the console's limits page): ``status_limits``, read
+    without the per-queue scan of :func:`collect`."""
+    query = queries(store.schema)["status_limits"]
+
+    def work(conn: psycopg.Connection[Any]) -> list[Any]:
+        return conn.execute(query).fetchall()
+
+    return [limit_line(r) for r in store.connector.run(work, idempotent=True)]

@@ -16,7 +16,8 @@ SET LOCAL jit TO off
 -- never delivered), dead, how long the oldest ready message has been deliverable, in
 -- how many seconds the first delayed message falls due, and the followers parked until
 -- the task they follow leaves the table (or their wait runs out: then visible_at is
--- their follow_until, and due_at when they would have been visible).
+-- their follow_until, and due_at when they would have been visible); last, whether the
+-- queue is claimed in fair shares (docs/unique-tasks.md).
 -- Messages parked behind an earlier one of their ordering key (visible_at 'infinity')
 -- are none of these: status_blocked counts them. A follower parked is neither in
 -- flight nor delayed.
@@ -60,10 +61,11 @@ WITH expired AS (
 SELECT names.queue,
        COALESCE(m.ready, 0), COALESCE(m.in_flight, 0), COALESCE(m.delayed, 0),
        COALESCE(d.dead, 0), m.oldest_ready_age::float8, m.next_due_in::float8,
-       COALESCE(m.following, 0)
+       COALESCE(m.following, 0), COALESCE(fq.fair, false)
 FROM names
 LEFT JOIN m ON m.queue = names.queue
 LEFT JOIN d ON d.queue = names.queue
+LEFT JOIN {schema}.queue AS fq ON fq.name = names.queue
 WHERE names.queue NOT IN (SELECT name FROM expired)
 ORDER BY names.queue
 

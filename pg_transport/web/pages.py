@@ -316,6 +316,17 @@ class ProcessesPage(Base):
         self.page("processes.html", rows=rows, refresh=max(int(self.console.interval), 2))
 
 
+class LimitsPage(Base):
+    """The flow limits (docs/flow-control.md), read only: each limit's definition, the
+    messages holding its slots and those waiting for one. Counted per limit: no key is
+    read (a console run as the monitor may not read them)."""
+
+    async def get(self) -> None:
+        store = self.console.store
+        rows = await self.db(lambda: status_report.limit_lines(store))
+        self.page("limits.html", rows=rows, refresh=max(int(self.console.interval), 2))
+
+
 class RootPage(Base):
     def get(self) -> None:
         self.redirect("/queues")
@@ -339,4 +350,5 @@ def routes(args: dict[str, Any]) -> list[Any]:
         (r"/barriers", BarriersPage, args),
         (r"/schedules", SchedulesPage, args),
         (r"/processes", ProcessesPage, args),
+        (r"/limits", LimitsPage, args),
     ]

@@ -65,8 +65,15 @@ def test_counts_each_state_per_queue(
     due = queues["jobs"].pop("next_due_in_s")
     assert 3500 < due <= 3600
     nothing = {"oldest_ready_age_s": None, "next_due_in_s": None}
-    # No ordered message: nothing held back (test_status_ordering counts what is).
-    unordered = {"blocked_keys": 0, "blocked": 0, "oldest_blocked_age_s": None, "following": 0}
+    # No ordered message: nothing held back (test_status_ordering counts what is); no fair
+    # queue (test_metrics tells fair ones apart).
+    unordered = {
+        "blocked_keys": 0,
+        "blocked": 0,
+        "oldest_blocked_age_s": None,
+        "following": 0,
+        "fair": False,
+    }
     assert queues == {
         "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, **nothing, **unordered},
         "jobs": {"ready": 2, "in_flight": 1, "delayed": 1, "dead": 1, **unordered},

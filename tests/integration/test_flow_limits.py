@@ -29,6 +29,7 @@ from pg_transport.message.rows import Lease
 from pg_transport.ops.cli import main
 from pg_transport.store import Claimed, Store, claim_params
 from tests.integration.conftest import Peek, PublishingStore
+from tests.integration.test_metrics import parse_exposition
 from tests.pg import to_broker_url
 
 Q = "limited"
@@ -459,7 +460,7 @@ def test_a_killed_claimer_s_slot_returns_when_its_lease_lapses(
     assert got in ([1], [2])  # the slot is free again: one of the key's two, not both
 
 
-def test_pgq_status_counts_each_limit_s_slots_in_use_and_waiting(
+def test_pgq_status_and_metrics_count_each_limit_s_slots_in_use_and_waiting(
     store: PublishingStore, peek: Peek, pg_url: str, schema: str
 ) -> None:
     define(peek, "erp", concurrency=1)
@@ -474,10 +475,26 @@ def test_pgq_status_counts_each_limit_s_slots_in_use_and_waiting(
     limits = json.loads(done.output)["limits"]
     assert limits == [
         {"name": "erp", "rate": None, "burst": 1, "concurrency": 1, "in_flight": 1,
-         "waiting": 2},
+         "waiting": 2, "per_second": None},
         {"name": f"task:{TASK}", "rate": "600/m", "burst": 3, "concurrency": None,
-         "in_flight": 0, "waiting": 0},
+         "in_flight": 0, "waiting": 0, "per_second": 10.0},
     ]  # fmt: skip
+    scraped = CliRunner().invoke(
+        main, ["metrics", "--url", to_broker_url(pg_url), "--schema", schema]
+    )
+    assert scraped.exit_code == 0, scraped.output
+    parsed = parse_exposition(scraped.stdout)
+
+    def per_limit(family: str) -> dict[str, float]:
+        return {dict(k)["limit"]: v for k, v in parsed[family].samples.items()}
+
+    assert per_limit("pgq_limit_in_flight_messages") == {"erp": 1, f"task:{TASK}": 0}
+    assert per_limit("pgq_limit_waiting_messages") == {"erp": 2, f"task:{TASK}": 0}
+    assert per_limit("pgq_limit_concurrency") == {"erp": 1}
+    assert per_limit("pgq_limit_rate_per_second") == {f"task:{TASK}": 10.0}
+    assert per_limit("pgq_limit_burst") == {f"task:{TASK}": 3}
+    # Per limit only: no key of the application's becomes a label.
+    assert "c1" not in scraped.stdout
 
 
 def test_a_deferred_message_past_its_ttl_expires_even_if_delivered_before(

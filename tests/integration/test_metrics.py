@@ -200,6 +200,29 @@ def test_metrics_match_a_known_queue_state_and_pgq_status(
     assert parsed["pgq_client_processes"].samples[()] == report["clients"]["processes"]
 
 
+def test_fair_queues_are_told_apart_as_pgq_status_tells_them(
+    broker_url: str, schema: str, store: Store
+) -> None:
+    store.declare_queue("shared", fair=True)
+    store.declare_queue("plain")
+    store.publisher.publish("shared", message(0))
+    result = invoke("metrics", "--url", broker_url, "--schema", schema)
+    assert result.exit_code == 0, result.output
+    assert by_queue(parse_exposition(result.stdout), "pgq_queue_fair") == {
+        "plain": 0,
+        "shared": 1,
+    }
+    status = invoke("status", "--json", "--url", broker_url, "--schema", schema)
+    assert {q["queue"]: q["fair"] for q in json.loads(status.stdout)["queues"]} == {
+        "plain": False,
+        "shared": True,
+    }
+    # Declared fair again without saying: still fair (None keeps what is recorded).
+    store.declare_queue("shared")
+    again = invoke("metrics", "--url", broker_url, "--schema", schema)
+    assert by_queue(parse_exposition(again.stdout), "pgq_queue_fair")["shared"] == 1
+
+
 def test_odd_queue_names_round_trip_through_postgres(
     broker_url: str, schema: str, store: Store
 ) -> None:

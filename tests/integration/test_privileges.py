@@ -861,6 +861,20 @@ def a_busy_schema(roles: Roles, secret: str) -> None:
         [doomed] = store.claim(["reports"], [300.0], 1)
         store.dead_letter(doomed.token, f"failed: {secret}")
     with psycopg.connect(roles.pg_url, autocommit=True) as admin:
+        # A flow limit with a slot in use and one waiting: counted per limit, never by key.
+        admin.execute(
+            sql.SQL(
+                "INSERT INTO {}.flow_limit (name, rate_count, rate_period, burst, concurrency,"
+                " origin) VALUES ('erp', 600, 60, 3, 1, 'command')"
+            ).format(sql.Identifier(roles.schema))
+        )
+    with Connection(roles.url(roles.worker), transport_options=options(roles)) as conn:
+        store, publisher = conn.transport.store, conn.transport.publisher
+        for n in range(2):
+            headers = {"pgq-concurrency-limiter": "erp", "pgq-concurrency-key": secret}
+            publisher.publish("limited", {"secret": secret, "n": n, "headers": headers})
+        assert len(store.claim(["limited"], [300.0], 2)) == 1
+    with psycopg.connect(roles.pg_url, autocommit=True) as admin:
         for status in ("armed", "fired"):
             admin.execute(
                 sql.SQL(
@@ -881,7 +895,7 @@ def queue_figures(text: str) -> list[str]:
     return sorted(
         line
         for line in text.splitlines()
-        if line.startswith(("pgq_queue_", "pgq_barriers")) and "_age_" not in line
+        if line.startswith(("pgq_queue_", "pgq_barriers", "pgq_limit_")) and "_age_" not in line
     )
 
 
@@ -919,11 +933,32 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
     assert (ordered["in_flight"], ordered["delayed"]) == (1, 0)
     assert sum(q["dead"] for q in as_monitor["queues"]) == 1
     assert len(as_monitor["barriers"]) == 2
+    [erp] = as_monitor["limits"]
+    assert (erp["name"], erp["in_flight"], erp["waiting"]) == ("erp", 1, 1)
 
     metrics = cli(granted, granted.monitor, "metrics")
     assert metrics.exit_code == 0, metrics.output
     reference = invoke("metrics", "--url", superuser, "--schema", granted.schema)
     assert queue_figures(metrics.stdout) == queue_figures(reference.stdout) != []
+    assert 'pgq_limit_waiting_messages{limit="erp"} 1' in queue_figures(metrics.stdout)
+    # The console's limits page, run as the monitor: the same counts, no key.
+    pytest.importorskip("tornado")
+    from pg_transport.db.pool import Connector
+    from pg_transport.web.base import Console
+    from tests.integration.test_web_auth import Browser, serving
+    from tests.integration.test_web_limits import limit_rows
+
+    connector = Connector(granted.libpq(granted.monitor))
+    console = Console(connector, granted.schema)
+    try:
+        with serving(console) as port:
+            status_code, _, page = Browser(port).request("GET", "/limits")
+    finally:
+        console.executor.shutdown(wait=False)
+        connector.close()
+    assert status_code == 200, page
+    assert limit_rows(page) == {"erp": ["600/m", "3", "1", "1", "1"]}
+    assert secret not in page
 
     # monitoring.md's autoscaling queries, as the role its KEDA example connects as.
     with granted.connect(granted.monitor) as monitor, psycopg.connect(granted.pg_url) as admin:

@@ -91,6 +91,7 @@ def test_status_counts_blocked_keys_parked_messages_and_followers(
         "blocked_keys": 2,
         "blocked": 3,
         "following": 1,
+        "fair": False,
     }
     assert queues["idle"] == {
         "ready": 0,
@@ -103,6 +104,7 @@ def test_status_counts_blocked_keys_parked_messages_and_followers(
         "blocked": 0,
         "oldest_blocked_age_s": None,
         "following": 0,
+        "fair": False,
     }
 
     table = invoke("status", "--url", broker_url, "--schema", schema)
