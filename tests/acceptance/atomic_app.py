@@ -32,6 +32,10 @@ app.conf.update(
     result_extended=True,
 )
 
+# The role pgq's own run connection logs in as (a refusal test: a publisher-only role).
+if os.environ.get("TEST_ATOMIC_URL"):
+    app.conf.pgq_atomic_url = os.environ["TEST_ATOMIC_URL"]
+
 _side: psycopg.Connection | None = None
 
 

@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 
 from tests.acceptance.harness import Env, start_worker, wait_for, workers
+from tests.integration.test_privileges import grant, page_roles, publisher_app
 
 APP = "tests.acceptance.atomic_app"
 VT = 2.0
@@ -137,6 +138,7 @@ def stopped() -> Iterator[list[Any]]:
 
 
 # -- success ------------------------------------------------------------------------
+@pytest.mark.sessions(16)  # prefork-sqlalchemy held 16 (its pool per child)
 @pytest.mark.parametrize("provider", ["own", "psycopg", "sqlalchemy", "django"])
 def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     env: Env, pool: str, provider: str
@@ -182,7 +184,7 @@ def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(
         )
 
 
-@pytest.mark.sessions(16)  # prefork-django held 15: a retry has two runs open in turn
+@pytest.mark.sessions(16)  # prefork-django held 15 (an application connection per child)
 def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
     env: Env, run: tuple[str, str]
 ) -> None:
@@ -533,3 +535,42 @@ def test_a_kept_connection_reaped_while_idle_is_replaced_not_refused(env: Env) -
         wait_for(lambda: messages(env) == 0, 30, "the messages gone")
     assert counts(env) == (2, 2)
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
+
+
+def test_a_run_whose_role_may_not_end_its_delivery_is_dead_lettered_naming_the_grant(
+    pg_url: str,
+) -> None:
+    """The run's connection logs in as docs/least-privilege.md's publisher role: it may
+    publish, not end a delivery (DELETE on the message table). The run is refused as it
+    opens, before the body, with ``NotPermitted`` naming the role and the grant, and the
+    message dead-lettered with that reason (not Postgres's error at the fence)."""
+    with page_roles(pg_url, blocks=("1",)) as made:
+        roles = grant(made)
+        env = Env(roles.pg_url, roles.schema)
+        with workers(
+            env,
+            "a",
+            pool="threads",
+            concurrency=1,
+            app=APP,
+            environ={
+                **QUICK,
+                "PGQ_BROKER_URL": roles.url(roles.worker),
+                "PGQ_AUTO_MIGRATE": "false",
+                "TEST_ATOMIC_URL": roles.url(roles.publisher),
+            },
+        ) as (worker,):
+            client = publisher_app(roles, ["celery"])
+            client.send_task("tests.acceptance.atomic_app.bump", kwargs={"label": "p"})
+            client.close()
+            wait_for(
+                lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 1,
+                60,
+                "the refused run's message dead-lettered",
+            )
+            reason = str(env.scalar("SELECT reason FROM {schema}.dead_letter"))
+            assert "refused: pgq cannot run an atomic task" in worker.output()
+            assert roles.publisher in reason, reason
+            assert "GRANT pgq_worker" in reason, reason
+            assert "may not end a delivery" in reason, reason
+            assert env.scalar("SELECT count(*) FROM {schema}.message WHERE queue = 'celery'") == 0
