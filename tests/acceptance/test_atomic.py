@@ -281,6 +281,7 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     assert "connection was lost" in worker.output()
 
 
+@pytest.mark.sessions(18)  # two prefork workers, each child with its run session (held 18)
 def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
     """Worker A's lease lapses while its body runs (its parent process stopped: no
     renewal lands); B runs the message and commits; A's run then ends in LeaseLost."""
