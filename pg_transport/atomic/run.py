@@ -24,7 +24,7 @@ from pg_transport.atomic.providers import Handle, handle_for
 from pg_transport.config import Options
 from pg_transport.db import completing
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
-from pg_transport.errors import TransactionRefused
+from pg_transport.errors import NotPermitted, TransactionRefused
 from pg_transport.message.rows import Lease
 from pg_transport.publish.callers import caller_for
 from pg_transport.publish.joined import Joined, on_caller
@@ -138,9 +138,18 @@ class Run:
             connector,
             self.schema,
             q["server_identity"],
-            lambda conn: _one(conn, q["open"]),
+            lambda conn: _one(conn, q["open"], {"schema": self.schema}),
         )
         self._xid, isolation = str(row[0]), str(row[1])
+        if not row[3]:
+            raise NotPermitted(
+                f"pgq cannot run an atomic task on {handle.describe}: its role "
+                f"{row[2]!r} may not end a delivery in pgq's schema {self.schema!r} "
+                f"(USAGE on the schema, SELECT and DELETE on {self.schema}.message), which "
+                "the run's transaction does as it commits; give that role a worker's "
+                "rights (docs/least-privilege.md: GRANT pgq_worker TO the role) or open "
+                "the run's connection as the worker's role"
+            )
         if isolation != "read committed":
             raise TransactionRefused(
                 f"pgq cannot run an atomic task on {handle.describe}: its transaction is "
@@ -249,8 +258,10 @@ class Run:
 _after_commit_hook: Callable[[Run], object] | None = None
 
 
-def _one(conn: psycopg.Connection[Any], query: str) -> tuple[Any, ...]:
-    row = _one_or_none(conn, query, None)
+def _one(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any] | None = None
+) -> tuple[Any, ...]:
+    row = _one_or_none(conn, query, params)
     assert row is not None
     return row
 

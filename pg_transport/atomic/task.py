@@ -26,7 +26,7 @@ from pg_transport.atomic.run import (
     refuse,
 )
 from pg_transport.db.retry import is_dead_connection
-from pg_transport.errors import ConfigurationError, TransactionRefused
+from pg_transport.errors import ConfigurationError, NotPermitted, TransactionRefused
 
 __all__ = ["AtomicTask"]
 
@@ -83,7 +83,7 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
                 exc,
             )
             raise Reject(str(exc), requeue=True) from exc
-        except (TransactionRefused, ConfigurationError) as exc:
+        except (TransactionRefused, ConfigurationError, NotPermitted) as exc:
             # A connection pgq cannot run on does not get better by redelivery: the
             # message is dead-lettered now, with the refusal as its reason (the worker's
             # own dead-lettering of the Reject then finds it gone).

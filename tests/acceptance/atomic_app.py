@@ -32,6 +32,10 @@ app.conf.update(
     result_extended=True,
 )
 
+# The role pgq's own run connection logs in as (a refusal test: a publisher-only role).
+if os.environ.get("TEST_ATOMIC_URL"):
+    app.conf.pgq_atomic_url = os.environ["TEST_ATOMIC_URL"]
+
 _side: psycopg.Connection | None = None
 
 
@@ -72,11 +76,18 @@ def _sqlalchemy() -> Any:
     from sqlalchemy.orm import sessionmaker
 
     url = os.environ["TEST_PG_URL"].replace("postgresql://", "postgresql+psycopg://", 1)
-    return sessionmaker(create_engine(url, pool_size=2))
+    return sessionmaker(
+        create_engine(url, pool_size=2, connect_args={"application_name": app_name()})
+    )
+
+
+def app_name() -> str:
+    """The application's run sessions (test_atomic terminates them by this name)."""
+    return f"test-atomic:{os.getpid()}"
 
 
 def _psycopg() -> psycopg.Connection:
-    return psycopg.connect(os.environ["TEST_PG_URL"])
+    return psycopg.connect(os.environ["TEST_PG_URL"], application_name=app_name())
 
 
 if PROVIDER == "sqlalchemy":
@@ -117,6 +128,7 @@ elif PROVIDER == "django":
                     "HOST": dsn.get("host", "127.0.0.1"),
                     "PORT": dsn.get("port", "5432"),
                     "PASSWORD": dsn.get("password", ""),
+                    "OPTIONS": {"application_name": "test-atomic:django"},
                 }
             },
             INSTALLED_APPS=[],

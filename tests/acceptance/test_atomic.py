@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 
 from tests.acceptance.harness import Env, start_worker, wait_for, workers
+from tests.integration.test_privileges import grant, page_roles, publisher_app
 
 APP = "tests.acceptance.atomic_app"
 VT = 2.0
@@ -97,8 +98,35 @@ def pool(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def start(env: Env, name: str, pool: str, **environ: str) -> Any:
-    return start_worker(env, name, pool=pool, concurrency=2, app=APP, environ={**QUICK, **environ})
+#: The (pool, provider) pairs each failure semantic runs under: pgq's own connection
+#: under both pools, and each application connection (a psycopg ``Connection``, a
+#: SQLAlchemy ``sessionmaker``, Django's connection) under prefork, the pool whose
+#: child is killed apart from the worker. The pool is not what these tests are about
+#: for the application's providers: one pool each keeps the file's run time down.
+RUNS = [
+    ("threads", "own"),
+    ("prefork", "own"),
+    ("prefork", "psycopg"),
+    ("prefork", "sqlalchemy"),
+    ("prefork", "django"),
+]
+
+
+@pytest.fixture(params=RUNS, ids=[f"{pool}-{provider}" for pool, provider in RUNS])
+def run(request: pytest.FixtureRequest) -> tuple[str, str]:
+    pool, provider = request.param
+    return str(pool), str(provider)
+
+
+def start(env: Env, name: str, pool: str, provider: str = "own", **environ: str) -> Any:
+    return start_worker(
+        env,
+        name,
+        pool=pool,
+        concurrency=2,
+        app=APP,
+        environ={**QUICK, "TEST_ATOMIC_PROVIDER": provider, **environ},
+    )
 
 
 @pytest.fixture
@@ -110,6 +138,7 @@ def stopped() -> Iterator[list[Any]]:
 
 
 # -- success ------------------------------------------------------------------------
+@pytest.mark.sessions(16)  # prefork-sqlalchemy held 16 (its pool per child)
 @pytest.mark.parametrize("provider", ["own", "psycopg", "sqlalchemy", "django"])
 def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     env: Env, pool: str, provider: str
@@ -138,8 +167,12 @@ def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
 
 
-def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(env: Env, pool: str) -> None:
-    with workers(env, "a", pool=pool, concurrency=2, app=APP, environ=QUICK):
+def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(
+    env: Env, run: tuple[str, str]
+) -> None:
+    pool, provider = run
+    environ = {**QUICK, "TEST_ATOMIC_PROVIDER": provider}
+    with workers(env, "a", pool=pool, concurrency=2, app=APP, environ=environ):
         tid = send(env, label="boom", fail=True, follow=True)
         wait_for(lambda: result_state(env, tid) == "FAILURE", 60, "the failure stored")
         wait_for(lambda: messages(env) == 0, 30, "the message gone")
@@ -151,10 +184,13 @@ def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(env: Env, po
         )
 
 
+@pytest.mark.sessions(16)  # prefork-django held 15 (an application connection per child)
 def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
-    env: Env, pool: str
+    env: Env, run: tuple[str, str]
 ) -> None:
-    with workers(env, "a", pool=pool, concurrency=2, app=APP, environ=QUICK):
+    pool, provider = run
+    environ = {**QUICK, "TEST_ATOMIC_PROVIDER": provider}
+    with workers(env, "a", pool=pool, concurrency=2, app=APP, environ=environ):
         tid = send(env, label="again", retry=True)
         wait_for(lambda: result_state(env, tid) == "SUCCESS", 60, "the retry's success")
         wait_for(lambda: messages(env) == 0, 30, "the messages gone")
@@ -164,11 +200,12 @@ def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
 
 # -- crashes ------------------------------------------------------------------------
 def test_a_kill_before_the_commit_leaves_nothing_and_the_message_comes_back(
-    env: Env, pool: str, stopped: list[Any]
+    env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
     """SIGKILL of the process running the body (the prefork child; the threads
     worker itself) after its writes, before its commit."""
-    worker = start(env, "a", pool)
+    pool, provider = run
+    worker = start(env, "a", pool, provider)
     stopped.append(worker)
     tid = send(env, label="k", gate="hold", follow=True)
     wait_for(lambda: points(env, tid, "written") == 1, 60, "the body's writes")
@@ -188,7 +225,7 @@ def test_a_kill_before_the_commit_leaves_nothing_and_the_message_comes_back(
     assert result_state(env, tid) is None
     assert messages(env) == 1
     if pool != "prefork":
-        stopped.append(start(env, "b", pool))
+        stopped.append(start(env, "b", pool, provider))
     # The message comes back (the prefork parent settles it at once; a dead worker's
     # lease lapses after vt) and its redelivery commits once.
     wait_for(lambda: result_state(env, tid) == "SUCCESS", 60, "the redelivery's success")
@@ -199,9 +236,10 @@ def test_a_kill_before_the_commit_leaves_nothing_and_the_message_comes_back(
 
 
 def test_a_kill_after_the_commit_never_delivers_the_message_again(
-    env: Env, pool: str, stopped: list[Any]
+    env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
-    worker = start(env, "a", pool, TEST_BLOCK_AFTER_COMMIT="after")
+    pool, provider = run
+    worker = start(env, "a", pool, provider, TEST_BLOCK_AFTER_COMMIT="after")
     stopped.append(worker)
     tid = send(env, label="c")
     wait_for(lambda: points(env, tid, "committed") == 1, 60, "the commit")
@@ -210,7 +248,7 @@ def test_a_kill_after_the_commit_never_delivers_the_message_again(
     assert messages(env) == 0
     assert counts(env) == (1, 1)
     assert result_state(env, tid) == "SUCCESS"
-    stopped.append(start(env, "b", pool))
+    stopped.append(start(env, "b", pool, provider))
     # Nothing comes back: a lapsed lease would have made it visible within vt; three vt
     # from the kill, measured, bounds the wait.
     while time.monotonic() < killed + 3 * VT:
@@ -220,16 +258,18 @@ def test_a_kill_after_the_commit_never_delivers_the_message_again(
 
 
 def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
-    env: Env, pool: str, stopped: list[Any]
+    env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
-    worker = start(env, "a", pool)
+    pool, provider = run
+    worker = start(env, "a", pool, provider)
     stopped.append(worker)
     tid = send(env, label="t", gate="hold")
     wait_for(lambda: points(env, tid, "written") == 1, 60, "the body's writes")
     with psycopg.connect(env.pg_url, autocommit=True) as admin:
         row = admin.execute(
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM"
-            " (SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'pgq-atomic:%%'"
+            " (SELECT pid FROM pg_stat_activity WHERE (application_name LIKE 'pgq-atomic:%%'"
+            " OR application_name LIKE 'test-atomic:%%')"
             " AND datname = current_database() AND state = 'idle in transaction') AS s"
         ).fetchone()
     assert row is not None and row[0] == 1
@@ -241,6 +281,7 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     assert "connection was lost" in worker.output()
 
 
+@pytest.mark.sessions(18)  # two prefork workers, each child with its run session (held 18)
 def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
     """Worker A's lease lapses while its body runs (its parent process stopped: no
     renewal lands); B runs the message and commits; A's run then ends in LeaseLost."""
@@ -495,3 +536,42 @@ def test_a_kept_connection_reaped_while_idle_is_replaced_not_refused(env: Env) -
         wait_for(lambda: messages(env) == 0, 30, "the messages gone")
     assert counts(env) == (2, 2)
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
+
+
+def test_a_run_whose_role_may_not_end_its_delivery_is_dead_lettered_naming_the_grant(
+    pg_url: str,
+) -> None:
+    """The run's connection logs in as docs/least-privilege.md's publisher role: it may
+    publish, not end a delivery (DELETE on the message table). The run is refused as it
+    opens, before the body, with ``NotPermitted`` naming the role and the grant, and the
+    message dead-lettered with that reason (not Postgres's error at the fence)."""
+    with page_roles(pg_url, blocks=("1",)) as made:
+        roles = grant(made)
+        env = Env(roles.pg_url, roles.schema)
+        with workers(
+            env,
+            "a",
+            pool="threads",
+            concurrency=1,
+            app=APP,
+            environ={
+                **QUICK,
+                "PGQ_BROKER_URL": roles.url(roles.worker),
+                "PGQ_AUTO_MIGRATE": "false",
+                "TEST_ATOMIC_URL": roles.url(roles.publisher),
+            },
+        ) as (worker,):
+            client = publisher_app(roles, ["celery"])
+            client.send_task("tests.acceptance.atomic_app.bump", kwargs={"label": "p"})
+            client.close()
+            wait_for(
+                lambda: env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 1,
+                60,
+                "the refused run's message dead-lettered",
+            )
+            reason = str(env.scalar("SELECT reason FROM {schema}.dead_letter"))
+            assert "refused: pgq cannot run an atomic task" in worker.output()
+            assert roles.publisher in reason, reason
+            assert "GRANT pgq_worker" in reason, reason
+            assert "may not end a delivery" in reason, reason
+            assert env.scalar("SELECT count(*) FROM {schema}.message WHERE queue = 'celery'") == 0

@@ -107,8 +107,9 @@ def test_the_fence_returns_the_transaction_id(
 ) -> None:
     token = claimed(store)
     with psycopg.connect(pg_url) as task:
-        opened = task.execute(_q(schema)["open"]).fetchone()
+        opened = task.execute(_q(schema)["open"], {"schema": schema}).fetchone()
         assert opened is not None and opened[1] == "read committed"
+        assert opened[3] is True  # its role may end a delivery here
         ((ident, xid),) = fence(task, schema, token)
         assert (ident, xid) == (token.id, opened[0])
         task.rollback()
