@@ -42,7 +42,7 @@ DEFAULT_WORKERS = 3
 #: one that takes them all runs alone. Measured, not guessed: a parallel run reports each
 #: test that held more than it declares (counting what earlier tests of its process still
 #: hold: a unit test sees a few idle sessions its process's pools keep).
-TIER_SESSIONS = {"unit": 4, "integration": 8, "conformance": 8, "acceptance": 14}
+TIER_SESSIONS = {"unit": 6, "integration": 8, "conformance": 8, "acceptance": 14}
 OTHER_SESSIONS = 6
 _budget: budget.Budget | None = None
 _run_dir: Path | None = None

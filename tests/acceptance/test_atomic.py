@@ -25,7 +25,9 @@ APP = "tests.acceptance.atomic_app"
 VT = 2.0
 QUICK = {"PGQ_POLLING_INTERVAL": "0.2", "PGQ_VISIBILITY_TIMEOUT": str(VT)}
 
-pytestmark = pytest.mark.timeout(300)
+# Prefork workers whose children each keep a run session (and, for SQLAlchemy and Django, a
+# pool or connection of the application's): 16-21 sessions seen in a parallel run.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.sessions(24)]
 
 
 @pytest.fixture
@@ -138,7 +140,6 @@ def stopped() -> Iterator[list[Any]]:
 
 
 # -- success ------------------------------------------------------------------------
-@pytest.mark.sessions(16)  # prefork-sqlalchemy held 16 (its pool per child)
 @pytest.mark.parametrize("provider", ["own", "psycopg", "sqlalchemy", "django"])
 def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     env: Env, pool: str, provider: str
@@ -184,7 +185,6 @@ def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(
         )
 
 
-@pytest.mark.sessions(16)  # prefork-django held 15 (an application connection per child)
 def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
     env: Env, run: tuple[str, str]
 ) -> None:
@@ -281,7 +281,6 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     assert "connection was lost" in worker.output()
 
 
-@pytest.mark.sessions(18)  # two prefork workers, each child with its run session (held 18)
 def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
     """Worker A's lease lapses while its body runs (its parent process stopped: no
     renewal lands); B runs the message and commits; A's run then ends in LeaseLost."""

@@ -22,6 +22,7 @@ MARK = "tests.acceptance.app.mark"
 SLOW = "tests.acceptance.app.slow_mark"
 
 
+@pytest.mark.sessions(18)  # two workers: 16 seen
 def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     total = 2000
     client = env.client()

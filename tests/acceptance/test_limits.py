@@ -53,6 +53,7 @@ def publish(env: Env, code: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.sessions(20)  # two workers: 17 seen
 def test_at_most_two_of_a_customer_run_at_once_across_two_workers(lenv: Env) -> None:
     with workers(lenv, "l1", "l2", app=APP, concurrency=4):
         publish(

@@ -27,6 +27,7 @@ def _sink() -> None:
         pytest.skip("the timing sink needs Redis on 127.0.0.1:6379")
 
 
+@pytest.mark.sessions(8)  # 7 seen
 def test_every_task_of_the_stream_runs_once(
     pg_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -92,6 +92,7 @@ def test_beat_schedule_is_stored_and_synced_again_on_start(
     ]
 
 
+@pytest.mark.sessions(11)  # 9 seen
 def test_two_beats_racing_for_one_slot_send_it_once(
     broker_url: str, schema: str, peek: Peek, schedulers: list[Scheduler]
 ) -> None:

@@ -79,6 +79,7 @@ def messages(pg_url: str, schema: str, task: str) -> list[Any]:
     return [row[0] for row in rows]
 
 
+@pytest.mark.sessions(11)  # 9 seen
 def test_concurrent_parts_fire_the_body_once_with_results_in_order(
     app: Celery, pg_url: str, schema: str
 ) -> None:

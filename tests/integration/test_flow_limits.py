@@ -98,6 +98,7 @@ def starts(peek: Peek) -> Peek:
 # -- rate ----------------------------------------------------------------------------
 
 
+@pytest.mark.sessions(26)  # eight claiming sessions and their pools: 23 seen
 def test_eight_sessions_claiming_at_once_never_exceed_the_rate(
     store: PublishingStore, starts: Peek, pg_url: str, schema: str
 ) -> None:

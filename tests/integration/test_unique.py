@@ -155,6 +155,7 @@ def test_bad_unique_headers_are_refused_naming_them(store: PublishingStore, peek
 # -- concurrent publishers -----------------------------------------------------------------
 
 
+@pytest.mark.sessions(20)  # ten publishing threads: 17 seen
 def test_concurrent_publishers_enqueue_each_key_once(
     pg_url: str, store: PublishingStore, peek: Peek, schema: str
 ) -> None:
@@ -215,6 +216,7 @@ def publish_joined(
 
 
 @pytest.mark.parametrize("ending", ["rollback", "commit"])
+@pytest.mark.sessions(11)  # 9 seen
 def test_a_publish_waits_for_the_transaction_holding_its_key(
     store: PublishingStore, peek: Peek, app_conns: list[psycopg.Connection[Any]], ending: str
 ) -> None:
