@@ -44,6 +44,10 @@ DEFAULT_WORKERS = 3
 #: hold: a unit test sees a few idle sessions its process's pools keep).
 TIER_SESSIONS = {"unit": 6, "integration": 8, "conformance": 8, "acceptance": 14}
 OTHER_SESSIONS = 6
+#: Sessions kept out of the tokens for each process beyond the first: between its tests a
+#: process's pools keep a few idle sessions no test declares (a run that gave out all 30
+#: tokens had 32 sessions at once: 7 of them one process's idle barrier pool).
+IDLE_RESERVE = 3
 _budget: budget.Budget | None = None
 _run_dir: Path | None = None
 _run_meter: RunMeter | None = None
@@ -202,7 +206,9 @@ def pytest_configure(config: pytest.Config) -> None:
         _budget = budget.Budget(_run_dir / "budget")
     elif _parallel(config):
         _run_dir = Path(tempfile.mkdtemp(prefix="pgq-test-run-"))
-        budget.make(_run_dir / "budget", MAX_CONNECTIONS)
+        processes = config.option.numprocesses
+        extra = (processes if isinstance(processes, int) else os.cpu_count() or 1) - 1
+        budget.make(_run_dir / "budget", max(1, MAX_CONNECTIONS - IDLE_RESERVE * extra))
 
 
 @pytest.hookimpl(optionalhook=True)
