@@ -95,13 +95,18 @@ def _results_listeners() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _idle_shared_sessions() -> Iterator[None]:
-    """The idle sessions a test left in this process's shared pools close with it: left
-    for their idle timeout (30 s), they count against the next tests' session budget."""
+    """The idle sessions a test left in this process's pools close with it: left for
+    their idle timeout (30 s), they count against the next tests' session budget. Every
+    pool that ever kept an idle session is one the process's reaper watches: the shared
+    publishing pools, and the barrier's, the result backend's and the others each
+    owner builds for itself."""
     yield
     from pg_transport.db import pool
 
     with pool._shared_lock:
-        connectors = list(pool._shared.values())
+        connectors = set(pool._shared.values())
+    with pool._reaper._lock:
+        connectors.update(pool._reaper._pools)
     for connector in connectors:
         connector.discard_idle()
 
