@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +38,9 @@ __all__ = [
     "UNIQUE_WHILE",
     "UniqueError",
     "Uniqueness",
+    "holder_of",
     "move_options",
+    "note_holder",
     "task_defaults",
     "uniqueness",
 ]
@@ -65,6 +69,37 @@ MAX_KEY_BYTES = 1024
 #: Seconds a unique publish waits for a transaction that inserted the same key and has not
 #: ended yet (an application's transaction) before it raises UniqueBusy.
 DEFAULT_UNIQUE_WAIT = 5.0
+
+
+#: Meta key of a result row that stands for a duplicate: the holder's task id, whose
+#: result the duplicate's resolves to (pg_transport.results.backend).
+RESULT_ALIAS = "pgq_result_alias"
+
+#: Duplicates this process remembers (the oldest forgotten first).
+MAX_NOTED = 10_000
+
+_holders: OrderedDict[str, str] = OrderedDict()
+_holders_lock = threading.Lock()
+
+
+def note_holder(task_id: str, holder: str) -> None:
+    """Remember that the publish of ``task_id`` was a duplicate of ``holder``'s: its
+    ``AsyncResult`` resolves to the holder's result in this process (and, where the
+    result backend may write, everywhere: :mod:`pg_transport.results.backend`)."""
+    if not task_id or not holder or task_id == holder:
+        return
+    with _holders_lock:
+        _holders[task_id] = holder
+        _holders.move_to_end(task_id)
+        while len(_holders) > MAX_NOTED:
+            _holders.popitem(last=False)
+
+
+def holder_of(task_id: str) -> str | None:
+    """The task whose key the publish of ``task_id`` found held, if this process
+    published it as a duplicate."""
+    with _holders_lock:
+        return _holders.get(task_id)
 
 
 class UniqueError(ConfigurationError):

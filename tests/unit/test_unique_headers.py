@@ -103,3 +103,22 @@ def test_what_a_message_asks_for() -> None:
     assert fair.fair_key({"headers": {}}) is None
     with pytest.raises(fair.FairKeyError, match="pgq-fair-key"):
         fair.fair_key({"headers": {"pgq-fair-key": ["a"]}})
+
+
+def test_a_process_remembers_its_latest_duplicates_and_no_self_alias(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(unique, "MAX_NOTED", 3)
+    monkeypatch.setattr(unique, "_holders", type(unique._holders)())
+    unique.note_holder("t", "t")  # a resend of the holder itself: no alias
+    unique.note_holder("", "h")
+    assert unique.holder_of("t") is None and unique.holder_of("") is None
+    for n in range(5):
+        unique.note_holder(f"dup-{n}", "holder")
+    assert [unique.holder_of(f"dup-{n}") for n in range(5)] == [
+        None,
+        None,
+        "holder",
+        "holder",
+        "holder",
+    ]
