@@ -41,6 +41,8 @@ __all__ = [
     "holder_of",
     "move_options",
     "note_holder",
+    "refuse_in_chord",
+    "refuse_on_chord_body",
     "task_defaults",
     "uniqueness",
 ]
@@ -268,3 +270,54 @@ def task_defaults(
         value = getattr(task, option, None)
         if isinstance(value, str) and unset(option):
             headers[OPTIONS[option]] = value
+
+
+CHORD_REFUSAL = (
+    "a chord's parts may not be unique: a duplicate is never run, so a header whose part "
+    "is a duplicate never completes (the chord counts its own parts), and a body that is "
+    "a duplicate would answer for the chord with another task's result; send the chord "
+    "without unique_key (a task's unique_key default included), or make the task that "
+    "sends the chord unique instead"
+)
+
+
+def refuse_in_chord(
+    body: Any, headers: dict[str, Any], properties: Mapping[str, Any] | None
+) -> None:
+    """A part of a chord's header that asks for a unique key (a header, an option, or
+    the task's default) is refused when published (:data:`DEFAULT_REFUSED`)."""
+    if isinstance(body, (list, tuple)) and len(body) > 2 and isinstance(body[2], Mapping):
+        chord = body[2].get("chord")  # protocol 2: the embed
+    elif isinstance(body, Mapping):
+        chord = body.get("chord")  # protocol 1
+    else:
+        chord = None
+    if not chord:
+        return
+    key = headers.get(UNIQUE_KEY)
+    if key is None:
+        key = (properties or {}).get("unique_key")
+    if key is None or DEFAULT_REFUSED in headers:
+        return
+    headers[DEFAULT_REFUSED] = (
+        f"unique_key={str(key)[:40]!r}: task {headers.get('task')} is a part of chord "
+        f"{headers.get('group')}; {CHORD_REFUSAL}"
+    )
+
+
+def refuse_on_chord_body(body: Any, task: Any) -> None:
+    """:class:`UniqueError` when a chord's body (``body``, a signature; ``task``, its
+    task if this app knows it) asks for a unique key: raised before anything of the
+    chord is sent."""
+    options = getattr(body, "options", None)
+    key = options.get("unique_key") if isinstance(options, Mapping) else None
+    spec: Any = None if task is None else inspect.getattr_static(task, "unique_key", None)
+    if key is None and (spec is None or spec is False):
+        return
+    name = getattr(body, "task", None) or "?"
+    shown = (
+        f"unique_key={str(key)[:40]!r}"
+        if key is not None
+        else f"unique_key (task {name}'s default)"
+    )
+    raise UniqueError(f"{shown}: task {name} is the body of a chord; {CHORD_REFUSAL}")

@@ -545,6 +545,8 @@ class PgqBackend(AsyncBackendMixin, Backend):
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
         group_id, results = header_result_args[0], header_result_args[1]
+        # Before the chord is armed or any part sent (a part is refused as it is sent).
+        unique.refuse_on_chord_body(body, self.app.tasks.get(getattr(body, "task", None)))
         if not self.chords.takes(results, body):
             return super().apply_chord(header_result_args, body, **kwargs)
         self.ensure_chords_allowed()

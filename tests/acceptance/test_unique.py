@@ -11,12 +11,14 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from celery import chord, group
 from celery.result import AsyncResult
 from kombu import Connection, Queue
 from psycopg import sql
 
 import pg_transport
 from pg_transport import DuplicateTask
+from pg_transport.message.unique import UniqueError
 from tests.acceptance.harness import QUICK_STOP, Env, workers
 from tests.acceptance.test_results import APP, T, client
 from tests.integration.test_privileges import Roles, grant, options, page_roles, publisher_app
@@ -187,3 +189,33 @@ def test_a_publisher_roles_duplicate_resolves_where_it_was_sent(roles: Roles) ->
         assert [t for t, label, _ in env.runs() if label == "echo"] == [first.id]
     finally:
         web.close()
+
+
+# -- chords ---------------------------------------------------------------------------
+
+
+def test_a_unique_key_on_a_chords_part_is_refused_naming_the_option(env: Env) -> None:
+    """A duplicate is never run: a header part that is one would leave its chord
+    uncounted for good, a body that is one would answer with another task's result. So
+    either is refused before it is sent, naming unique_key."""
+    app = client(env)
+    part = app.signature(T + "echo", args=["p"], options={"unique_key": "part"})
+    body = app.signature(T + "echo", args=[])
+    with pytest.raises(UniqueError, match=r"unique_key='part'.*part of chord.*may not be unique"):
+        chord([part, app.signature(T + "echo", args=["q"])], body).apply_async()
+    # Options given to the chord's apply_async go to every part: the same refusal.
+    plain = [app.signature(T + "echo", args=[n]) for n in ("a", "b")]
+    with pytest.raises(UniqueError, match="unique_key='all'"):
+        chord(plain, body).apply_async(unique_key="all")
+    unique_body = app.signature(T + "echo", args=[], options={"unique_key": "body"})
+    with pytest.raises(UniqueError, match=r"unique_key='body'.*body of a chord"):
+        chord(plain, unique_body).apply_async()
+    # The body was refused before the chord was armed or any part sent.
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
+    # A group's parts may be unique: no chord counts them.
+    sent = group(
+        app.signature(T + "echo", args=["g"], options={"unique_key": "g"}),
+        app.signature(T + "echo", args=["g2"], options={"unique_key": "g2"}),
+    ).apply_async()
+    assert len(sent.results) == 2
+    assert env.scalar("SELECT count(*) FROM {schema}.message") == 2

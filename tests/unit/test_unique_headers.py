@@ -122,3 +122,39 @@ def test_a_process_remembers_its_latest_duplicates_and_no_self_alias(
         "holder",
         "holder",
     ]
+
+
+def test_a_chords_part_with_a_key_is_refused_and_other_messages_are_not() -> None:
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": {"task": "b"}}
+    headers: dict[str, Any] = {"task": "app.part", "group": "g1", unique.UNIQUE_KEY: "k"}
+    unique.refuse_in_chord(((), {}, embed), headers, {})
+    with pytest.raises(UniqueError, match=r"unique_key='k'.*part of chord g1"):
+        unique.uniqueness({"headers": headers})
+    # The option, not yet moved into the headers, counts too; protocol 1 as well.
+    headers = {"task": "app.part", "group": "g2"}
+    unique.refuse_in_chord({"chord": {"task": "b"}}, headers, {"unique_key": "o"})
+    assert "unique_key='o'" in headers[unique.DEFAULT_REFUSED]
+    for body, given in (
+        (((), {}, {**embed, "chord": None}), {unique.UNIQUE_KEY: "k"}),  # not a chord's part
+        (((), {}, embed), {}),  # a part without a key
+    ):
+        headers = dict(given)
+        unique.refuse_in_chord(body, headers, {})
+        assert unique.DEFAULT_REFUSED not in headers
+
+
+def test_a_chords_body_with_a_key_is_refused() -> None:
+    class Body:
+        task = "app.body"
+        options: dict[str, Any] = {"unique_key": "b"}
+
+    with pytest.raises(UniqueError, match=r"unique_key='b'.*body of a chord"):
+        unique.refuse_on_chord_body(Body(), None)
+
+    class Default(Task):
+        unique_key = "report_id"
+
+    Body.options = {}
+    with pytest.raises(UniqueError, match=r"task app\.body's default"):
+        unique.refuse_on_chord_body(Body(), Default())
+    unique.refuse_on_chord_body(Body(), Task())  # no key: nothing to refuse
