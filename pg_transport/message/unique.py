@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pg_transport.config import DEFAULT_UNIQUE_WAIT
 from pg_transport.errors import ConfigurationError
 
 __all__ = [
@@ -68,9 +69,9 @@ DEFAULT_REFUSED = "pgq-unique-refused"
 #: Keys are index keys: well under Postgres' limit for one.
 MAX_KEY_BYTES = 1024
 
-#: Seconds a unique publish waits for a transaction that inserted the same key and has not
-#: ended yet (an application's transaction) before it raises UniqueBusy.
-DEFAULT_UNIQUE_WAIT = 5.0
+# DEFAULT_UNIQUE_WAIT (pg_transport.config): seconds a unique publish waits for a
+# transaction that inserted the same key and has not ended yet (an application's) before
+# it raises UniqueBusy; the transport option ``unique_wait``.
 
 
 #: Meta key of a result row that stands for a duplicate: the holder's task id, whose
