@@ -31,6 +31,7 @@ from typing import Any
 
 from pg_transport.config import DEFAULT_UNIQUE_WAIT
 from pg_transport.errors import ConfigurationError
+from pg_transport.message import options
 
 __all__ = [
     "DEFAULT_UNIQUE_WAIT",
@@ -187,17 +188,7 @@ def task_id_of(payload: Mapping[str, Any]) -> str | None:
 def move_options(message: dict[str, Any]) -> None:
     """Move apply_async's unique options (message properties) into the headers, where a
     retry of the task keeps them. A header already there wins."""
-    properties = message.get("properties")
-    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
-        return
-    headers = message.get("headers")
-    if not isinstance(headers, dict):
-        headers = message["headers"] = {}
-    for option, header in OPTIONS.items():
-        if option in properties:
-            value = properties.pop(option)
-            if value is not None:
-                headers.setdefault(header, value)
+    options.move_options(message, OPTIONS)
 
 
 def canonical(args: Any, kwargs: Any) -> str:
@@ -215,26 +206,11 @@ def _default_key(task: Any, spec: Any, args: Any, kwargs: Any) -> str | None:
     kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
     if spec is True:
         return f"{task.name}:{canonical(args, kwargs)}"
-    if callable(spec):
-        value = spec(*args, **kwargs)
-    elif isinstance(spec, str):
-        if spec in kwargs:
-            value = kwargs[spec]
-        else:
-            try:
-                bound = inspect.signature(task.run).bind_partial(*args)
-            except (TypeError, ValueError):
-                bound = None
-            if bound is None or spec not in bound.arguments:
-                raise UniqueError(
-                    f"task {task.name}: unique_key names argument {spec!r}, "
-                    "which this call does not pass"
-                )
-            value = bound.arguments[spec]
-    else:
+    if not callable(spec) and not isinstance(spec, str):
         raise UniqueError(
             f"task {task.name}: unique_key={spec!r} must name an argument, be callable or True"
         )
+    value = options.key_of(task, "unique_key", spec, args, kwargs, UniqueError)
     if value is None:
         return None
     return _key_text(f"{task.name}:{_key_text(value, 'unique_key')}", "unique_key")
