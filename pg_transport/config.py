@@ -110,6 +110,27 @@ def _interval(key: str, value: Any) -> float:
     )
 
 
+#: Seconds a unique publish waits for a transaction holding its key, unless set.
+DEFAULT_UNIQUE_WAIT = 5.0
+#: Postgres' lock_timeout, which the wait is, holds at most 2^31 - 1 milliseconds; less
+#: than a millisecond would be written as 0, which is no limit at all.
+MAX_UNIQUE_WAIT = (2**31 - 1) / 1000
+MIN_UNIQUE_WAIT = 0.001
+
+
+def _unique_wait(key: str, value: Any) -> float:
+    return float(
+        _number(
+            key,
+            value,
+            integer=False,
+            minimum=MIN_UNIQUE_WAIT,
+            allow_zero=True,
+            maximum=MAX_UNIQUE_WAIT,
+        )
+    )
+
+
 # Postgres keeps at most 1 GB in one value; a JSON payload a little less than that.
 #: Seconds a follower waits for its predecessor when neither it nor the transport says.
 DEFAULT_FOLLOWS_TIMEOUT = 300.0
@@ -250,6 +271,7 @@ _SCALARS: dict[str, Callable[[str, Any], Any]] = {
     "pool_idle_timeout": _seconds,
     "follows_timeout": _interval,
     "follows_retention": _seconds,
+    "unique_wait": _unique_wait,
     "fenced_retry_window": _seconds,
 }
 _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
@@ -291,6 +313,9 @@ class Options:
     follows_timeout: float = DEFAULT_FOLLOWS_TIMEOUT
     #: Seconds the end of a followed task is remembered for followers published later.
     follows_retention: float = DEFAULT_FOLLOWS_RETENTION
+    #: Seconds a unique publish waits for an open transaction that holds its key
+    #: (docs/unique-tasks.md), then raises UniqueBusy.
+    unique_wait: float = DEFAULT_UNIQUE_WAIT
     #: Seconds an ack, release or renewal keeps trying through an outage (a failover);
     #: never less than the visibility timeouts (docs/high-availability.md).
     fenced_retry_window: float = FENCED_RETRY_SECONDS

@@ -103,7 +103,7 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         schema=options.schema,
         connector=connector,
         store=Store(connector, options.schema),
-        publisher=Publisher(connector, options.schema),
+        publisher=Publisher(connector, options.schema, unique_wait=options.unique_wait),
         q=load_named("fanin.sql", options.schema, "pg_transport.fanin"),
         settings=BarrierSettings.from_app(app),
         native_delayed_delivery=options.native_delayed_delivery,

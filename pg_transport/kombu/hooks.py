@@ -66,6 +66,7 @@ def apply_task_defaults(
         limits.task_defaults(task, body, headers)
         unique.task_defaults(task, body, headers, properties)
         fair.task_defaults(task, body, headers, properties)
+    unique.refuse_in_chord(body, headers, properties)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:

@@ -187,6 +187,7 @@ class Transport(virtual.Transport):
             flushes=durable,
             max_message_bytes=self.options.max_message_bytes,
             follows_timeout=self.options.follows_timeout,
+            unique_wait=self.options.unique_wait,
         )
         self._renewer: Housekeeper | None = None
         self._vacuumer: Vacuumer | None = None

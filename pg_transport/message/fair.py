@@ -15,10 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from pg_transport.errors import ConfigurationError
+from pg_transport.message import options
 
 __all__ = ["FAIR_KEY", "FairKeyError", "fair_key", "move_options", "task_defaults"]
 
 FAIR_KEY = "pgq-fair-key"
+
+# apply_async's option -> the header it becomes.
+OPTIONS = {"fair_key": FAIR_KEY}
 
 # Set by task_defaults when a task's default key cannot be had for a call: why.
 DEFAULT_REFUSED = "pgq-fair-refused"
@@ -62,15 +66,7 @@ def fair_key(payload: Mapping[str, Any]) -> str | None:
 def move_options(message: dict[str, Any]) -> None:
     """Move apply_async's ``fair_key`` (a message property) into the headers. A header
     already there wins."""
-    properties = message.get("properties")
-    if not isinstance(properties, dict) or "fair_key" not in properties:
-        return
-    headers = message.get("headers")
-    if not isinstance(headers, dict):
-        headers = message["headers"] = {}
-    value = properties.pop("fair_key")
-    if value is not None:
-        headers.setdefault(FAIR_KEY, value)
+    options.move_options(message, OPTIONS)
 
 
 def task_defaults(
@@ -83,23 +79,8 @@ def task_defaults(
     if spec is None or FAIR_KEY in headers or (properties or {}).get("fair_key") is not None:
         return
     args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
-    args = list(args) if isinstance(args, (list, tuple)) else []
-    kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
     try:
-        if callable(spec):
-            value = spec(*args, **kwargs)
-        elif isinstance(spec, str) and spec in kwargs:
-            value = kwargs[spec]
-        elif isinstance(spec, str):
-            bound = inspect.signature(task.run).bind_partial(*args)
-            if spec not in bound.arguments:
-                raise FairKeyError(
-                    f"task {task.name}: fair_key names argument {spec!r}, "
-                    "which this call does not pass"
-                )
-            value = bound.arguments[spec]
-        else:
-            raise FairKeyError(f"task {task.name}: fair_key={spec!r} must name an argument")
+        value = options.key_of(task, "fair_key", spec, args, kwargs, FairKeyError)
         if value is not None:
             headers[FAIR_KEY] = _text(value, "fair_key")
     except Exception as exc:  # Celery would log it and publish the message anyway

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pg_transport.errors import LimitError
+from pg_transport.message import options
 
 __all__ = [
     "CONCURRENCY_KEY",
@@ -166,26 +167,6 @@ def _static(task: Any, name: str) -> Any:
     return spec
 
 
-def _key_of(task: Any, option: str, spec: Any, args: Any, kwargs: Any) -> Any:
-    args = list(args) if isinstance(args, (list, tuple)) else []
-    kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
-    if callable(spec):
-        return spec(*args, **kwargs)
-    if not isinstance(spec, str):
-        raise LimitError(
-            f"task {task.name}: {option}={spec!r} must name an argument or be callable"
-        )
-    if spec in kwargs:
-        return kwargs[spec]
-    try:
-        bound = inspect.signature(task.run).bind_partial(*args)
-    except (TypeError, ValueError):
-        bound = None
-    if bound is not None and spec in bound.arguments:
-        return bound.arguments[spec]
-    raise LimitError(f"task {task.name}: {option} names argument {spec!r}, not passed by this call")
-
-
 # task attribute -> header, for the keys and the limiters.
 _DEFAULTS: dict[str, str] = {
     "pgq_rate_key": RATE_KEY,
@@ -212,7 +193,7 @@ def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
         for attribute, header in _DEFAULTS.items():
             spec: Callable[..., Any] | str | None = _static(task, attribute)
             if spec is not None and header not in headers:
-                key = _key_of(task, attribute, spec, args, kwargs)
+                key = options.key_of(task, attribute, spec, args, kwargs, LimitError)
                 if key is not None:
                     headers[header] = _key_text(attribute, key)
         for attribute, header in _LIMITERS.items():
@@ -276,17 +257,7 @@ OPTIONS: dict[str, str] = {
 def move_options(message: dict[str, Any]) -> None:
     """Move apply_async's limit options (message properties) into the headers, where a
     retry of the task keeps them. A header already there wins."""
-    properties = message.get("properties")
-    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
-        return
-    headers = message.get("headers")
-    if not isinstance(headers, dict):
-        headers = message["headers"] = {}
-    for option, header in OPTIONS.items():
-        if option in properties:
-            value = properties.pop(option)
-            if value is not None:
-                headers.setdefault(header, value)
+    options.move_options(message, OPTIONS)
 
 
 def check_headers(payload: Mapping[str, Any]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from pg_transport.config import DEFAULT_FOLLOWS_RETENTION, DEFAULT_FOLLOWS_TIMEOUT
 from pg_transport.errors import PgqError
+from pg_transport.message import options
 
 __all__ = [
     "DEFAULT_FOLLOWS_RETENTION",
@@ -204,40 +205,7 @@ def check_hold(place: Placement, delay: float) -> None:
 def move_options(message: dict[str, Any]) -> None:
     """Move apply_async's ordering options (message properties) into the headers, where
     a retry of the task keeps them. A header already there wins."""
-    properties = message.get("properties")
-    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
-        return
-    headers = message.get("headers")
-    if not isinstance(headers, dict):
-        headers = message["headers"] = {}
-    for option, header in OPTIONS.items():
-        if option in properties:
-            value = properties.pop(option)
-            if value is not None:
-                headers.setdefault(header, value)
-
-
-def _key_of(task: Any, spec: Any, args: Any, kwargs: Any) -> Any:
-    """The ordering key a task's ``ordering_key`` attribute gives for one call."""
-    args = list(args) if isinstance(args, (list, tuple)) else []
-    kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
-    if callable(spec):
-        return spec(*args, **kwargs)
-    if not isinstance(spec, str):
-        raise OrderingError(
-            f"task {task.name}: ordering_key={spec!r} must name an argument or be callable"
-        )
-    if spec in kwargs:
-        return kwargs[spec]
-    try:
-        bound = inspect.signature(task.run).bind_partial(*args)
-    except (TypeError, ValueError):
-        bound = None
-    if bound is not None and spec in bound.arguments:
-        return bound.arguments[spec]
-    raise OrderingError(
-        f"task {task.name}: ordering_key names argument {spec!r}, which this call does not pass"
-    )
+    options.move_options(message, OPTIONS)
 
 
 def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
@@ -254,7 +222,7 @@ def task_defaults(task: Any, body: Any, headers: dict[str, Any]) -> None:
     if spec is not None and ORDERING_KEY not in headers:
         args, kwargs = (body[0], body[1]) if isinstance(body, (list, tuple)) and body else ((), {})
         try:
-            key = _key_of(task, spec, args, kwargs)
+            key = options.key_of(task, "ordering_key", spec, args, kwargs, OrderingError)
             if key is not None:
                 headers[ORDERING_KEY] = _text(ORDERING_KEY, key)
         except Exception as exc:  # Celery would log it and publish the message unordered

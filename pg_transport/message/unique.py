@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pg_transport.config import DEFAULT_UNIQUE_WAIT
 from pg_transport.errors import ConfigurationError
+from pg_transport.message import options
 
 __all__ = [
     "DEFAULT_UNIQUE_WAIT",
@@ -36,7 +40,11 @@ __all__ = [
     "UNIQUE_WHILE",
     "UniqueError",
     "Uniqueness",
+    "holder_of",
     "move_options",
+    "note_holder",
+    "refuse_in_chord",
+    "refuse_on_chord_body",
     "task_defaults",
     "uniqueness",
 ]
@@ -62,9 +70,40 @@ DEFAULT_REFUSED = "pgq-unique-refused"
 #: Keys are index keys: well under Postgres' limit for one.
 MAX_KEY_BYTES = 1024
 
-#: Seconds a unique publish waits for a transaction that inserted the same key and has not
-#: ended yet (an application's transaction) before it raises UniqueBusy.
-DEFAULT_UNIQUE_WAIT = 5.0
+# DEFAULT_UNIQUE_WAIT (pg_transport.config): seconds a unique publish waits for a
+# transaction that inserted the same key and has not ended yet (an application's) before
+# it raises UniqueBusy; the transport option ``unique_wait``.
+
+
+#: Meta key of a result row that stands for a duplicate: the holder's task id, whose
+#: result the duplicate's resolves to (pg_transport.results.backend).
+RESULT_ALIAS = "pgq_result_alias"
+
+#: Duplicates this process remembers (the oldest forgotten first).
+MAX_NOTED = 10_000
+
+_holders: OrderedDict[str, str] = OrderedDict()
+_holders_lock = threading.Lock()
+
+
+def note_holder(task_id: str, holder: str) -> None:
+    """Remember that the publish of ``task_id`` was a duplicate of ``holder``'s: its
+    ``AsyncResult`` resolves to the holder's result in this process (and, where the
+    result backend may write, everywhere: :mod:`pg_transport.results.backend`)."""
+    if not task_id or not holder or task_id == holder:
+        return
+    with _holders_lock:
+        _holders[task_id] = holder
+        _holders.move_to_end(task_id)
+        while len(_holders) > MAX_NOTED:
+            _holders.popitem(last=False)
+
+
+def holder_of(task_id: str) -> str | None:
+    """The task whose key the publish of ``task_id`` found held, if this process
+    published it as a duplicate."""
+    with _holders_lock:
+        return _holders.get(task_id)
 
 
 class UniqueError(ConfigurationError):
@@ -149,17 +188,7 @@ def task_id_of(payload: Mapping[str, Any]) -> str | None:
 def move_options(message: dict[str, Any]) -> None:
     """Move apply_async's unique options (message properties) into the headers, where a
     retry of the task keeps them. A header already there wins."""
-    properties = message.get("properties")
-    if not isinstance(properties, dict) or not any(o in properties for o in OPTIONS):
-        return
-    headers = message.get("headers")
-    if not isinstance(headers, dict):
-        headers = message["headers"] = {}
-    for option, header in OPTIONS.items():
-        if option in properties:
-            value = properties.pop(option)
-            if value is not None:
-                headers.setdefault(header, value)
+    options.move_options(message, OPTIONS)
 
 
 def canonical(args: Any, kwargs: Any) -> str:
@@ -177,26 +206,11 @@ def _default_key(task: Any, spec: Any, args: Any, kwargs: Any) -> str | None:
     kwargs = dict(kwargs) if isinstance(kwargs, Mapping) else {}
     if spec is True:
         return f"{task.name}:{canonical(args, kwargs)}"
-    if callable(spec):
-        value = spec(*args, **kwargs)
-    elif isinstance(spec, str):
-        if spec in kwargs:
-            value = kwargs[spec]
-        else:
-            try:
-                bound = inspect.signature(task.run).bind_partial(*args)
-            except (TypeError, ValueError):
-                bound = None
-            if bound is None or spec not in bound.arguments:
-                raise UniqueError(
-                    f"task {task.name}: unique_key names argument {spec!r}, "
-                    "which this call does not pass"
-                )
-            value = bound.arguments[spec]
-    else:
+    if not callable(spec) and not isinstance(spec, str):
         raise UniqueError(
             f"task {task.name}: unique_key={spec!r} must name an argument, be callable or True"
         )
+    value = options.key_of(task, "unique_key", spec, args, kwargs, UniqueError)
     if value is None:
         return None
     return _key_text(f"{task.name}:{_key_text(value, 'unique_key')}", "unique_key")
@@ -233,3 +247,54 @@ def task_defaults(
         value = getattr(task, option, None)
         if isinstance(value, str) and unset(option):
             headers[OPTIONS[option]] = value
+
+
+CHORD_REFUSAL = (
+    "a chord's parts may not be unique: a duplicate is never run, so a header whose part "
+    "is a duplicate never completes (the chord counts its own parts), and a body that is "
+    "a duplicate would answer for the chord with another task's result; send the chord "
+    "without unique_key (a task's unique_key default included), or make the task that "
+    "sends the chord unique instead"
+)
+
+
+def refuse_in_chord(
+    body: Any, headers: dict[str, Any], properties: Mapping[str, Any] | None
+) -> None:
+    """A part of a chord's header that asks for a unique key (a header, an option, or
+    the task's default) is refused when published (:data:`DEFAULT_REFUSED`)."""
+    if isinstance(body, (list, tuple)) and len(body) > 2 and isinstance(body[2], Mapping):
+        chord = body[2].get("chord")  # protocol 2: the embed
+    elif isinstance(body, Mapping):
+        chord = body.get("chord")  # protocol 1
+    else:
+        chord = None
+    if not chord:
+        return
+    key = headers.get(UNIQUE_KEY)
+    if key is None:
+        key = (properties or {}).get("unique_key")
+    if key is None or DEFAULT_REFUSED in headers:
+        return
+    headers[DEFAULT_REFUSED] = (
+        f"unique_key={str(key)[:40]!r}: task {headers.get('task')} is a part of chord "
+        f"{headers.get('group')}; {CHORD_REFUSAL}"
+    )
+
+
+def refuse_on_chord_body(body: Any, task: Any) -> None:
+    """:class:`UniqueError` when a chord's body (``body``, a signature; ``task``, its
+    task if this app knows it) asks for a unique key: raised before anything of the
+    chord is sent."""
+    options = getattr(body, "options", None)
+    key = options.get("unique_key") if isinstance(options, Mapping) else None
+    spec: Any = None if task is None else inspect.getattr_static(task, "unique_key", None)
+    if key is None and (spec is None or spec is False):
+        return
+    name = getattr(body, "task", None) or "?"
+    shown = (
+        f"unique_key={str(key)[:40]!r}"
+        if key is not None
+        else f"unique_key (task {name}'s default)"
+    )
+    raise UniqueError(f"{shown}: task {name} is the body of a chord; {CHORD_REFUSAL}")

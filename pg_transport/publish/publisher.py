@@ -287,6 +287,9 @@ class Publisher:
                 key=params["ukey"],
                 existing_id=holder,
             )
+        # The caller's AsyncResult (Celery picked its id) resolves to the holder's.
+        if holder and params["task_id"]:
+            unique.note_holder(params["task_id"], holder)
         return True
 
     @contextmanager

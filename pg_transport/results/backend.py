@@ -37,6 +37,7 @@ from pg_transport.db.pool import Connector, shared, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.db.url import mask_url
 from pg_transport.errors import BrokerUnreachable, NotPermitted, NotYetCommitted
+from pg_transport.message import unique
 from pg_transport.publish import joined
 from pg_transport.results.chords import Chords
 from pg_transport.results.errors import ResultTooLarge
@@ -46,7 +47,31 @@ from pg_transport.results.masking import seal_result_backend, url_of
 from pg_transport.results.options import DEFAULT_SCHEMA, ResultOptions
 from pg_transport.sql import load_named
 
-__all__ = ["PgqBackend", "ResultConsumer"]
+__all__ = ["PgqBackend", "ResultConsumer", "calling"]
+
+# The backend whose app is sending a task on this thread, and the task's id (Celery calls
+# on_task_call just before it publishes): where a duplicate's alias is stored.
+_calls = threading.local()
+
+
+def calling(task_id: str) -> PgqBackend | None:
+    """The pgq backend of the app that is sending ``task_id`` on this thread (and wants
+    its result), if any."""
+    call = getattr(_calls, "call", None)
+    if call is None or call[0] != task_id:
+        return None
+    _calls.call = None
+    backend: PgqBackend = call[1]
+    return backend
+
+
+def alias_in(meta: Mapping[str, Any]) -> str | None:
+    """The holder a duplicate's stored state names (the state of a task that was never
+    queued: its key was held), if ``meta`` is one."""
+    holder = meta.get(unique.RESULT_ALIAS)
+    if meta.get("status") != states.PENDING or not isinstance(holder, str) or not holder:
+        return None
+    return holder
 
 
 def _connector(conninfo: str, display_url: str, *, own_sessions: bool) -> Connector:
@@ -95,6 +120,10 @@ class ResultConsumer(BaseResultConsumer):
         self._inbox: deque[Row] = deque()
         self._arrived = threading.Condition()
         self._subscribed: set[str] = set()
+        # A duplicate unique task waits on the task that held its key: duplicate ->
+        # holder, and holder -> the duplicates waiting on it.
+        self._holder: dict[str, str] = {}
+        self._followers: dict[str, set[str]] = {}
         self._pid = os.getpid()
 
     def _forked(self) -> None:
@@ -107,17 +136,43 @@ class ResultConsumer(BaseResultConsumer):
     def start(self, initial_task_id: str, **kwargs: Any) -> None:
         self.consume_from(initial_task_id)
 
+    def _wanted(self, task_id: str) -> bool:
+        return task_id in self._subscribed or bool(self._followers.get(task_id))
+
     def consume_from(self, task_id: str) -> None:
         self._forked()
+        holder = unique.holder_of(task_id)
+        if holder is not None:
+            self.follow(task_id, holder)
         if task_id not in self._subscribed:
             self._subscribed.add(task_id)
             self.backend.listener.subscribe(task_id, self)
 
+    def follow(self, task_id: str, holder: str) -> None:
+        """Wait on ``holder`` for ``task_id``, a duplicate of it: its states are handed
+        to Celery as ``task_id``'s."""
+        if self._holder.get(task_id) == holder or holder == task_id:
+            return
+        subscribe = not self._wanted(holder)
+        self._holder[task_id] = holder
+        self._followers.setdefault(holder, set()).add(task_id)
+        if subscribe:
+            self.backend.listener.subscribe(holder, self)
+
     def cancel_for(self, task_id: str) -> None:
         self._forked()
+        holder = self._holder.pop(task_id, None)
+        if holder is not None:
+            followers = self._followers.get(holder, set())
+            followers.discard(task_id)
+            if not followers:
+                self._followers.pop(holder, None)
+                if holder not in self._subscribed:
+                    self.backend.listener.unsubscribe(holder, self)
         if task_id in self._subscribed:
             self._subscribed.discard(task_id)
-            self.backend.listener.unsubscribe(task_id, self)
+            if not self._wanted(task_id):
+                self.backend.listener.unsubscribe(task_id, self)
 
     def deliver(self, row: Row) -> None:
         with self._arrived:
@@ -132,7 +187,15 @@ class ResultConsumer(BaseResultConsumer):
             self._inbox.clear()
         for row in rows:
             meta = self.backend.decode_row(row.content_type, row.content_encoding, row.meta)
-            self.on_state_change(meta, None)
+            holder = alias_in(meta)
+            if holder is not None:
+                # A duplicate's stand-in: its waiters wait on the holder from now on.
+                self.follow(row.task_id, holder)
+                continue
+            if row.task_id in self._subscribed or not self._followers.get(row.task_id):
+                self.on_state_change(meta, None)
+            for task_id in sorted(self._followers.get(row.task_id, ())):
+                self.on_state_change({**meta, "task_id": task_id}, None)
 
     def on_state_change(self, meta: dict[str, Any], message: Any) -> None:
         super().on_state_change(meta, message)
@@ -146,6 +209,8 @@ class ResultConsumer(BaseResultConsumer):
     def on_after_fork(self) -> None:
         # The parent's subscriptions are its listener's; the child starts with none.
         self._subscribed = set()
+        self._holder = {}
+        self._followers = {}
         with self._arrived:
             self._inbox.clear()
 
@@ -360,15 +425,70 @@ class PgqBackend(AsyncBackendMixin, Backend):
         meta["task_id"] = task_id
         return meta  # type: ignore[no-any-return]
 
-    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+    def _read_meta(self, task_id: str) -> dict[str, Any] | None:
         def work(conn: psycopg.Connection[Any]) -> Any:
             return conn.execute(self.q["result_get"], {"task_id": task_id}).fetchone()
 
         row = self._run(work, "read a result")
         if row is None:
-            return {"status": states.PENDING, "result": None}
+            return None
         _, content_type, content_encoding, meta = row
         return self.decode_row(content_type, content_encoding, bytes(meta))
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        # A duplicate unique task's state is its holder's: known to this process if it
+        # published the duplicate, else from the stand-in row stored for it (one hop:
+        # a holder is a task that was queued, never a stand-in).
+        holder = unique.holder_of(task_id)
+        meta = None
+        if holder is None:
+            meta = self._read_meta(task_id)
+            holder = None if meta is None else alias_in(meta)
+        if holder is not None:
+            meta = self._read_meta(holder)
+            if meta is not None and alias_in(meta) is None:
+                return {**meta, "task_id": task_id}
+            return {"status": states.PENDING, "result": None, "task_id": task_id}
+        if meta is None:
+            return {"status": states.PENDING, "result": None}
+        return meta
+
+    def on_task_call(self, producer: Any, task_id: str) -> dict[str, Any]:
+        # Celery sends task_id now, on this thread, and wants its result.
+        _calls.call = (task_id, self)
+        return {}
+
+    def store_alias(self, task_id: str, holder: str) -> None:
+        """Store, for the duplicate ``task_id`` (never queued: ``holder`` held its unique
+        key), a stand-in state naming ``holder``: ``AsyncResult(task_id)`` resolves to the
+        holder's result in every process. Expires as results do."""
+        meta = {
+            "status": states.PENDING,
+            "result": None,
+            "traceback": None,
+            "children": [],
+            "date_done": None,
+            "task_id": task_id,
+            unique.RESULT_ALIAS: holder,
+        }
+        content_type, content_encoding, payload = self._encoded(meta)
+        params = {
+            "task_id": task_id,
+            "status": states.PENDING,
+            "content_type": content_type,
+            "content_encoding": content_encoding,
+            "meta": payload,
+            "date_done": None,
+            "expires": self.expires if self.expires else None,
+        }
+        notify = {"channel": result_channel(self.schema, task_id)}
+
+        def work(conn: psycopg.Connection[Any]) -> None:
+            with conn.pipeline():
+                conn.execute(self.q["result_store"], params)
+                conn.execute(self.q["result_notify"], notify)
+
+        self._run(work, "store a duplicate's alias")
 
     def task_result_exists(self, task_id: str) -> bool:
         def work(conn: psycopg.Connection[Any]) -> bool:
@@ -425,6 +545,8 @@ class PgqBackend(AsyncBackendMixin, Backend):
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
         group_id, results = header_result_args[0], header_result_args[1]
+        # Before the chord is armed or any part sent (a part is refused as it is sent).
+        unique.refuse_on_chord_body(body, self.app.tasks.get(getattr(body, "task", None)))
         if not self.chords.takes(results, body):
             return super().apply_chord(header_result_args, body, **kwargs)
         self.ensure_chords_allowed()

@@ -2,6 +2,8 @@
 
 * a task a pgq worker dead-letters ends FAILURE in whichever result backend its app uses
   (:mod:`pg_transport.results.deadletters`; Redis, a database or pgq's);
+* a duplicate unique task's publish stores its alias to the task holding its key
+  (:func:`alias_duplicate`: its ``AsyncResult`` resolves to the holder's);
 * a worker whose result backend is pgq's reaps expired results in that backend's
   database and schema while it runs (:class:`pg_transport.results.expiry.Reaper`).
 
@@ -10,19 +12,58 @@ The broker knows nothing of results: these hooks hang on Celery's and pgq's sign
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from celery import signals
 
+from pg_transport.errors import NotPermitted
+from pg_transport.message import unique
 from pg_transport.results import deadletters
 from pg_transport.results.expiry import Reaper
 
-__all__ = ["connect"]
+__all__ = ["alias_duplicate", "connect"]
+
+logger = logging.getLogger("pg_transport.results")
 
 # The reaper of this process's worker (one worker per process).
 _reaper: dict[str, Reaper] = {}
 _lock = threading.Lock()
+
+
+def alias_duplicate(
+    headers: dict[str, Any] | None = None, properties: dict[str, Any] | None = None, **_: Any
+) -> None:
+    """Celery's ``after_task_publish``: a publish that was a duplicate of a unique task
+    (its key held) stores, through the sending app's pgq result backend, a stand-in
+    state naming the holder, so that ``AsyncResult(id)`` resolves to the holder's result
+    in any process. A role that may not store results (a publisher-only role) stores
+    nothing: the duplicate resolves in the process that sent it only."""
+    task_id = unique.task_id_of({"headers": headers, "properties": properties})
+    if task_id is None:
+        return
+    holder = unique.holder_of(task_id)
+    if holder is None:
+        return
+    from pg_transport.results.backend import calling  # a sending app's: Celery is loaded
+
+    backend = calling(task_id)
+    if backend is None:
+        return
+    try:
+        backend.store_alias(task_id, holder)
+    except NotPermitted as exc:
+        logger.debug(
+            "pgq: duplicate %s resolves to %s in this process only: %s", task_id, holder, exc
+        )
+    except Exception:  # the publish is done: its caller is not to see this fail
+        logger.warning(
+            "pgq: duplicate %s resolves to %s in this process only: storing its alias failed",
+            task_id,
+            holder,
+            exc_info=True,
+        )
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
@@ -52,6 +93,9 @@ def _on_worker_shutdown(**_: Any) -> None:
 def connect() -> None:
     """Connect the receivers (idempotent)."""
     deadletters.connect()
+    signals.after_task_publish.connect(
+        alias_duplicate, weak=False, dispatch_uid="pgq.results.alias_duplicate"
+    )
     signals.worker_ready.connect(
         _on_worker_ready, weak=False, dispatch_uid="pgq.results.reaper_start"
     )

@@ -17,13 +17,17 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
+from kombu import Connection, Producer, Queue
 
 import pg_transport
 from pg_transport import DuplicateTask, UniqueBusy, UniqueError
+from pg_transport.config import Options
 from pg_transport.db.pool import Connector
+from pg_transport.errors import ConfigurationError
 from pg_transport.fanin.backend import forget
 from pg_transport.publish.publisher import Publisher
 from tests.integration.conftest import Peek, PublishingStore
+from tests.pg import to_broker_url
 
 
 def message(
@@ -268,6 +272,33 @@ def test_a_transaction_left_open_is_waited_for_at_most_unique_wait(
     assert other.execute("SHOW lock_timeout").fetchone() == ("7s",)
     other.rollback()
     holder_conn.rollback()
+
+
+def test_unique_wait_is_a_transport_option(
+    pg_url: str, store: PublishingStore, app_conns: list[psycopg.Connection[Any]], schema: str
+) -> None:
+    """The transport option sets the publisher's wait (a publish behind an open
+    transaction holding its key gives up after it), and a bad value is refused naming
+    the option before anything connects."""
+    holder_conn, _ = app_conns
+    publish_joined(store.publisher, holder_conn, message("k"), "1")
+    url = to_broker_url(pg_url)
+    with Connection(url, transport_options={"schema": schema, "unique_wait": 0.05}) as conn:
+        channel = conn.channel()
+        Queue("q").bind(channel).declare()
+        assert conn.transport.publisher.unique_wait == 0.05
+        with pytest.raises(UniqueBusy, match=r"unique_wait \(0.05 s\)"):
+            Producer(channel).publish(
+                {"n": 1}, routing_key="q", headers={"id": "t2", "pgq-unique-key": "k"}
+            )
+    holder_conn.rollback()
+    for bad in (0, -1, "soon", 1e7, True):
+        with pytest.raises(ConfigurationError, match=f"unique_wait={bad!r}"):
+            Options.from_sources({"unique_wait": bad}, {})
+    with pytest.raises(ConfigurationError, match="PGQ_UNIQUE_WAIT"):
+        Options.from_sources(None, {"PGQ_UNIQUE_WAIT": "0"})
+    assert Options.from_sources(None, {"PGQ_UNIQUE_WAIT": "0.25"}).unique_wait == 0.25
+    assert Options.from_sources(None, {}).unique_wait == 5.0
 
 
 def test_a_killed_publisher_leaves_no_key_behind(

@@ -103,3 +103,58 @@ def test_what_a_message_asks_for() -> None:
     assert fair.fair_key({"headers": {}}) is None
     with pytest.raises(fair.FairKeyError, match="pgq-fair-key"):
         fair.fair_key({"headers": {"pgq-fair-key": ["a"]}})
+
+
+def test_a_process_remembers_its_latest_duplicates_and_no_self_alias(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(unique, "MAX_NOTED", 3)
+    monkeypatch.setattr(unique, "_holders", type(unique._holders)())
+    unique.note_holder("t", "t")  # a resend of the holder itself: no alias
+    unique.note_holder("", "h")
+    assert unique.holder_of("t") is None and unique.holder_of("") is None
+    for n in range(5):
+        unique.note_holder(f"dup-{n}", "holder")
+    assert [unique.holder_of(f"dup-{n}") for n in range(5)] == [
+        None,
+        None,
+        "holder",
+        "holder",
+        "holder",
+    ]
+
+
+def test_a_chords_part_with_a_key_is_refused_and_other_messages_are_not() -> None:
+    embed = {"callbacks": None, "errbacks": None, "chain": None, "chord": {"task": "b"}}
+    headers: dict[str, Any] = {"task": "app.part", "group": "g1", unique.UNIQUE_KEY: "k"}
+    unique.refuse_in_chord(((), {}, embed), headers, {})
+    with pytest.raises(UniqueError, match=r"unique_key='k'.*part of chord g1"):
+        unique.uniqueness({"headers": headers})
+    # The option, not yet moved into the headers, counts too; protocol 1 as well.
+    headers = {"task": "app.part", "group": "g2"}
+    unique.refuse_in_chord({"chord": {"task": "b"}}, headers, {"unique_key": "o"})
+    assert "unique_key='o'" in headers[unique.DEFAULT_REFUSED]
+    for body, given in (
+        (((), {}, {**embed, "chord": None}), {unique.UNIQUE_KEY: "k"}),  # not a chord's part
+        (((), {}, embed), {}),  # a part without a key
+    ):
+        headers = dict(given)
+        unique.refuse_in_chord(body, headers, {})
+        assert unique.DEFAULT_REFUSED not in headers
+
+
+def test_a_chords_body_with_a_key_is_refused() -> None:
+    class Body:
+        task = "app.body"
+        options: dict[str, Any] = {"unique_key": "b"}
+
+    with pytest.raises(UniqueError, match=r"unique_key='b'.*body of a chord"):
+        unique.refuse_on_chord_body(Body(), None)
+
+    class Default(Task):
+        unique_key = "report_id"
+
+    Body.options = {}
+    with pytest.raises(UniqueError, match=r"task app\.body's default"):
+        unique.refuse_on_chord_body(Body(), Default())
+    unique.refuse_on_chord_body(Body(), Task())  # no key: nothing to refuse
