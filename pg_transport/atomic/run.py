@@ -20,7 +20,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from pg_transport.atomic.errors import LeaseLost
-from pg_transport.atomic.providers import Handle, handle_for
+from pg_transport.atomic.providers import SAVEPOINT, Handle, PsycopgHandle, handle_for
 from pg_transport.config import Options
 from pg_transport.db import completing
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
@@ -133,12 +133,19 @@ class Run:
         connector = _broker_of(self.task.app)[1]
 
         caller = caller_for(handle.target)
+        params = {"schema": self.schema}
+        # On a psycopg connection pgq drives itself, the BEGIN, this query and the body's
+        # savepoint go in one pipeline flight (one round trip instead of three); a
+        # framework's (SQLAlchemy, Django) begins and marks through its own API.
+        pipelined = isinstance(handle, PsycopgHandle)
         row = on_caller(
             caller,
             connector,
             self.schema,
             q["server_identity"],
-            lambda conn: _one(conn, q["open"], {"schema": self.schema}),
+            (lambda conn: _open_pipelined(conn, q["open"], params))
+            if pipelined
+            else (lambda conn: _one(conn, q["open"], params)),
         )
         self._xid, isolation = str(row[0]), str(row[1])
         if not row[3]:
@@ -157,7 +164,8 @@ class Run:
                 "updates the message row while the task runs: under a snapshot kept for "
                 "the whole transaction the delivery's end would fail to serialize)"
             )
-        handle.savepoint()
+        if not pipelined:
+            handle.savepoint()
         self._joined = joined_transaction(handle.target)
         self._joined.__enter__()
         self._tokens = [completing.enter(self.conn), _current.set(self)]
@@ -274,6 +282,20 @@ def _one_or_none(
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         row: tuple[Any, ...] | None = cur.execute(query, params, prepare=False).fetchone()
         return row
+
+
+def _open_pipelined(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The run's BEGIN (psycopg's own, autocommit being off), ``query`` and the body's
+    savepoint (:meth:`PsycopgHandle.savepoint`'s) in one flight; ``query``'s row."""
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        with conn.pipeline():
+            cur.execute(query, params, prepare=False)
+            conn.execute(SAVEPOINT, prepare=False)
+        row: tuple[Any, ...] | None = cur.fetchone()
+    assert row is not None
+    return row
 
 
 class ConnectionLost(Exception):
