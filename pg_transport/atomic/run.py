@@ -17,6 +17,7 @@ from contextvars import ContextVar, Token
 from typing import Any
 
 import psycopg
+from psycopg import generators
 from psycopg.rows import tuple_row
 
 from pg_transport.atomic.errors import LeaseLost
@@ -287,8 +288,31 @@ def _one_or_none(
 def _open_pipelined(
     conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
 ) -> tuple[Any, ...]:
-    """The run's BEGIN (psycopg's own, autocommit being off), ``query`` and the body's
-    savepoint (:meth:`PsycopgHandle.savepoint`'s) in one flight; ``query``'s row."""
+    """The run's BEGIN, ``query`` and the body's savepoint in one round trip; ``query``'s
+    row (as text: what it answers is text and booleans).
+
+    psycopg begins a transaction with a round trip of its own before the first statement
+    (in a pipeline too): on an idle connection the three go instead as one simple-query
+    string, ``query``'s values bound client-side (they are pgq's own: the schema name).
+    A connection already in a transaction (the server check of its first run ran a
+    statement) takes the pipeline: the query and the savepoint in one flight."""
+    with conn.lock:
+        idle = (
+            conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+        )
+        if idle:
+            text = psycopg.ClientCursor(conn).mogrify(query, params)
+            conn.pgconn.send_query(f"BEGIN;\n{text};\n{SAVEPOINT}".encode(conn.info.encoding))
+            results = conn.wait(generators.execute(conn.pgconn))
+    if idle:
+        for result in results:
+            if result.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        answer = results[1]
+        return tuple(
+            _text_value(answer.get_value(0, i), answer.ftype(i)) for i in range(answer.nfields)
+        )
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         with conn.pipeline():
             cur.execute(query, params, prepare=False)
@@ -296,6 +320,17 @@ def _open_pipelined(
         row: tuple[Any, ...] | None = cur.fetchone()
     assert row is not None
     return row
+
+
+#: The type oid of boolean (pg_type).
+_BOOL_OID = 16
+
+
+def _text_value(value: bytes | None, oid: int) -> str | bool | None:
+    """A simple query's text value: a boolean's ``t``/``f`` as one, anything else as text."""
+    if value is None:
+        return None
+    return value == b"t" if oid == _BOOL_OID else value.decode()
 
 
 class ConnectionLost(Exception):
