@@ -41,6 +41,8 @@ __all__ = ["Handle", "handle_for", "provider_of"]
 SETTING = "pgq_atomic_connection"
 URL_SETTING = "pgq_atomic_url"
 ENV = "PGQ_ATOMIC_CONNECTION"
+#: The body's start, on a psycopg connection (rolled back to by a failure or a retry).
+SAVEPOINT = "SAVEPOINT pgq_body"
 
 
 class Handle(Protocol):
@@ -96,7 +98,7 @@ class PsycopgHandle:
         return _idle(self.conn, self.describe)
 
     def savepoint(self) -> None:
-        self.conn.execute("SAVEPOINT pgq_body", prepare=False)
+        self.conn.execute(SAVEPOINT, prepare=False)
 
     def rollback_body(self) -> None:
         self.conn.execute("ROLLBACK TO SAVEPOINT pgq_body", prepare=False)

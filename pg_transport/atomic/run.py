@@ -17,10 +17,11 @@ from contextvars import ContextVar, Token
 from typing import Any
 
 import psycopg
+from psycopg import generators
 from psycopg.rows import tuple_row
 
 from pg_transport.atomic.errors import LeaseLost
-from pg_transport.atomic.providers import Handle, handle_for
+from pg_transport.atomic.providers import SAVEPOINT, Handle, PsycopgHandle, handle_for
 from pg_transport.config import Options
 from pg_transport.db import completing
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
@@ -133,12 +134,19 @@ class Run:
         connector = _broker_of(self.task.app)[1]
 
         caller = caller_for(handle.target)
+        params = {"schema": self.schema}
+        # On a psycopg connection pgq drives itself, the BEGIN, this query and the body's
+        # savepoint go in one pipeline flight (one round trip instead of three); a
+        # framework's (SQLAlchemy, Django) begins and marks through its own API.
+        pipelined = isinstance(handle, PsycopgHandle)
         row = on_caller(
             caller,
             connector,
             self.schema,
             q["server_identity"],
-            lambda conn: _one(conn, q["open"], {"schema": self.schema}),
+            (lambda conn: _open_pipelined(conn, q["open"], params))
+            if pipelined
+            else (lambda conn: _one(conn, q["open"], params)),
         )
         self._xid, isolation = str(row[0]), str(row[1])
         if not row[3]:
@@ -157,7 +165,8 @@ class Run:
                 "updates the message row while the task runs: under a snapshot kept for "
                 "the whole transaction the delivery's end would fail to serialize)"
             )
-        handle.savepoint()
+        if not pipelined:
+            handle.savepoint()
         self._joined = joined_transaction(handle.target)
         self._joined.__enter__()
         self._tokens = [completing.enter(self.conn), _current.set(self)]
@@ -274,6 +283,54 @@ def _one_or_none(
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         row: tuple[Any, ...] | None = cur.execute(query, params, prepare=False).fetchone()
         return row
+
+
+def _open_pipelined(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The run's BEGIN, ``query`` and the body's savepoint in one round trip; ``query``'s
+    row (as text: what it answers is text and booleans).
+
+    psycopg begins a transaction with a round trip of its own before the first statement
+    (in a pipeline too): on an idle connection the three go instead as one simple-query
+    string, ``query``'s values bound client-side (they are pgq's own: the schema name).
+    A connection already in a transaction (the server check of its first run ran a
+    statement) takes the pipeline: the query and the savepoint in one flight."""
+    with conn.lock:
+        idle = (
+            conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+        )
+        if idle:
+            text = psycopg.ClientCursor(conn).mogrify(query, params)
+            conn.pgconn.send_query(f"BEGIN;\n{text};\n{SAVEPOINT}".encode(conn.info.encoding))
+            results = conn.wait(generators.execute(conn.pgconn))
+    if idle:
+        for result in results:
+            if result.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+        answer = results[1]
+        return tuple(
+            _text_value(answer.get_value(0, i), answer.ftype(i)) for i in range(answer.nfields)
+        )
+    with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        with conn.pipeline():
+            cur.execute(query, params, prepare=False)
+            conn.execute(SAVEPOINT, prepare=False)
+        row: tuple[Any, ...] | None = cur.fetchone()
+    assert row is not None
+    return row
+
+
+#: The type oid of boolean (pg_type).
+_BOOL_OID = 16
+
+
+def _text_value(value: bytes | None, oid: int) -> str | bool | None:
+    """A simple query's text value: a boolean's ``t``/``f`` as one, anything else as text."""
+    if value is None:
+        return None
+    return value == b"t" if oid == _BOOL_OID else value.decode()
 
 
 class ConnectionLost(Exception):

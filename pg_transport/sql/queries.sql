@@ -1252,11 +1252,16 @@ WHERE queue = %(queue)s::text
 -- set), until an earlier message of its key leaves ('infinity') or until a time (a
 -- follower's wait, a key's lease in flight): a parked message delivered before and
 -- handed back has read_ct > 0 and a visible_at to come, and is waiting all the same.
+-- A row locked right now is skipped, never waited for: an atomic task's transaction is
+-- completing it (its lease lapsed, its fence holds the row until the commit; its end is
+-- that commit's), or a claim is taking it (docs/design/exactly-once.md, "Locks").
 WITH purged AS (
-    DELETE FROM {schema}.message
-    WHERE queue = %(queue)s
-      AND (visible_at <= pg_catalog.now() OR read_ct = 0 OR due_at IS NOT NULL
-           OR visible_at = 'infinity'::timestamptz)
+    DELETE FROM {schema}.message AS m
+    WHERE m.id IN (SELECT x.id FROM {schema}.message AS x
+                   WHERE x.queue = %(queue)s
+                     AND (x.visible_at <= pg_catalog.now() OR x.read_ct = 0
+                          OR x.due_at IS NOT NULL OR x.visible_at = 'infinity'::timestamptz)
+                   FOR UPDATE SKIP LOCKED)
     RETURNING 1
 )
 SELECT pg_catalog.count(*) FROM purged
@@ -1422,10 +1427,15 @@ WITH touched AS (
     DELETE FROM {schema}.binding AS b WHERE b.queue = ANY(ARRAY(SELECT name FROM gone))
 ), expired AS (
     -- Waiting messages only (as purge): visible, never delivered, or parked by a claim
-    -- (due_at set, delivered before or not); one in flight is its holder's to end.
+    -- (due_at set, delivered before or not); one in flight is its holder's to end. A
+    -- row locked right now (an atomic task's fence holding a lapsed delivery until its
+    -- commit, a claim taking it) is skipped, never waited for: the next run reaps it.
     DELETE FROM {schema}.message AS m
-    WHERE m.expires_at < pg_catalog.now()
-      AND (m.read_ct = 0 OR m.visible_at <= pg_catalog.now() OR m.due_at IS NOT NULL)
+    WHERE m.id IN (SELECT x.id FROM {schema}.message AS x
+                   WHERE x.expires_at < pg_catalog.now()
+                     AND (x.read_ct = 0 OR x.visible_at <= pg_catalog.now()
+                          OR x.due_at IS NOT NULL)
+                   FOR UPDATE SKIP LOCKED)
     RETURNING 1
 ), forgotten AS (
     -- Ends of followed tasks past follows_retention (0011_ordering.sql).

@@ -113,3 +113,83 @@ def test_the_fence_returns_the_transaction_id(
         ((ident, xid),) = fence(task, schema, token)
         assert (ident, xid) == (token.id, opened[0])
         task.rollback()
+
+
+def test_maintain_and_purge_skip_a_lapsed_row_a_task_is_completing(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    """The delivery's lease lapsed and its message's TTL passed while its task's
+    transaction holds the row (the fence ran, the commit has not): purge and maintain's
+    expiry would take such a row, and must skip it while it is locked, not wait for the
+    commit (they return while the lock is held; one seen waiting on a lock in
+    pg_stat_activity fails the test)."""
+    token = claimed(store)
+    rows(
+        "UPDATE {schema}.message SET visible_at = now() - interval '1 second',"
+        " expires_at = now() - interval '1 second' WHERE id = %s",
+        token.id,
+    )
+    with psycopg.connect(pg_url) as task:
+        assert len(fence(task, schema, token)) == 1  # the row is locked by the task now
+        answers: dict[str, Any] = {}
+        done = threading.Event()
+
+        def housekeeping() -> None:
+            try:
+                answers["maintain"] = store.maintain(["q"])
+                answers["purge"] = store.purge("q")
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=housekeeping, daemon=True)
+        worker.start()
+        waiting: list[tuple[Any, ...]] = []
+        while not done.wait(0.02):
+            waiting = rows(
+                "SELECT pid, query FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'"
+            )
+            if waiting:
+                task.rollback()  # let it go, then fail
+                done.wait(10)
+                break
+        assert waiting == [], f"housekeeping waited on the task's row lock: {waiting}"
+        assert answers == {"maintain": (0, 0), "purge": 0}
+        assert rows("SELECT count(*) FROM {schema}.message") == [(1,)]
+        task.rollback()  # the run rolled back: the row is an expired, lapsed one again
+    assert store.maintain(["q"]) == (0, 1)  # what only the lock kept it from
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
+
+
+def test_purge_skips_a_lapsed_row_a_task_is_completing(
+    store: PublishingStore, rows: Peek, pg_url: str, schema: str
+) -> None:
+    """As above, for ``pgq purge`` alone (no TTL): skipped while locked, purged after."""
+    token = claimed(store)
+    rows.expire_leases()
+    with psycopg.connect(pg_url) as task:
+        assert len(fence(task, schema, token)) == 1
+        answer: list[int] = []
+        done = threading.Event()
+
+        def purge() -> None:
+            try:
+                answer.append(store.purge("q"))
+            finally:
+                done.set()
+
+        threading.Thread(target=purge, daemon=True).start()
+        waiting: list[tuple[Any, ...]] = []
+        while not done.wait(0.02):
+            waiting = rows(
+                "SELECT pid, query FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'"
+            )
+            if waiting:
+                task.rollback()
+                done.wait(10)
+                break
+        assert waiting == [], f"purge waited on the task's row lock: {waiting}"
+        assert answer == [0]
+        task.rollback()
+    assert store.purge("q") == 1
