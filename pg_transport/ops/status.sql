@@ -121,6 +121,20 @@ SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency,
 FROM {schema}.flow_limit AS l
 ORDER BY l.name
 
+-- name: status_unique_allowed
+-- Whether this role may count the unique keys held (EXECUTE on unique_counts(), granted
+-- by least-privilege.md's blocks 4 and 5); false before migration 0018 too.
+SELECT COALESCE(pg_catalog.bool_or(pg_catalog.has_function_privilege(p.oid, 'EXECUTE')), false)
+FROM pg_catalog.pg_proc AS p
+JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
+WHERE n.nspname = %(schema)s AND p.proname = 'unique_counts'
+
+-- name: status_unique
+-- Per queue with any: the messages holding a unique key while queued and while running
+-- (docs/unique-tasks.md). Counts only, through unique_counts() (runs as the owner): the
+-- monitor may not read the keys.
+SELECT u.queue, u.queued, u.running FROM {schema}.unique_counts() AS u
+
 -- name: status_clients
 -- pgq client processes (application_name 'pgq:<pid>', set by the transport) connected
 -- to this database, and their sessions. pg_stat_activity does not know schemas, so

@@ -668,6 +668,28 @@ CREATE INDEX message_slot_live_idx ON {schema}.message (climit, ckey)
 CREATE INDEX message_slot_wait_idx ON {schema}.message (climit, ckey, due_at)
     WHERE climit IS NOT NULL AND due_at IS NOT NULL;
 
+-- A bucket's first use (flow_tokens, flow_slots): its row, without waiting for another
+-- claim that is inserting it too: with lock_timeout 1 ms, in a subtransaction, so that
+-- a claim that has the bucket makes this one give up at once (the caller finds the row
+-- locked and the bucket busy). The caller's lock_timeout is put back. SECURITY INVOKER,
+-- as its callers, with EXECUTE for PUBLIC as theirs: it writes nothing the caller may not.
+CREATE FUNCTION {schema}.flow_bucket(limiter text, bucket text) RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    wait text;
+BEGIN
+    wait := pg_catalog.current_setting('lock_timeout');
+    PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
+    BEGIN
+        INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
+        ON CONFLICT DO NOTHING;
+    EXCEPTION WHEN lock_not_available THEN
+        NULL;
+    END;
+    PERFORM pg_catalog.set_config('lock_timeout', wait, true);
+END
+$$;
+
 -- GCRA: how many of want messages bucket (limiter, key) grants now, and when its next
 -- token is due. Locks the bucket's row (SKIP LOCKED: another claim has it: granted -1,
 -- busy) and moves its arrival time by what it grants, in the claim's transaction: the
@@ -687,7 +709,6 @@ DECLARE
     tau float8;
     late float8;
     g integer;
-    wait text;
 BEGIN
     SELECT l.rate_count, l.rate_period, l.burst INTO lim
     FROM {schema}.flow_limit AS l WHERE l.name = limiter;
@@ -700,17 +721,8 @@ BEGIN
     FOR UPDATE SKIP LOCKED;
     IF NOT FOUND AND NOT EXISTS (SELECT FROM {schema}.flow_state AS s
                                  WHERE s.limiter = flow_tokens.limiter AND s.key = bucket) THEN
-        -- The bucket's first use: its row, without waiting for another claim that is
-        -- inserting it too (lock_timeout: that claim has the bucket; busy).
-        wait := pg_catalog.current_setting('lock_timeout');
-        PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
-        BEGIN
-            INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
-            ON CONFLICT DO NOTHING;
-        EXCEPTION WHEN lock_not_available THEN
-            NULL;
-        END;
-        PERFORM pg_catalog.set_config('lock_timeout', wait, true);
+        -- The bucket's first use: its row (flow_bucket), then its lock.
+        PERFORM {schema}.flow_bucket(limiter, bucket);
         SELECT s.tat INTO arrival FROM {schema}.flow_state AS s
         WHERE s.limiter = flow_tokens.limiter AND s.key = bucket
         FOR UPDATE SKIP LOCKED;
@@ -753,7 +765,6 @@ DECLARE
     live integer;
     locked integer;
     ends timestamptz;
-    wait text;
 BEGIN
     SELECT l.concurrency INTO cap FROM {schema}.flow_limit AS l WHERE l.name = limiter;
     IF cap IS NULL THEN
@@ -765,16 +776,8 @@ BEGIN
     FOR UPDATE SKIP LOCKED;
     IF NOT FOUND AND NOT EXISTS (SELECT FROM {schema}.flow_state AS s
                                  WHERE s.limiter = flow_slots.limiter AND s.key = bucket) THEN
-        -- The key's first use: as in flow_tokens.
-        wait := pg_catalog.current_setting('lock_timeout');
-        PERFORM pg_catalog.set_config('lock_timeout', '1ms', true);
-        BEGIN
-            INSERT INTO {schema}.flow_state (limiter, key) VALUES (limiter, bucket)
-            ON CONFLICT DO NOTHING;
-        EXCEPTION WHEN lock_not_available THEN
-            NULL;
-        END;
-        PERFORM pg_catalog.set_config('lock_timeout', wait, true);
+        -- The key's first use: its row (flow_bucket), then its lock.
+        PERFORM {schema}.flow_bucket(limiter, bucket);
         PERFORM FROM {schema}.flow_state AS s
         WHERE s.limiter = flow_slots.limiter AND s.key = bucket
         FOR UPDATE SKIP LOCKED;
@@ -837,3 +840,62 @@ FOR EACH ROW WHEN (OLD.climit IS NOT NULL) EXECUTE FUNCTION {schema}.flow_leave(
 -- granted tables only, as pgq's refusal hints say) claims with or without limits. The
 -- trigger function runs as the owner and is the trigger's alone.
 REVOKE ALL ON FUNCTION {schema}.flow_leave() FROM PUBLIC;
+
+-- What the monitor may read of unique tasks and flow limits (0018_flow_reads.sql).
+-- Unique keys held, per queue: how many messages hold one while queued (not leased)
+-- and while running (leased, held with unique_while="queued_or_running"). Counts only:
+-- the monitor may not read message.ukey, and through this learns no key. Runs as the
+-- owner, names resolved in pg_catalog only; EXECUTE is granted by least-privilege.md's
+-- blocks (the worker's and the monitor's), to no one by default.
+CREATE FUNCTION {schema}.unique_counts()
+RETURNS TABLE (queue text, queued bigint, running bigint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT m.queue,
+           pg_catalog.count(*) FILTER (WHERE NOT h.leased),
+           pg_catalog.count(*) FILTER (WHERE h.leased)
+    FROM {schema}.message AS m
+    CROSS JOIN LATERAL (
+        SELECT m.read_ct > 0 AND m.visible_at > pg_catalog.now()
+               AND m.visible_at < 'infinity'::timestamptz AND m.due_at IS NULL AS leased
+    ) AS h
+    WHERE m.ukey IS NOT NULL
+    GROUP BY m.queue
+    ORDER BY m.queue
+$$;
+
+REVOKE ALL ON FUNCTION {schema}.unique_counts() FROM PUBLIC;
+
+-- The flow limits as `pgq limit list` and `pgq limit show` print them: each limit (or
+-- the one named) with its definition; the tokens its keyless bucket has now (GCRA:
+-- floor((tau - max(tat - now, 0)) / T) + 1, at most burst; NULL without a rate); the
+-- messages holding one of its slots and those parked for one; how many keys it has
+-- state for. Counts, definitions and tokens only, never a key: the monitor may not read
+-- flow_state, whose keys are the application's values. Runs as the owner, names
+-- resolved in pg_catalog only; EXECUTE as for unique_counts.
+CREATE FUNCTION {schema}.flow_limit_states(wanted text)
+RETURNS TABLE (name text, rate_count integer, rate_period float8, burst integer,
+               concurrency integer, origin text, updated_at timestamptz, tokens integer,
+               in_flight bigint, waiting bigint, keys bigint)
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency, l.origin,
+           l.updated_at,
+           CASE WHEN l.rate_count IS NOT NULL THEN GREATEST(0, LEAST(l.burst,
+               pg_catalog.floor(((l.burst - 1) * l.rate_period / l.rate_count
+                   - GREATEST(0::float8, COALESCE(EXTRACT(EPOCH FROM
+                         GREATEST((SELECT s.tat FROM {schema}.flow_state AS s
+                                   WHERE s.limiter = l.name AND s.key = ''),
+                                  pg_catalog.statement_timestamp())
+                         - pg_catalog.statement_timestamp())::float8, 0::float8)))
+                   / (l.rate_period / l.rate_count) + 1e-9)::integer + 1))::integer END,
+           (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+            WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
+              AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL),
+           (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+            WHERE m.climit = l.name AND m.due_at IS NOT NULL),
+           (SELECT pg_catalog.count(*) FROM {schema}.flow_state AS s WHERE s.limiter = l.name)
+    FROM {schema}.flow_limit AS l
+    WHERE wanted IS NULL OR l.name = wanted
+    ORDER BY l.name
+$$;
+
+REVOKE ALL ON FUNCTION {schema}.flow_limit_states(text) FROM PUBLIC;
