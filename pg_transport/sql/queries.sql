@@ -1049,8 +1049,14 @@ WHERE l.priority IS NOT NULL
 -- (no_ack), within max_bytes of payload (the first always). Rows come back in delivery
 -- order; reached by primary key, as in claim. A payload larger than max_message_bytes
 -- or not a JSON object is moved to dead_letter instead, with the reason.
+-- A queue with a flow limit of its own (queue:<name>) is not popped: a pop deletes what
+-- it takes, without the claim's gates, so it could honour neither a rate nor a slot. A
+-- consumer without acks is refused such a queue when it starts (queue_limit); one that
+-- consumed it before the limit was set gets nothing more from it, and the messages wait
+-- for a consumer that acks.
 WITH wanted AS (
     SELECT w.name FROM pg_catalog.unnest(%(queues)s::text[]) AS w(name)
+    WHERE NOT EXISTS (SELECT FROM {schema}.flow_limit AS l WHERE l.name = 'queue:' || w.name)
 ), candidates AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at,
            c.bytes > %(max_message_bytes)s::bigint AS oversize, c.bytes, c.kind
@@ -1280,6 +1286,11 @@ SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms,
 UPDATE {schema}.message AS m SET fkey = ''
 WHERE m.queue = %(queue)s::text AND m.fkey IS NULL
   AND (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
+
+-- name: queue_limit
+-- The name of a queue's own flow limit (queue:<name>), or no row: a consumer without
+-- acks may not consume a queue that has one (see pop).
+SELECT l.name FROM {schema}.flow_limit AS l WHERE l.name = 'queue:' || %(queue)s::text
 
 -- name: has_queue
 -- Whether a queue has been declared.

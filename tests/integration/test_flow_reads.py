@@ -16,7 +16,9 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
+from kombu import Connection, Producer, Queue
 
+from pg_transport.errors import LimitError
 from pg_transport.ops.cli import main
 from tests.integration.conftest import Peek, PublishingStore
 from tests.integration.test_metrics import parse_exposition
@@ -136,3 +138,60 @@ def test_status_and_metrics_show_the_unique_keys_held(
         samples = parsed[family].samples
         assert {dict(k)["queue"]: v for k, v in samples.items()} == expected
     assert "q1" not in text and "run" not in text.replace("RUNNING", "")
+
+
+# -- no-ack consumption (the pop) and a queue's own limit ---------------------------------
+
+
+def test_a_limited_queue_is_refused_to_a_consumer_without_acks(
+    conn: Connection, rows: Peek
+) -> None:
+    """A pop takes and deletes without the claim's gates: a queue with a limit of its own
+    is refused to no_ack consumption (consume and get), naming the limit and the way
+    out; a consumer that acks gets its messages under the limit, and another queue's
+    no-ack consumer is not affected."""
+    rows(
+        "INSERT INTO {schema}.flow_limit (name, rate_count, rate_period, burst, origin)"
+        " VALUES ('queue:nq', 1, 3600, 1, 'command')"
+    )
+    channel = conn.default_channel
+    Producer(channel).publish({"n": 1}, routing_key="nq", declare=[Queue("nq")])
+    Producer(channel).publish({"n": 2}, routing_key="nq")
+    refused = conn.SimpleBuffer("nq")
+    with pytest.raises(LimitError, match=r"queue 'nq' has flow limit 'queue:nq'.*no_ack=True"):
+        refused.get(timeout=10)
+    refused.close()
+    with pytest.raises(LimitError, match=r"pgq limit reset queue:nq"):
+        channel.basic_get("nq", no_ack=True)
+    assert rows("SELECT count(*) FROM {schema}.message") == [(2,)]
+    # With acks: one start per hour, as the limit says.
+    acking = conn.SimpleQueue("nq")
+    acking.get(timeout=10).ack()
+    assert channel.basic_get("nq") is None  # the second waits for its token
+    acking.close()
+    other = conn.SimpleBuffer("free")
+    other.put({"n": 3})
+    assert other.get(timeout=10).payload == {"n": 3}
+    other.close()
+
+
+def test_a_limit_set_while_a_no_ack_consumer_runs_stops_its_pops(
+    conn: Connection, rows: Peek
+) -> None:
+    """A limit set on a queue after a no-ack consumer started: its pops take nothing
+    more from that queue (the message stays, for a consumer that acks), other queues
+    of the same pop still deliver."""
+    buffer = conn.SimpleBuffer("nq")
+    buffer.put({"n": 1})
+    assert buffer.get(timeout=10).payload == {"n": 1}
+    rows(
+        "INSERT INTO {schema}.flow_limit (name, concurrency, origin)"
+        " VALUES ('queue:nq', 1, 'command')"
+    )
+    buffer.put({"n": 2})
+    conn.SimpleBuffer("free").put({"n": 3})
+    store = conn.transport.store
+    popped = store.pop(["nq", "free"], 10)
+    assert [c.queue for c in popped] == ["free"]
+    assert rows("SELECT queue, read_ct FROM {schema}.message") == [("nq", 0)]
+    buffer.close()
