@@ -24,14 +24,22 @@ SELECT pg_catalog.has_table_privilege(
 -- cleared part is given as clear_rate / clear_concurrency. A changed rate starts its
 -- buckets full (their arrival times were counted in the old interval). Returns the new
 -- definition.
+-- The row proposed for insertion keeps the parts not given too: its CHECKs are tested
+-- before the conflict is found, so a change of burst alone must not propose a limit
+-- with neither a rate nor a concurrency.
 WITH old AS (
-    SELECT l.rate_count, l.rate_period, l.burst FROM {schema}.flow_limit AS l
+    SELECT l.rate_count, l.rate_period, l.burst, l.concurrency FROM {schema}.flow_limit AS l
     WHERE l.name = %(name)s::text
 ), set AS (
     INSERT INTO {schema}.flow_limit AS l
         (name, rate_count, rate_period, burst, concurrency, origin)
-    VALUES (%(name)s::text, %(rate_count)s::integer, %(rate_period)s::float8,
-            COALESCE(%(burst)s::integer, 1), %(concurrency)s::integer, 'command')
+    SELECT %(name)s::text,
+           CASE WHEN %(rate_count)s::integer IS NULL
+                THEN (SELECT old.rate_count FROM old) ELSE %(rate_count)s::integer END,
+           CASE WHEN %(rate_count)s::integer IS NULL
+                THEN (SELECT old.rate_period FROM old) ELSE %(rate_period)s::float8 END,
+           COALESCE(%(burst)s::integer, (SELECT old.burst FROM old), 1),
+           COALESCE(%(concurrency)s::integer, (SELECT old.concurrency FROM old)), 'command'
     ON CONFLICT (name) DO UPDATE
     SET rate_count = CASE WHEN %(clear_rate)s::boolean THEN NULL
                           ELSE COALESCE(EXCLUDED.rate_count, l.rate_count) END,
