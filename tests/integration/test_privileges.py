@@ -1223,3 +1223,30 @@ def test_a_celery_worker_runs_what_a_publisher_role_sends(granted: Roles, tmp_pa
         assert admin.execute(
             sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(granted.schema))
         ).fetchone() == (0,)
+
+
+def test_a_role_granted_before_0018_gets_every_other_figure(granted: Roles) -> None:
+    """A role whose grants predate migration 0018 (no EXECUTE on the counting functions)
+    still runs `pgq status` and `pgq metrics`: the unique counts are null and the text
+    says why; `pgq limit list` is refused naming the grant to add."""
+    with granted.connect(granted.owner) as owner:
+        owner.execute(
+            sql.SQL(
+                "REVOKE EXECUTE ON FUNCTION {s}.unique_counts(), {s}.flow_limit_states(text)"
+                " FROM {r}"
+            ).format(s=sql.Identifier(granted.schema), r=sql.Identifier(granted.monitor))
+        )
+    declared_by_the_worker(granted)
+    status = cli(granted, granted.monitor, "status", "--json")
+    assert status.exit_code == 0, status.output
+    queues = json.loads(status.stdout)["queues"]
+    assert queues and all(q["unique_queued"] is None for q in queues)
+    text = cli(granted, granted.monitor, "status")
+    assert "unique keys held: not counted" in text.stdout, text.output
+    metrics = cli(granted, granted.monitor, "metrics")
+    assert metrics.exit_code == 0, metrics.output
+    assert "pgq_queue_ready_messages{" in metrics.stdout
+    assert "pgq_queue_unique_queued_messages{" not in metrics.stdout
+    listed = cli(granted, granted.monitor, "limit", "list")
+    assert listed.exit_code == 1
+    assert "EXECUTE on flow_limit_states(text)" in listed.stderr, listed.output
