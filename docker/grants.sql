@@ -30,7 +30,7 @@ GRANT SELECT ON pgq.schema_version, pgq.queue TO pgq_monitor;
 -- Where each message is and since when; of an ordered message, its key (an id of your
 -- application's, not content), counted as keys blocked, and what tells a follower parked.
 GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at,
-              okey, due_at, follow_until, climit)
+              okey, due_at, follow_until, climit, qslot)
     ON pgq.message TO pgq_monitor;
 -- The flow limits' definitions (flow-control.md); their keys are not granted.
 GRANT SELECT ON pgq.flow_limit TO pgq_monitor;

@@ -221,8 +221,8 @@ def _queue_rate(key: str, value: Any) -> tuple[Rate, int]:
         if unknown:
             raise LimitError(
                 f"pgq option {key}={dict(value)!r}: a queue's rate limit takes 'rate' and "
-                f"'burst' only, not {', '.join(unknown)} (a queue-wide concurrency limit is "
-                "not supported: concurrency limits are per key)"
+                f"'burst' only, not {', '.join(unknown)} (a queue's concurrency is set with "
+                "`pgq limit set queue:<name> --concurrency N`)"
             )
         if "rate" not in value:
             raise LimitError(f"pgq option {key}={dict(value)!r}: give a 'rate', such as '200/s'")

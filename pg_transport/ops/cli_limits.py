@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import click
 
-from pg_transport.errors import LimitError
 from pg_transport.message.limits import parse_burst, parse_concurrency, parse_rate
 from pg_transport.ops.cli_common import Group, open_store, schema_option, url_option
 from pg_transport.ops.format import json_text, table
-from pg_transport.ops.limits import QUEUE_CONCURRENCY, QUEUE_PREFIX, Limits, LimitState
+from pg_transport.ops.limits import Limits, LimitState
 from pg_transport.ops.terminal import quoted
 
 __all__ = ["limit"]
@@ -64,7 +63,11 @@ def limit_list(url: str | None, schema: str, as_json: bool) -> None:
 @click.argument("name")
 @click.option("--rate", metavar="RATE", help="Count per s, m or h: 10/s, 600/m, 3600/h.")
 @click.option("--burst", metavar="N", help="Starts allowed at once after an idle spell.")
-@click.option("--concurrency", metavar="N", help="At most N in flight per key.")
+@click.option(
+    "--concurrency",
+    metavar="N",
+    help="At most N in flight per key (for queue:<name>, in the whole queue).",
+)
 @click.option("--no-rate", is_flag=True, help="Remove the rate.")
 @click.option("--no-concurrency", is_flag=True, help="Remove the concurrency limit.")
 def limit_set(
@@ -83,8 +86,6 @@ def limit_set(
     parsed_rate = None if rate is None else parse_rate("--rate", rate)
     parsed_burst = None if burst is None else parse_burst("--burst", burst)
     cap = None if concurrency is None else parse_concurrency("--concurrency", concurrency)
-    if cap is not None and name.startswith(QUEUE_PREFIX):
-        raise LimitError(QUEUE_CONCURRENCY.format(option="--concurrency", value=concurrency))
     with open_store(url, schema) as store:
         state = Limits(store).set(
             name,

@@ -20,17 +20,7 @@ from pg_transport.message.limits import Rate, limit_name
 from pg_transport.sql import channel_prefix, load_named
 from pg_transport.store import Store
 
-__all__ = ["QUEUE_CONCURRENCY", "QUEUE_PREFIX", "KeyState", "LimitState", "Limits"]
-
-#: A queue's own limit: every message of the queue meets its rate.
-QUEUE_PREFIX = "queue:"
-#: Why a queue's own limit takes no concurrency: slots are counted per key, from the
-#: rows that hold them (one limiter and key a message); a queue-wide count is not kept.
-QUEUE_CONCURRENCY = (
-    "{option}={value!r}: a queue's own limit (queue:<name>) takes a rate only; concurrency "
-    "limits are per key (concurrency_key, or the header pgq-concurrency-key): a queue-wide "
-    "concurrency limit is not supported"
-)
+__all__ = ["KeyState", "LimitState", "Limits"]
 
 
 @dataclass(frozen=True)
@@ -127,8 +117,6 @@ class Limits:
         """Define or change ``name`` (origin command); what is not given is kept. Parked
         messages are made visible now, to be judged under the new limit."""
         limit_name("name", name)
-        if concurrency is not None and name.startswith(QUEUE_PREFIX):
-            raise LimitError(QUEUE_CONCURRENCY.format(option="concurrency", value=concurrency))
         params = {
             "name": name,
             "rate_count": rate.count if rate else None,

@@ -112,12 +112,25 @@ ORDER BY l.queue
 -- its slots and those parked waiting for one (message_slot_live_idx and
 -- message_slot_wait_idx, one descent each per limit). Keys and tokens are not read: a
 -- monitor sees no key (`pgq limit show` does, as the workers' role).
+-- A queue's own limit (queue:<name>) counts its queue's slots too (qslot: holders
+-- through message_queue_slot_live_idx, waiting through message_queue_slot_wait_idx).
 SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency,
        (SELECT pg_catalog.count(*) FROM {schema}.message AS m
         WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
-          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL),
+          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+       + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+             (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+              WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                AND m.visible_at < 'infinity'::timestamptz AND m.read_ct > 0
+                AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+         ELSE 0 END,
        (SELECT pg_catalog.count(*) FROM {schema}.message AS m
         WHERE m.climit = l.name AND m.due_at IS NOT NULL)
+       + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+             (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+              WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                AND m.due_at IS NOT NULL)
+         ELSE 0 END
 FROM {schema}.flow_limit AS l
 ORDER BY l.name
 

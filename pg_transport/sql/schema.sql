@@ -84,6 +84,9 @@ CREATE TABLE {schema}.message (
     urun         boolean     NOT NULL DEFAULT false,
     -- Fair share: the message's key in a fair queue ('' without one), NULL elsewhere.
     fkey         text,
+    -- Whether it holds or waits for its queue's concurrency slot (0018_flow_reads.sql):
+    -- written by the claim only, in a queue with such a limit.
+    qslot        boolean     NOT NULL DEFAULT false,
     CONSTRAINT message_publish_key_key UNIQUE (publish_key),
     CONSTRAINT message_priority_check CHECK (priority BETWEEN 0 AND 255)
 ) WITH (
@@ -868,7 +871,8 @@ REVOKE ALL ON FUNCTION {schema}.unique_counts() FROM PUBLIC;
 -- The flow limits as `pgq limit list` and `pgq limit show` print them: each limit (or
 -- the one named) with its definition; the tokens its keyless bucket has now (GCRA:
 -- floor((tau - max(tat - now, 0)) / T) + 1, at most burst; NULL without a rate); the
--- messages holding one of its slots and those parked for one; how many keys it has
+-- messages holding one of its slots and those parked for one (a key's, or, for a limit
+-- queue:<name>, the queue's: qslot); how many keys it has
 -- state for. Counts, definitions and tokens only, never a key: the monitor may not read
 -- flow_state, whose keys are the application's values. Runs as the owner, names
 -- resolved in pg_catalog only; EXECUTE as for unique_counts.
@@ -889,9 +893,20 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
                    / (l.rate_period / l.rate_count) + 1e-9)::integer + 1))::integer END,
            (SELECT pg_catalog.count(*) FROM {schema}.message AS m
             WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
-              AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL),
+              AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+           + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+                 (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+                  WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                    AND m.visible_at < 'infinity'::timestamptz AND m.read_ct > 0
+                    AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+             ELSE 0 END,
            (SELECT pg_catalog.count(*) FROM {schema}.message AS m
-            WHERE m.climit = l.name AND m.due_at IS NOT NULL),
+            WHERE m.climit = l.name AND m.due_at IS NOT NULL)
+           + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+                 (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+                  WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                    AND m.due_at IS NOT NULL)
+             ELSE 0 END,
            (SELECT pg_catalog.count(*) FROM {schema}.flow_state AS s WHERE s.limiter = l.name)
     FROM {schema}.flow_limit AS l
     WHERE wanted IS NULL OR l.name = wanted
@@ -899,3 +914,100 @@ LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 $$;
 
 REVOKE ALL ON FUNCTION {schema}.flow_limit_states(text) FROM PUBLIC;
+
+-- Whole-queue concurrency (docs/flow-control.md): the limit queue:<name> with a
+-- concurrency holds at most that many of the queue's messages leased at once. A message
+-- holds (or waits for) its queue's slot when qslot is true, written by the claim only,
+-- and only in a queue with such a limit: every other message adds no index entry.
+-- The messages of a queue that hold its slot or may (not parked): counted by
+-- flow_queue_slots().
+CREATE INDEX message_queue_slot_live_idx ON {schema}.message (queue)
+    WHERE qslot AND visible_at < 'infinity'::timestamptz;
+-- The messages of a queue waiting for its slot, earliest first: promoted by
+-- flow_queue_leave().
+CREATE INDEX message_queue_slot_wait_idx ON {schema}.message (queue, due_at)
+    WHERE qslot AND due_at IS NOT NULL;
+
+-- A queue's slots: flow_slots' shape over the queue's holders (its bucket is
+-- ('queue:<name>', '')): how many of want messages may start now, and the earliest lease
+-- end of those in flight; -1 busy. Locks the queue's row, then counts in a fresh
+-- snapshot, holders counted twice (all and those it can share-lock), as flow_slots.
+CREATE FUNCTION {schema}.flow_queue_slots(queue text, want integer)
+RETURNS TABLE (granted integer, next_at timestamptz)
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    own text := 'queue:' || queue;
+    cap integer;
+    live integer;
+    locked integer;
+    ends timestamptz;
+BEGIN
+    SELECT l.concurrency INTO cap FROM {schema}.flow_limit AS l WHERE l.name = own;
+    IF cap IS NULL THEN
+        RETURN QUERY SELECT want, NULL::timestamptz;
+        RETURN;
+    END IF;
+    PERFORM FROM {schema}.flow_state AS s
+    WHERE s.limiter = own AND s.key = ''
+    FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND AND NOT EXISTS (SELECT FROM {schema}.flow_state AS s
+                                 WHERE s.limiter = own AND s.key = '') THEN
+        -- The queue's first use: its row (flow_bucket), then its lock.
+        PERFORM {schema}.flow_bucket(own, '');
+        PERFORM FROM {schema}.flow_state AS s
+        WHERE s.limiter = own AND s.key = ''
+        FOR UPDATE SKIP LOCKED;
+    END IF;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT -1, NULL::timestamptz;
+        RETURN;
+    END IF;
+    SELECT pg_catalog.count(*)::integer, pg_catalog.min(m.visible_at) INTO live, ends
+    FROM {schema}.message AS m
+    WHERE m.queue = flow_queue_slots.queue AND m.qslot
+      AND m.visible_at < 'infinity'::timestamptz
+      AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL;
+    SELECT pg_catalog.count(*)::integer INTO locked FROM (
+        SELECT FROM {schema}.message AS m
+        WHERE m.queue = flow_queue_slots.queue AND m.qslot
+          AND m.visible_at < 'infinity'::timestamptz
+          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL
+        FOR SHARE OF m SKIP LOCKED) AS h;
+    IF locked <> live THEN
+        RETURN QUERY SELECT -1, NULL::timestamptz;
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT LEAST(want, GREATEST(cap - live, 0)), ends;
+END
+$$;
+
+-- After a message that held or waited for its queue's slot left the table: the queue's
+-- earliest waiting message is made visible now (its place kept) and the queue woken, as
+-- flow_leave does for a key.
+CREATE FUNCTION {schema}.flow_queue_leave() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    woken text;
+BEGIN
+    UPDATE {schema}.message AS m
+    SET visible_at = LEAST(m.due_at, pg_catalog.now()), due_at = NULL
+    WHERE m.id = (SELECT w.id FROM {schema}.message AS w
+                  WHERE w.queue = OLD.queue AND w.qslot AND w.due_at IS NOT NULL
+                    AND w.visible_at > pg_catalog.now()
+                    AND w.visible_at < 'infinity'::timestamptz
+                  ORDER BY w.due_at, w.id
+                  LIMIT 1
+                  FOR NO KEY UPDATE SKIP LOCKED)
+    RETURNING m.queue INTO woken;
+    IF woken IS NOT NULL THEN
+        PERFORM pg_catalog.pg_notify(
+            {channel_prefix}::text || pg_catalog.md5(pg_catalog.convert_to(woken, 'UTF8')), '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER message_leave_queue_slot AFTER DELETE ON {schema}.message
+FOR EACH ROW WHEN (OLD.qslot) EXECUTE FUNCTION {schema}.flow_queue_leave();
+
+REVOKE ALL ON FUNCTION {schema}.flow_queue_leave() FROM PUBLIC;

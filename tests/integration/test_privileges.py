@@ -110,8 +110,10 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "okey",
                 "due_at",
                 "follow_until",
-                # Flow limits: slots in use and waiting counted per limiter, not per key.
+                # Flow limits: slots in use and waiting counted per limiter, not per key,
+                # and per queue for a queue's own concurrency.
                 "climit",
+                "qslot",
             },
             "flow_limit": ALL,
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},

@@ -463,7 +463,7 @@ def test_queue_rate_limits_define_each_queue_s_own_limit() -> None:
         ({"rate": "10/s", "burst": 0}, "pgq option queue_rate_limits['q']['burst']=0"),
         ({"rate": "ten"}, "pgq option queue_rate_limits['q']['rate']='ten'"),
         ({"burst": 2}, "pgq option queue_rate_limits['q']={'burst': 2}: give a 'rate'"),
-        ({"rate": "10/s", "concurrency": 3}, "a queue-wide concurrency limit is not supported"),
+        ({"rate": "10/s", "concurrency": 3}, "'burst' only, not concurrency"),
     ],
 )
 def test_a_bad_queue_rate_limit_is_refused_naming_the_option(value: Any, named: str) -> None:
