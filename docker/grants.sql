@@ -17,6 +17,8 @@ GRANT EXECUTE ON FUNCTION pgq.result_read(text[]), pgq.result_forget(text),
     TO pgq_worker;
 -- A duplicate unique task's publish asks who holds its key (a task id, nothing else).
 GRANT EXECUTE ON FUNCTION pgq.unique_holder(text, text) TO pgq_worker;
+-- `pgq status` counts the unique keys held; `pgq limit list` reads the limits' figures.
+GRANT EXECUTE ON FUNCTION pgq.unique_counts(), pgq.flow_limit_states(text) TO pgq_worker;
 
 -- 5. monitor rights, as pgq_owner
 BEGIN;
@@ -28,10 +30,15 @@ GRANT SELECT ON pgq.schema_version, pgq.queue TO pgq_monitor;
 -- Where each message is and since when; of an ordered message, its key (an id of your
 -- application's, not content), counted as keys blocked, and what tells a follower parked.
 GRANT SELECT (id, queue, priority, visible_at, read_ct, enqueued_at,
-              okey, due_at, follow_until, climit)
+              okey, due_at, follow_until, climit, qslot)
     ON pgq.message TO pgq_monitor;
 -- The flow limits' definitions (flow-control.md); their keys are not granted.
 GRANT SELECT ON pgq.flow_limit TO pgq_monitor;
+-- Counts that need rows the monitor may not read, computed by the owner's functions:
+-- the unique keys held per queue (never a key), and each limit's tokens and number of
+-- keys (`pgq limit list`, never a key).
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA pgq FROM pgq_monitor;
+GRANT EXECUTE ON FUNCTION pgq.unique_counts(), pgq.flow_limit_states(text) TO pgq_monitor;
 GRANT SELECT (id, queue, priority, read_ct, enqueued_at, dead_at)
     ON pgq.dead_letter TO pgq_monitor;
 GRANT SELECT (id, status, total, remaining, created_at, progressed_at, expires_at,

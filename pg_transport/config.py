@@ -18,7 +18,8 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 from pg_transport.db.retry import FENCED_RETRY_SECONDS
-from pg_transport.errors import ConfigurationError
+from pg_transport.errors import ConfigurationError, LimitError
+from pg_transport.message.limits import Limit, Rate, limit_name, parse_burst, parse_rate
 
 __all__ = [
     "DEFAULT_FOLLOWS_RETENTION",
@@ -233,6 +234,24 @@ def _ordering(key: str, value: Any) -> str:
     return value.strip().lower()
 
 
+def _queue_rate(key: str, value: Any) -> tuple[Rate, int]:
+    """A queue's own rate limit (``queue:<name>``, docs/flow-control.md): ``"200/s"``,
+    or ``{"rate": "200/s", "burst": 20}``. Bad values are refused naming the option."""
+    if isinstance(value, Mapping):
+        unknown = sorted(str(k) for k in value if k not in ("rate", "burst"))
+        if unknown:
+            raise LimitError(
+                f"pgq option {key}={dict(value)!r}: a queue's rate limit takes 'rate' and "
+                f"'burst' only, not {', '.join(unknown)} (a queue's concurrency is set with "
+                "`pgq limit set queue:<name> --concurrency N`)"
+            )
+        if "rate" not in value:
+            raise LimitError(f"pgq option {key}={dict(value)!r}: give a 'rate', such as '200/s'")
+        burst = parse_burst(f"pgq option {key}['burst']", value.get("burst", 1))
+        return parse_rate(f"pgq option {key}['rate']", value["rate"]), burst
+    return parse_rate(f"pgq option {key}", value), 1
+
+
 def _per_queue(key: str, value: Any, parse: Callable[[str, Any], T]) -> dict[str, T]:
     if key == "queue_fair_share" and isinstance(value, (list, tuple, set, frozenset)):
         value = dict.fromkeys(value, True)  # the queues named are fair
@@ -279,6 +298,7 @@ _MAPPINGS: dict[str, Callable[[str, Any], Any]] = {
     "queue_max_attempts": _attempts,
     "queue_ordering": _ordering,
     "queue_fair_share": _flag,
+    "queue_rate_limits": _queue_rate,
 }
 
 
@@ -326,6 +346,10 @@ class Options:
     #: (a list of queue names means each is). A queue not named keeps what the database
     #: says (not fair unless set).
     queue_fair_share: Mapping[str, bool] = field(default_factory=dict)
+    #: Per queue, its own rate limit and burst (limit ``queue:<name>``), written by every
+    #: Celery worker at its start with origin config, as `pgq limit set` would write it
+    #: (one set by the command is kept until `pgq limit reset`).
+    queue_rate_limits: Mapping[str, tuple[Rate, int]] = field(default_factory=dict)
     # Per-queue values from the environment, keyed by env_queue_key(queue).
     env_queue_visibility_timeouts: Mapping[str, float] = field(default_factory=dict)
     env_queue_max_attempts: Mapping[str, int] = field(default_factory=dict)
@@ -380,6 +404,8 @@ class Options:
                 env_ordering[_env_queue(name, "PGQ_ORDERING_")] = _ordering(name, raw)
             elif name.startswith("PGQ_FAIR_SHARE_"):
                 env_fair[_env_queue(name, "PGQ_FAIR_SHARE_")] = _flag(name, raw)
+        for queue in values.get("queue_rate_limits", {}):
+            limit_name(f"pgq option queue_rate_limits[{queue!r}]", f"queue:{queue}")
         if values.get("listen_url") and values.get("use_notify", True):
             raise ConfigurationError(
                 "pgq option listen_url is for use_notify=false (behind a transaction "
@@ -397,6 +423,13 @@ class Options:
         """The ordering failure mode configured for ``queue`` (None: not configured)."""
         env = self.env_queue_ordering.get(env_queue_key(queue))
         return env if env is not None else self.queue_ordering.get(queue)
+
+    def queue_limits(self) -> list[Limit]:
+        """The queues' own rate limits ``queue_rate_limits`` defines."""
+        return [
+            Limit(f"queue:{queue}", rate=rate, burst=burst)
+            for queue, (rate, burst) in sorted(self.queue_rate_limits.items())
+        ]
 
     def fair_share_for(self, queue: str) -> bool | None:
         """Whether ``queue`` is configured fair (None: not configured)."""

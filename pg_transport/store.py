@@ -437,6 +437,11 @@ class Store:
         if fair:
             self._declaring(f"queue {queue!r}", "fair_adopt", {"queue": queue})
 
+    def queue_limit(self, queue: str) -> str | None:
+        """The name of ``queue``'s own flow limit (``queue:<name>``), or None."""
+        found = self._scalar("queue_limit", {"queue": queue})
+        return None if found is None else str(found)
+
     def has_queue(self, queue: str) -> bool:
         return bool(self._scalar("has_queue", {"queue": queue}))
 

@@ -23,7 +23,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from pg_transport import poisoned
 from pg_transport.config import MAX_SECONDS, Options
-from pg_transport.errors import InvalidMessage
+from pg_transport.errors import InvalidMessage, LimitError
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
 from pg_transport.message import envelope, fair, identity, limits, ordering, poison, topic, unique
@@ -361,9 +361,23 @@ class Channel(virtual.Channel):
     def _restore(self, message: Any) -> None:
         self.store.release([lease_of(message)])
 
+    def _refuse_limited_without_acks(self, queue: str) -> None:
+        """A queue with a flow limit of its own is not consumed without acks: a pop takes
+        and deletes messages without the claim that enforces the limit
+        (docs/flow-control.md)."""
+        name = self.store.queue_limit(queue)
+        if name is not None:
+            raise LimitError(
+                f"queue {queue!r} has flow limit {name!r}: a consumer without acks "
+                "(no_ack=True) takes messages without the claim that enforces it, so it may "
+                f"not consume this queue; consume it with acks, or remove the limit (`pgq "
+                f"limit reset {name}`)"
+            )
+
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
         check_queue_name(queue)
         if no_ack:
+            self._refuse_limited_without_acks(queue)
             self._noack_queues.add(queue)
         self.connection.engine.reset(queue)
         return super().basic_consume(queue, no_ack, *args, **kwargs)
@@ -383,6 +397,7 @@ class Channel(virtual.Channel):
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         if not no_ack:
             return super().basic_get(queue, no_ack, **kwargs)
+        self._refuse_limited_without_acks(queue)
         while True:
             popped = self.store.pop([queue], 1)
             if not popped:

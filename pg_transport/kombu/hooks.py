@@ -17,11 +17,13 @@ is imported; each receiver once, whatever the number of calls).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import signals
 
 from pg_transport import backoff, preflight
+from pg_transport.config import Options
 from pg_transport.db.pool import set_process_role
 from pg_transport.message import fair, limits, ordering, unique
 
@@ -85,9 +87,10 @@ def _name_sessions(sender: Any = None, **_: Any) -> None:
 
 
 def _define_limits(app: Any) -> None:
-    """Write the flow limits the app's tasks define (origin config), before the worker
-    consumes. A bad one stops the worker with the error naming it; a task that also sets
-    Celery's per-worker ``rate_limit`` gets a warning (both would apply)."""
+    """Write the flow limits the app's tasks and the transport option queue_rate_limits
+    define (origin config), before the worker consumes. A bad one stops the worker with
+    the error naming it; a task that also sets Celery's per-worker ``rate_limit`` gets a
+    warning (both would apply)."""
     found: list[limits.Limit] = []
     for name, task in sorted(app.tasks.items()):
         defined = limits.task_limits(task)
@@ -98,6 +101,10 @@ def _define_limits(app: Any) -> None:
                 name,
             )
         found += defined
+    # The queues' own rates (queue_rate_limits): validated here too, so a bad one stops
+    # the worker at its start, naming the option.
+    options = Options.from_sources(app.conf.broker_transport_options, os.environ)
+    found += options.queue_limits()
     if found:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)

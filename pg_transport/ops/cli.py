@@ -122,8 +122,10 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
     messages held back are listed again below: their ordering keys blocked (messages
     parked until an earlier one of the key is done), those messages, how long ago the
     oldest of them was published, and the followers waiting for the task they follow.
-    Clients are pgq processes connected to this database (workers and publishers of
-    every pgq schema in it: Postgres does not know which schema a session uses).
+    Queues with unique tasks list how many unique keys their messages hold, queued and
+    running (counts only, never a key). Clients are pgq processes connected to this
+    database (workers and publishers of every pgq schema in it: Postgres does not know
+    which schema a session uses).
     """
     with open_store(url, schema) as store:
         report = status_report.collect(store)
@@ -177,6 +179,21 @@ def status(url: str | None, schema: str, as_json: bool) -> None:
                 ],
                 right={1, 2, 3, 4},
             )
+        )
+    unique = [q for q in report.queues if q.unique_queued or q.unique_running]
+    if unique:
+        click.echo("unique keys held:")
+        click.echo(
+            table(
+                ["QUEUE", "QUEUED", "RUNNING"],
+                [[q.queue, str(q.unique_queued), str(q.unique_running)] for q in unique],
+                right={1, 2},
+            )
+        )
+    elif report.queues and report.queues[0].unique_queued is None:
+        click.echo(
+            "unique keys held: not counted (this role may not run unique_counts(): "
+            "see docs/least-privilege.md, blocks 4 and 5)"
         )
     if report.limits:
         click.echo("limits:")

@@ -63,7 +63,11 @@ def limit_list(url: str | None, schema: str, as_json: bool) -> None:
 @click.argument("name")
 @click.option("--rate", metavar="RATE", help="Count per s, m or h: 10/s, 600/m, 3600/h.")
 @click.option("--burst", metavar="N", help="Starts allowed at once after an idle spell.")
-@click.option("--concurrency", metavar="N", help="At most N in flight per key.")
+@click.option(
+    "--concurrency",
+    metavar="N",
+    help="At most N in flight per key (for queue:<name>, in the whole queue).",
+)
 @click.option("--no-rate", is_flag=True, help="Remove the rate.")
 @click.option("--no-concurrency", is_flag=True, help="Remove the concurrency limit.")
 def limit_set(
@@ -109,7 +113,7 @@ def limit_set(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 def limit_show(url: str | None, schema: str, name: str, n: int, as_json: bool) -> None:
     """Limit NAME and its keys with most waiting (keys are your application's values:
-    run it as the workers' role)."""  # fmt: skip
+    a role that may not read them, such as the monitor, gets the limit's counts only)."""
     with open_store(url, schema) as store:
         limits = Limits(store)
         states = limits.states(name)
@@ -117,10 +121,17 @@ def limit_show(url: str | None, schema: str, name: str, n: int, as_json: bool) -
             raise click.ClickException(f"no flow limit named {quoted(name)}")
         keys = limits.keys(name, n)
     if as_json:
-        click.echo(json_text({"limit": states[0].as_json(), "keys": [k.as_json() for k in keys]}))
+        shown = None if keys is None else [k.as_json() for k in keys]
+        click.echo(json_text({"limit": states[0].as_json(), "keys": shown}))
         return
     click.echo(_rows(states))
-    if keys:
+    if keys is None:
+        click.echo("")
+        click.echo(
+            "keys not shown: they are your application's values, which this role may not "
+            "read (SELECT on flow_state): run `pgq limit show` as the workers' role to see them"
+        )
+    elif keys:
         click.echo("")
         click.echo(
             table(

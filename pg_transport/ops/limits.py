@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from pg_transport.errors import LimitError
+from pg_transport.errors import LimitError, NotPermitted
 from pg_transport.message.limits import Rate, limit_name
 from pg_transport.sql import channel_prefix, load_named
 from pg_transport.store import Store
@@ -92,7 +92,15 @@ class Limits:
         """Every limit (or the one named), with its tokens, in flight and waiting now."""
 
         def work(conn: psycopg.Connection[Any]) -> list[Any]:
-            return conn.execute(self.q["limit_list"], {"name": name}).fetchall()
+            try:
+                return conn.execute(self.q["limit_list"], {"name": name}).fetchall()
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise NotPermitted(
+                    f"this role may not read the flow limits of pgq schema "
+                    f"{self.store.schema!r} ({exc.diag.message_primary}): grant it EXECUTE "
+                    "on flow_limit_states(text) as docs/least-privilege.md's blocks 4 "
+                    "(workers) and 5 (monitor) do"
+                ) from None
 
         return [_state(r) for r in self.store.connector.run(work, idempotent=True)]
 
@@ -146,13 +154,21 @@ class Limits:
 
         return self.store.connector.run(work, idempotent=True)
 
-    def keys(self, name: str, n: int) -> list[KeyState]:
-        """The ``n`` keys of ``name`` with most waiting."""
+    def keys(self, name: str, n: int) -> list[KeyState] | None:
+        """The ``n`` keys of ``name`` with most waiting; None when this role may not
+        read keys (the monitor: they are the application's values)."""
 
-        def work(conn: psycopg.Connection[Any]) -> list[Any]:
+        def work(conn: psycopg.Connection[Any]) -> list[Any] | None:
+            [(allowed,)] = conn.execute(
+                self.q["limit_keys_allowed"], {"schema": self.store.schema}
+            ).fetchall()
+            if not allowed:
+                return None
             return conn.execute(self.q["limit_keys"], {"name": name, "n": n}).fetchall()
 
         rows = self.store.connector.run(work, idempotent=True)
+        if rows is None:
+            return None
         return [
             KeyState(r[0], None if r[1] is None else int(r[1]), int(r[2]), int(r[3]), r[4])
             for r in rows

@@ -4,30 +4,19 @@
 -- definitions at every claim: what is set here holds from the next claim on.
 
 -- name: limit_list
--- Every limit: its definition; the tokens its keyless bucket has now (GCRA:
--- floor((tau - max(tat - now, 0)) / T) + 1, at most burst; NULL without a rate); the
--- messages holding one of its slots and those parked for one (message_slot_live_idx,
--- message_slot_wait_idx); how many keys it has state for.
-SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency, l.origin, l.updated_at,
-       CASE WHEN l.rate_count IS NOT NULL THEN GREATEST(0, LEAST(l.burst,
-           pg_catalog.floor(((l.burst - 1) * l.rate_period / l.rate_count
-               - GREATEST(0::float8, COALESCE(EXTRACT(EPOCH FROM
-                     GREATEST((SELECT s.tat FROM {schema}.flow_state AS s
-                               WHERE s.limiter = l.name AND s.key = ''),
-                              pg_catalog.statement_timestamp())
-                     - pg_catalog.statement_timestamp())::float8, 0::float8)))
-               / (l.rate_period / l.rate_count) + 1e-9)::integer + 1)) END AS tokens,
-       (SELECT pg_catalog.count(*) FROM {schema}.message AS m
-        WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
-          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
-           AS in_flight,
-       (SELECT pg_catalog.count(*) FROM {schema}.message AS m
-        WHERE m.climit = l.name AND m.due_at IS NOT NULL) AS waiting,
-       (SELECT pg_catalog.count(*) FROM {schema}.flow_state AS s WHERE s.limiter = l.name)
-           AS keys
-FROM {schema}.flow_limit AS l
-WHERE %(name)s::text IS NULL OR l.name = %(name)s::text
-ORDER BY l.name
+-- Every limit (or the one named): its definition, the tokens its keyless bucket has now,
+-- the messages holding one of its slots and those parked for one, how many keys it has
+-- state for. Through flow_limit_states() (0018: runs as the owner and returns no key),
+-- so the monitor role lists limits as the workers' role does.
+SELECT s.name, s.rate_count, s.rate_period, s.burst, s.concurrency, s.origin, s.updated_at,
+       s.tokens, s.in_flight, s.waiting, s.keys
+FROM {schema}.flow_limit_states(%(name)s::text) AS s
+
+-- name: limit_keys_allowed
+-- Whether this role may read the keys of the limits (SELECT on flow_state: the workers'
+-- role; keys are the application's values, which the monitor role does not read).
+SELECT pg_catalog.has_table_privilege(
+           pg_catalog.format('%%I.flow_state', %(schema)s::text), 'SELECT')
 
 -- name: limit_set
 -- Define or change a limit from the command (origin command, which configuration does
@@ -35,14 +24,22 @@ ORDER BY l.name
 -- cleared part is given as clear_rate / clear_concurrency. A changed rate starts its
 -- buckets full (their arrival times were counted in the old interval). Returns the new
 -- definition.
+-- The row proposed for insertion keeps the parts not given too: its CHECKs are tested
+-- before the conflict is found, so a change of burst alone must not propose a limit
+-- with neither a rate nor a concurrency.
 WITH old AS (
-    SELECT l.rate_count, l.rate_period, l.burst FROM {schema}.flow_limit AS l
+    SELECT l.rate_count, l.rate_period, l.burst, l.concurrency FROM {schema}.flow_limit AS l
     WHERE l.name = %(name)s::text
 ), set AS (
     INSERT INTO {schema}.flow_limit AS l
         (name, rate_count, rate_period, burst, concurrency, origin)
-    VALUES (%(name)s::text, %(rate_count)s::integer, %(rate_period)s::float8,
-            COALESCE(%(burst)s::integer, 1), %(concurrency)s::integer, 'command')
+    SELECT %(name)s::text,
+           CASE WHEN %(rate_count)s::integer IS NULL
+                THEN (SELECT old.rate_count FROM old) ELSE %(rate_count)s::integer END,
+           CASE WHEN %(rate_count)s::integer IS NULL
+                THEN (SELECT old.rate_period FROM old) ELSE %(rate_period)s::float8 END,
+           COALESCE(%(burst)s::integer, (SELECT old.burst FROM old), 1),
+           COALESCE(%(concurrency)s::integer, (SELECT old.concurrency FROM old)), 'command'
     ON CONFLICT (name) DO UPDATE
     SET rate_count = CASE WHEN %(clear_rate)s::boolean THEN NULL
                           ELSE COALESCE(EXCLUDED.rate_count, l.rate_count) END,

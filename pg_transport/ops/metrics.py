@@ -168,6 +168,24 @@ def families(report: Status, collect_seconds: float | None = None) -> list[Famil
             "Followers parked until the task they follow finishes or their wait runs out.",
             lambda q: q.following,
         ),
+        Family(
+            "pgq_queue_unique_queued_messages",
+            "Messages holding a unique key while queued (not leased); no series where the"
+            " role may not count them.",
+            "gauge",
+            [({"queue": q.queue}, q.unique_queued) for q in queues if q.unique_queued is not None],
+        ),
+        Family(
+            "pgq_queue_unique_running_messages",
+            "Messages holding a unique key while running (leased, unique_while"
+            ' "queued_or_running"); no series where the role may not count them.',
+            "gauge",
+            [
+                ({"queue": q.queue}, q.unique_running)
+                for q in queues
+                if q.unique_running is not None
+            ],
+        ),
         per_queue(
             "pgq_queue_fair",
             "1 for a queue claimed in fair shares over its messages' fair keys, else 0.",

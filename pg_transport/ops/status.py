@@ -27,12 +27,14 @@ __all__ = [
     "LimitLine",
     "QueueStatus",
     "Status",
+    "UniqueLine",
     "barrier_counts",
     "celery_own",
     "collect",
     "limit_line",
     "limit_lines",
     "queries",
+    "unique_lines",
 ]
 
 
@@ -77,6 +79,11 @@ class QueueStatus:
     following: int = 0
     #: Claimed in fair shares over its messages' fair keys (docs/unique-tasks.md).
     fair: bool = False
+    #: Messages holding a unique key (docs/unique-tasks.md) while queued (not leased),
+    #: and while running (leased: unique_while="queued_or_running"). None: this role may
+    #: not count them (EXECUTE on unique_counts(), docs/least-privilege.md).
+    unique_queued: int | None = None
+    unique_running: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +152,15 @@ def barrier_counts(store: Store) -> list[BarrierCount]:
     return [BarrierCount(status, n) for status, n in sorted(counts.items()) if n]
 
 
-def queue_status(row: Sequence[Any], blocked: Sequence[Any] | None) -> QueueStatus:
-    """A queue's figures from its ``status_queues`` row and its ``status_blocked`` row
-    (None: nothing parked in its keys)."""
+def queue_status(
+    row: Sequence[Any],
+    blocked: Sequence[Any] | None,
+    unique: dict[str, tuple[int, int]] | None = None,
+) -> QueueStatus:
+    """A queue's figures from its ``status_queues`` row, its ``status_blocked`` row
+    (None: nothing parked in its keys) and the unique keys held per queue (None: this
+    role may not count them)."""
+    held = None if unique is None else unique.get(str(row[0]), (0, 0))
     return QueueStatus(
         row[0],
         int(row[1]),
@@ -161,6 +174,8 @@ def queue_status(row: Sequence[Any], blocked: Sequence[Any] | None) -> QueueStat
         oldest_blocked_age_s=None if blocked is None else float(blocked[3]),
         following=int(row[7]),
         fair=bool(row[8]),
+        unique_queued=None if held is None else held[0],
+        unique_running=None if held is None else held[1],
     )
 
 
@@ -174,7 +189,7 @@ def collect(store: Store) -> Status:
 
     def work(
         conn: psycopg.Connection[Any],
-    ) -> tuple[list[Any], list[Any], Any, list[Any], list[Any]]:
+    ) -> tuple[list[Any], list[Any], Any, list[Any], list[Any], list[Any] | None]:
         # One snapshot for both counts of messages: a message promoted from its key's
         # parked rows between them would otherwise be counted twice or not at all.
         with conn.transaction():
@@ -183,25 +198,57 @@ def collect(store: Store) -> Status:
             queues = conn.execute(q["status_queues"]).fetchall()
             blocked = conn.execute(q["status_blocked"]).fetchall()
             limits = conn.execute(q["status_limits"]).fetchall()
+            unique = _unique_rows(conn, q, store.schema)
         clients = conn.execute(q["status_clients"]).fetchone()
         processes = conn.execute(q["status_client_processes"]).fetchall()
-        return queues, blocked, clients, processes, limits
+        return queues, blocked, clients, processes, limits, unique
 
-    queues, blocked, clients, processes, limits = store.connector.run(work, idempotent=True)
+    queues, blocked, clients, processes, limits, unique = store.connector.run(work, idempotent=True)
     keys = {str(row[0]): row for row in blocked}
+    held = None if unique is None else {str(r[0]): (int(r[1]), int(r[2])) for r in unique}
     by_process = [
         ClientProcess(str(name), str(address), int(sessions), int(active))
         for name, address, sessions, active in processes
     ]
     return Status(
         schema=store.schema,
-        queues=[queue_status(row, keys.get(str(row[0]))) for row in queues],
+        queues=[queue_status(row, keys.get(str(row[0])), held) for row in queues],
         clients=(
             Clients(int(clients[0]), int(clients[1]), by_process) if clients else Clients(0, 0)
         ),
         barriers=barrier_counts(store),
         limits=[limit_line(r) for r in limits],
     )
+
+
+def _unique_rows(conn: psycopg.Connection[Any], q: dict[str, str], schema: str) -> list[Any] | None:
+    """``status_unique``'s rows, or None when this role may not run unique_counts()
+    (a role granted before migration 0018, or none of the page's)."""
+    row = conn.execute(q["status_unique_allowed"], {"schema": schema}).fetchone()
+    if row is None or not row[0]:
+        return None
+    return conn.execute(q["status_unique"]).fetchall()
+
+
+@dataclass(frozen=True)
+class UniqueLine:
+    """The unique keys held in a queue: by messages queued and by messages running."""
+
+    queue: str
+    queued: int
+    running: int
+
+
+def unique_lines(store: Store) -> list[UniqueLine] | None:
+    """The unique keys held per queue with any (the console's limits page); None when
+    this role may not count them."""
+    q = queries(store.schema)
+
+    def work(conn: psycopg.Connection[Any]) -> list[Any] | None:
+        return _unique_rows(conn, q, store.schema)
+
+    rows = store.connector.run(work, idempotent=True)
+    return None if rows is None else [UniqueLine(str(r[0]), int(r[1]), int(r[2])) for r in rows]
 
 
 def limit_line(row: Sequence[Any]) -> LimitLine:

@@ -112,14 +112,41 @@ ORDER BY l.queue
 -- its slots and those parked waiting for one (message_slot_live_idx and
 -- message_slot_wait_idx, one descent each per limit). Keys and tokens are not read: a
 -- monitor sees no key (`pgq limit show` does, as the workers' role).
+-- A queue's own limit (queue:<name>) counts its queue's slots too (qslot: holders
+-- through message_queue_slot_live_idx, waiting through message_queue_slot_wait_idx).
 SELECT l.name, l.rate_count, l.rate_period, l.burst, l.concurrency,
        (SELECT pg_catalog.count(*) FROM {schema}.message AS m
         WHERE m.climit = l.name AND m.visible_at < 'infinity'::timestamptz
-          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL),
+          AND m.read_ct > 0 AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+       + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+             (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+              WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                AND m.visible_at < 'infinity'::timestamptz AND m.read_ct > 0
+                AND m.visible_at > pg_catalog.now() AND m.due_at IS NULL)
+         ELSE 0 END,
        (SELECT pg_catalog.count(*) FROM {schema}.message AS m
         WHERE m.climit = l.name AND m.due_at IS NOT NULL)
+       + CASE WHEN pg_catalog.left(l.name, 6) = 'queue:' THEN
+             (SELECT pg_catalog.count(*) FROM {schema}.message AS m
+              WHERE m.queue = pg_catalog.substr(l.name, 7) AND m.qslot
+                AND m.due_at IS NOT NULL)
+         ELSE 0 END
 FROM {schema}.flow_limit AS l
 ORDER BY l.name
+
+-- name: status_unique_allowed
+-- Whether this role may count the unique keys held (EXECUTE on unique_counts(), granted
+-- by least-privilege.md's blocks 4 and 5); false before migration 0018 too.
+SELECT COALESCE(pg_catalog.bool_or(pg_catalog.has_function_privilege(p.oid, 'EXECUTE')), false)
+FROM pg_catalog.pg_proc AS p
+JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
+WHERE n.nspname = %(schema)s AND p.proname = 'unique_counts'
+
+-- name: status_unique
+-- Per queue with any: the messages holding a unique key while queued and while running
+-- (docs/unique-tasks.md). Counts only, through unique_counts() (runs as the owner): the
+-- monitor may not read the keys.
+SELECT u.queue, u.queued, u.running FROM {schema}.unique_counts() AS u
 
 -- name: status_clients
 -- pgq client processes (application_name 'pgq:<pid>', set by the transport) connected

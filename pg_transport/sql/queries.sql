@@ -248,6 +248,7 @@ WITH wanted AS (
 -- and after the budget the flow gates, in this outline:
 --   flow         claim_flow_meets                what each message asks of the limits
 --                claim_gate_slots, claim_slots    at most N of a key in flight (flow_slots)
+--                claim_gate_queue, claim_queue_slots  at most N of a queue (flow_queue_slots)
 --                claim_flow_wants, claim_gate_rate  a token of each rate bucket (flow_tokens)
 --                claim_flow_hold, claim_flow_park what the limits stop is held or deferred
 --   update       claim_flow_update               the lease, and the slot it grants
@@ -288,6 +289,10 @@ WITH wanted AS (
     {part:claim_gate_slots}
 ), slotted AS MATERIALIZED (
     {part:claim_slots}
+), qslots AS MATERIALIZED (
+    {part:claim_gate_queue}
+), qslotted AS MATERIALIZED (
+    {part:claim_queue_slots}
 ), flow_wants AS MATERIALIZED (
     {part:claim_flow_wants}
 ), rate AS MATERIALIZED (
@@ -367,6 +372,10 @@ WITH wanted AS (
     {part:claim_gate_slots}
 ), slotted AS MATERIALIZED (
     {part:claim_slots}
+), qslots AS MATERIALIZED (
+    {part:claim_gate_queue}
+), qslotted AS MATERIALIZED (
+    {part:claim_queue_slots}
 ), flow_wants AS MATERIALIZED (
     {part:claim_flow_wants}
 ), rate AS MATERIALIZED (
@@ -826,6 +835,43 @@ SELECT f.*,
 FROM flow_meets AS f
 LEFT JOIN slots AS s ON s.climit = f.climit AND s.ckey = f.ckey
 
+-- part: claim_gate_queue
+-- Gate (a queue's own concurrency, limit queue:<name>): per queue with one, how many of
+-- its candidates the key gate let through may start (flow_queue_slots: counted under
+-- the queue's row lock, in a fresh snapshot; -1: busy) and the earliest lease end of
+-- its holders. Queues in one order.
+SELECT q.queue, s.granted, s.next_at
+FROM (SELECT f.queue, pg_catalog.count(*)::integer AS want
+      FROM slotted AS f
+      WHERE (f.slot_gate IS NULL OR f.slot_gate = 'slot')
+        AND (SELECT l.concurrency FROM {schema}.flow_limit AS l
+             WHERE l.name = 'queue:' || f.queue) IS NOT NULL
+      GROUP BY f.queue
+      ORDER BY f.queue) AS q
+CROSS JOIN LATERAL {schema}.flow_queue_slots(q.queue, q.want) AS s
+
+-- part: claim_queue_slots
+-- Each candidate's queue slot: NULL (no queue concurrency, or its key's gate stopped
+-- it), 'slot' (within what its queue grants, in claim order), 'full' (parked until
+-- queue_until: the earliest lease end of the queue's holders, this claim's own grants
+-- included), 'busy' (held, not parked).
+SELECT e.*,
+       CASE WHEN NOT e.queue_eligible THEN NULL
+            WHEN e.queue_granted < 0 THEN 'busy'
+            WHEN pg_catalog.row_number() OVER (
+                     PARTITION BY e.queue, e.queue_eligible
+                     ORDER BY e.priority DESC, e.visible_at, e.id) <= e.queue_granted
+            THEN 'slot'
+            ELSE 'full'
+       END AS queue_gate
+FROM (SELECT f.*, q.granted AS queue_granted,
+             q.granted IS NOT NULL
+                 AND COALESCE(f.slot_gate NOT IN ('full', 'busy'), true) AS queue_eligible,
+             LEAST(q.next_at, pg_catalog.now() + pg_catalog.make_interval(secs => f.vt))
+                 AS queue_until
+      FROM slotted AS f
+      LEFT JOIN qslots AS q ON q.queue = f.queue) AS e
+
 -- part: claim_flow_wants
 -- The rate buckets each candidate its slot let through meets (all must grant): its
 -- queue's (queue:<queue>), its task's (task:<task>) unless its rate key is of the task's
@@ -834,7 +880,7 @@ LEFT JOIN slots AS s ON s.climit = f.climit AND s.ckey = f.ckey
 SELECT f.id, b.limiter, b.key,
        pg_catalog.row_number() OVER (PARTITION BY b.limiter, b.key
                                      ORDER BY f.priority DESC, f.visible_at, f.id) AS rank
-FROM slotted AS f
+FROM qslotted AS f
 CROSS JOIN LATERAL (
     SELECT DISTINCT v.limiter, v.key
     FROM (VALUES ('queue:' || f.queue, ''),
@@ -844,6 +890,7 @@ CROSS JOIN LATERAL (
     WHERE v.limiter IS NOT NULL
 ) AS b
 WHERE (f.slot_gate IS NULL OR f.slot_gate = 'slot')
+  AND (f.queue_gate IS NULL OR f.queue_gate = 'slot')
   AND (SELECT l.rate_count FROM {schema}.flow_limit AS l WHERE l.name = b.limiter)
       IS NOT NULL
 
@@ -868,11 +915,14 @@ CROSS JOIN LATERAL {schema}.flow_tokens(b.limiter, b.key, b.want) AS t
 SELECT f.id, f.queue, f.priority, f.read_ct, f.visible_at,
        CASE WHEN f.slot_gate IS NOT NULL THEN f.climit END AS climit,
        CASE WHEN f.slot_gate IS NOT NULL THEN f.ckey END AS ckey,
+       f.queue_gate IS NOT NULL AS qslot,
        CASE WHEN f.slot_gate = 'full' THEN f.slot_until
             WHEN f.slot_gate = 'busy' THEN NULL
+            WHEN f.queue_gate = 'full' THEN f.queue_until
+            WHEN f.queue_gate = 'busy' THEN NULL
             ELSE r.until
        END AS park_until
-FROM slotted AS f
+FROM qslotted AS f
 LEFT JOIN LATERAL (
     SELECT pg_catalog.max(t.next_at + pg_catalog.make_interval(
                secs => (w.rank - t.granted - 1) * t.step))
@@ -882,7 +932,8 @@ LEFT JOIN LATERAL (
     JOIN rate AS t ON t.limiter = w.limiter AND t.key = w.key
     WHERE w.id = f.id
 ) AS r ON true
-WHERE f.slot_gate IN ('full', 'busy') OR r.until IS NOT NULL OR r.busy
+WHERE f.slot_gate IN ('full', 'busy') OR f.queue_gate IN ('full', 'busy')
+   OR r.until IS NOT NULL OR r.busy
 
 -- part: claim_flow_park
 -- Park what the flow gates stopped until its time (what next_due reports, so an idle
@@ -892,7 +943,8 @@ UPDATE {schema}.message AS t
 SET due_at = COALESCE(t.due_at, t.visible_at),
     visible_at = (SELECT f.park_until FROM flow_held AS f WHERE f.id = t.id),
     climit = COALESCE((SELECT f.climit FROM flow_held AS f WHERE f.id = t.id), t.climit),
-    ckey = COALESCE((SELECT f.ckey FROM flow_held AS f WHERE f.id = t.id), t.ckey)
+    ckey = COALESCE((SELECT f.ckey FROM flow_held AS f WHERE f.id = t.id), t.ckey),
+    qslot = t.qslot OR COALESCE((SELECT f.qslot FROM flow_held AS f WHERE f.id = t.id), false)
 WHERE t.id = ANY(ARRAY(SELECT id FROM flow_held
                        WHERE park_until IS NOT NULL AND {part:claim_flow_on}))
 
@@ -940,7 +992,11 @@ SET {part:claim_lease},
     ckey = CASE WHEN {part:claim_flow_on}
                 THEN COALESCE((SELECT f.ckey FROM slotted AS f
                                WHERE f.id = t.id AND f.slot_gate = 'slot'), t.ckey)
-                ELSE t.ckey END
+                ELSE t.ckey END,
+    qslot = CASE WHEN {part:claim_flow_on}
+                 THEN t.qslot OR EXISTS (SELECT FROM qslotted AS f
+                                         WHERE f.id = t.id AND f.queue_gate = 'slot')
+                 ELSE t.qslot END
 WHERE {part:claim_leased}
   AND t.id <> ALL(ARRAY(SELECT id FROM flow_held WHERE {part:claim_flow_on}))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.payload
@@ -1049,8 +1105,14 @@ WHERE l.priority IS NOT NULL
 -- (no_ack), within max_bytes of payload (the first always). Rows come back in delivery
 -- order; reached by primary key, as in claim. A payload larger than max_message_bytes
 -- or not a JSON object is moved to dead_letter instead, with the reason.
+-- A queue with a flow limit of its own (queue:<name>) is not popped: a pop deletes what
+-- it takes, without the claim's gates, so it could honour neither a rate nor a slot. A
+-- consumer without acks is refused such a queue when it starts (queue_limit); one that
+-- consumed it before the limit was set gets nothing more from it, and the messages wait
+-- for a consumer that acks.
 WITH wanted AS (
     SELECT w.name FROM pg_catalog.unnest(%(queues)s::text[]) AS w(name)
+    WHERE NOT EXISTS (SELECT FROM {schema}.flow_limit AS l WHERE l.name = 'queue:' || w.name)
 ), candidates AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at,
            c.bytes > %(max_message_bytes)s::bigint AS oversize, c.bytes, c.kind
@@ -1146,9 +1208,9 @@ FROM (SELECT DISTINCT queue FROM released) AS q
 -- now is skipped, never waited for, and still counts as held: an atomic task's
 -- transaction is completing it (docs/design/exactly-once.md, "Locks"); it is gone at
 -- that commit, or the next renewal lands after a rollback. A message holding a
--- concurrency slot (climit) whose lease has lapsed is refused too, locked or not: its
--- slot may have been given to another message, which must not share it with a worker
--- that comes back.
+-- concurrency slot (climit, or its queue's: qslot) whose lease has lapsed is refused
+-- too, locked or not: its slot may have been given to another message, which must not
+-- share it with a worker that comes back.
 WITH given AS (
     SELECT a.*
     FROM ROWS FROM (pg_catalog.unnest(%(ids)s::bigint[]),
@@ -1160,7 +1222,7 @@ WITH given AS (
     SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => a.vt)
     FROM given AS a
     WHERE m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
-      AND (m.climit IS NULL OR m.visible_at > pg_catalog.now())
+      AND ((m.climit IS NULL AND NOT m.qslot) OR m.visible_at > pg_catalog.now())
       AND m.id = ANY(ARRAY(SELECT x.id FROM {schema}.message AS x
                            WHERE x.id = ANY(%(ids)s::bigint[])
                            FOR NO KEY UPDATE SKIP LOCKED))
@@ -1170,7 +1232,7 @@ SELECT id FROM renewed
 UNION
 SELECT m.id FROM {schema}.message AS m JOIN given AS a
     ON m.id = a.id AND m.lease = a.lease AND m.queue = a.queue
-WHERE m.climit IS NULL OR m.visible_at > pg_catalog.now()
+WHERE (m.climit IS NULL AND NOT m.qslot) OR m.visible_at > pg_catalog.now()
 
 -- name: settle
 -- The worker's ack of an atomic task's delivery (docs/design/exactly-once.md, step 6).
@@ -1285,6 +1347,11 @@ SET expires_ms = EXCLUDED.expires_ms, message_ttl_ms = EXCLUDED.message_ttl_ms,
 UPDATE {schema}.message AS m SET fkey = ''
 WHERE m.queue = %(queue)s::text AND m.fkey IS NULL
   AND (SELECT q.fair FROM {schema}.queue AS q WHERE q.name = %(queue)s::text)
+
+-- name: queue_limit
+-- The name of a queue's own flow limit (queue:<name>), or no row: a consumer without
+-- acks may not consume a queue that has one (see pop).
+SELECT l.name FROM {schema}.flow_limit AS l WHERE l.name = 'queue:' || %(queue)s::text
 
 -- name: has_queue
 -- Whether a queue has been declared.

@@ -319,12 +319,16 @@ class ProcessesPage(Base):
 class LimitsPage(Base):
     """The flow limits (docs/flow-control.md), read only: each limit's definition, the
     messages holding its slots and those waiting for one. Counted per limit: no key is
-    read (a console run as the monitor may not read them)."""
+    read (a console run as the monitor may not read them). Then the unique keys held per
+    queue, queued and running: counted by unique_counts(), never listed."""
 
     async def get(self) -> None:
         store = self.console.store
         rows = await self.db(lambda: status_report.limit_lines(store))
-        self.page("limits.html", rows=rows, refresh=max(int(self.console.interval), 2))
+        unique = await self.db(lambda: status_report.unique_lines(store))
+        self.page(
+            "limits.html", rows=rows, unique=unique, refresh=max(int(self.console.interval), 2)
+        )
 
 
 class RootPage(Base):

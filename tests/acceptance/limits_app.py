@@ -75,3 +75,9 @@ def per_customer(customer_id: str, seconds: float) -> None:
 def paced() -> None:
     """At most 5 starts a second across the fleet (burst 1)."""
     _run("paced", None, 0.0)
+
+
+@app.task
+def capped(seconds: float) -> None:
+    """No limit of its own: its queue's concurrency (queue:celery) caps it."""
+    _run("capped", None, seconds)

@@ -96,3 +96,32 @@ def test_a_global_rate_holds_across_two_workers(lenv: Env) -> None:
     )
     assert worst <= 7, worst
     assert (times[-1] - times[0]).total_seconds() >= (20 - 1) / 5 - 1
+
+
+@pytest.mark.sessions(20)  # two workers, as above
+def test_a_queue_s_own_concurrency_holds_across_two_workers(lenv: Env) -> None:
+    """`pgq limit set queue:celery --concurrency 3`: of 12 tasks on eight threads of two
+    workers, never more than 3 run at once (without the limit, up to 8 would), and
+    several do."""
+    with psycopg.connect(lenv.pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.flow_limit (name, concurrency, origin)"
+                " VALUES ('queue:celery', 3, 'command')"
+            ).format(sql.Identifier(lenv.schema))
+        )
+    with workers(lenv, "q1", "q2", app=APP, concurrency=4):
+        publish(
+            lenv,
+            "from tests.acceptance.limits_app import capped\n"
+            "for _ in range(12):\n"
+            "    capped.delay(0.3)\n",
+        )
+        wait_for(
+            lambda: len([r for r in runs(lenv, "capped") if r[2] is not None]) == 12,
+            120,
+            "12 runs to end",
+        )
+    done = runs(lenv, "capped")
+    most = max(sum(1 for _, s, e in done if s <= started < e) for _, started, _ in done)
+    assert 2 <= most <= 3, most

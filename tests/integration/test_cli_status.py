@@ -73,6 +73,9 @@ def test_counts_each_state_per_queue(
         "oldest_blocked_age_s": None,
         "following": 0,
         "fair": False,
+        # No unique task (test_flow_reads counts the keys held).
+        "unique_queued": 0,
+        "unique_running": 0,
     }
     assert queues == {
         "idle": {"ready": 0, "in_flight": 0, "delayed": 0, "dead": 0, **nothing, **unordered},

@@ -110,8 +110,10 @@ RIGHTS: dict[str, dict[str, dict[str, set[str]]]] = {
                 "okey",
                 "due_at",
                 "follow_until",
-                # Flow limits: slots in use and waiting counted per limiter, not per key.
+                # Flow limits: slots in use and waiting counted per limiter, not per key,
+                # and per queue for a queue's own concurrency.
                 "climit",
+                "qslot",
             },
             "flow_limit": ALL,
             "dead_letter": {"id", "queue", "priority", "read_ct", "enqueued_at", "dead_at"},
@@ -874,6 +876,12 @@ def a_busy_schema(roles: Roles, secret: str) -> None:
             headers = {"pgq-concurrency-limiter": "erp", "pgq-concurrency-key": secret}
             publisher.publish("limited", {"secret": secret, "n": n, "headers": headers})
         assert len(store.claim(["limited"], [300.0], 2)) == 1
+        # Unique keys: one held while running, one queued (counted, never shown).
+        for n, mode in enumerate(("queued_or_running", "queued")):
+            headers = {"pgq-unique-key": f"{secret}-{n}", "pgq-unique-while": mode}
+            publisher.publish("unique", {"secret": secret, "n": n, "headers": headers})
+            if n == 0:
+                assert len(store.claim(["unique"], [300.0], 1)) == 1
     with psycopg.connect(roles.pg_url, autocommit=True) as admin:
         for status in ("armed", "fired"):
             admin.execute(
@@ -935,6 +943,28 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
     assert len(as_monitor["barriers"]) == 2
     [erp] = as_monitor["limits"]
     assert (erp["name"], erp["in_flight"], erp["waiting"]) == ("erp", 1, 1)
+    unique = next(q for q in as_monitor["queues"] if q["queue"] == "unique")
+    assert (unique["unique_queued"], unique["unique_running"]) == (1, 1)
+    text = cli(granted, granted.monitor, "status")
+    assert text.exit_code == 0, text.output
+    assert ["unique", "1", "1"] in [line.split() for line in text.stdout.splitlines()]
+
+    # `pgq limit list` and `show` as the monitor: the workers' figures, without the keys.
+    def limit_json(role: str, *args: str) -> Any:
+        result = cli(granted, role, "limit", *args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    for args in (["list"], ["show", "erp"]):
+        mine, theirs = limit_json(granted.monitor, *args), limit_json(granted.worker, *args)
+        assert mine.pop("keys", None) is None
+        assert len(theirs.pop("keys", [])) == (1 if args[0] == "show" else 0)
+        assert mine == theirs, args
+    [listed] = limit_json(granted.monitor, "list")["limits"]
+    assert (listed["name"], listed["keys"], listed["in_flight"]) == ("erp", 1, 1)
+    shown = cli(granted, granted.monitor, "limit", "show", "erp")
+    assert shown.exit_code == 0, shown.output
+    assert "keys not shown" in shown.stdout and secret not in shown.stdout
 
     metrics = cli(granted, granted.monitor, "metrics")
     assert metrics.exit_code == 0, metrics.output
@@ -946,7 +976,7 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
     from pg_transport.db.pool import Connector
     from pg_transport.web.base import Console
     from tests.integration.test_web_auth import Browser, serving
-    from tests.integration.test_web_limits import limit_rows
+    from tests.integration.test_web_limits import limit_rows, unique_rows
 
     connector = Connector(granted.libpq(granted.monitor))
     console = Console(connector, granted.schema)
@@ -958,6 +988,7 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
         connector.close()
     assert status_code == 200, page
     assert limit_rows(page) == {"erp": ["600/m", "3", "1", "1", "1"]}
+    assert unique_rows(page) == {"unique": ["1", "1"]}
     assert secret not in page
 
     # monitoring.md's autoscaling queries, as the role its KEDA example connects as.
@@ -992,6 +1023,34 @@ def test_monitor_sees_every_figure_and_no_content(granted: Roles) -> None:
                     sql.Identifier(granted.schema), sql.Identifier(table)
                 ),
             ), table
+
+
+def test_each_role_runs_exactly_the_owner_s_functions_the_page_grants(granted: Roles) -> None:
+    """The functions that run as the owner (SECURITY DEFINER) each role may call: the
+    monitor's two return counts only; the publisher's one a task id; no role of the page
+    may call one it was not granted, and a role with no grant none."""
+    expected = {
+        "worker": [
+            "flow_limit_states", "result_forget", "result_group_delete", "result_group_read",
+            "result_group_save", "result_read", "unique_counts", "unique_holder",
+        ],
+        "monitor": ["flow_limit_states", "unique_counts"],
+        "publisher": ["unique_holder"],
+        "nobody": [],
+    }  # fmt: skip
+    for kind, names in expected.items():
+        with psycopg.connect(granted.pg_url) as admin:
+            rows = admin.execute(
+                "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = %s AND p.prosecdef"
+                " AND has_function_privilege(%s, p.oid, 'EXECUTE') ORDER BY 1",
+                [granted.schema, granted.role(kind)],
+            ).fetchall()
+        assert [r[0] for r in rows] == names, kind
+    s = sql.Identifier(granted.schema)
+    with granted.connect(granted.publisher) as conn:
+        for call in ("unique_counts()", "flow_limit_states(NULL)"):
+            assert refused(conn, sql.SQL("SELECT * FROM {}." + call).format(s)), call
 
 
 # -- connecting, upgrading, running the blocks again -------------------------------------
@@ -1166,3 +1225,30 @@ def test_a_celery_worker_runs_what_a_publisher_role_sends(granted: Roles, tmp_pa
         assert admin.execute(
             sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(granted.schema))
         ).fetchone() == (0,)
+
+
+def test_a_role_granted_before_0018_gets_every_other_figure(granted: Roles) -> None:
+    """A role whose grants predate migration 0018 (no EXECUTE on the counting functions)
+    still runs `pgq status` and `pgq metrics`: the unique counts are null and the text
+    says why; `pgq limit list` is refused naming the grant to add."""
+    with granted.connect(granted.owner) as owner:
+        owner.execute(
+            sql.SQL(
+                "REVOKE EXECUTE ON FUNCTION {s}.unique_counts(), {s}.flow_limit_states(text)"
+                " FROM {r}"
+            ).format(s=sql.Identifier(granted.schema), r=sql.Identifier(granted.monitor))
+        )
+    declared_by_the_worker(granted)
+    status = cli(granted, granted.monitor, "status", "--json")
+    assert status.exit_code == 0, status.output
+    queues = json.loads(status.stdout)["queues"]
+    assert queues and all(q["unique_queued"] is None for q in queues)
+    text = cli(granted, granted.monitor, "status")
+    assert "unique keys held: not counted" in text.stdout, text.output
+    metrics = cli(granted, granted.monitor, "metrics")
+    assert metrics.exit_code == 0, metrics.output
+    assert "pgq_queue_ready_messages{" in metrics.stdout
+    assert "pgq_queue_unique_queued_messages{" not in metrics.stdout
+    listed = cli(granted, granted.monitor, "limit", "list")
+    assert listed.exit_code == 1
+    assert "EXECUTE on flow_limit_states(text)" in listed.stderr, listed.output

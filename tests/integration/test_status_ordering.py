@@ -92,6 +92,8 @@ def test_status_counts_blocked_keys_parked_messages_and_followers(
         "blocked": 3,
         "following": 1,
         "fair": False,
+        "unique_queued": 0,
+        "unique_running": 0,
     }
     assert queues["idle"] == {
         "ready": 0,
@@ -105,6 +107,8 @@ def test_status_counts_blocked_keys_parked_messages_and_followers(
         "oldest_blocked_age_s": None,
         "following": 0,
         "fair": False,
+        "unique_queued": 0,
+        "unique_running": 0,
     }
 
     table = invoke("status", "--url", broker_url, "--schema", schema)

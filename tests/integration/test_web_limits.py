@@ -20,6 +20,14 @@ ROW = re.compile(r"<tr><td class=\"name\">(.*?)</td>(.*?)</tr>", re.S)
 CELL = re.compile(r"<td class=\"[^\"]*\">(.*?)</td>")
 
 
+UNIQUE_ROW = re.compile(r"<tr><td class=\"queue\">(.*?)</td>(.*?)</tr>", re.S)
+
+
+def unique_rows(page: str) -> dict[str, list[str]]:
+    """The unique keys table: each queue (unescaped) and its queued and running counts."""
+    return {html.unescape(q): CELL.findall(rest) for q, rest in UNIQUE_ROW.findall(page)}
+
+
 def limit_rows(page: str) -> dict[str, list[str]]:
     """The limits table: each limit's name (unescaped) and its other cells."""
     return {html.unescape(name): CELL.findall(rest) for name, rest in ROW.findall(page)}

@@ -438,3 +438,46 @@ def test_unknown_environment_is_warned_once_per_process(caplog: pytest.LogCaptur
         assert warn_unknown_environment(environ) == []
     (record,) = caplog.records
     assert "PGQ_POLING_INTERVAL_ONCE is not a pgq setting" in record.getMessage()
+
+
+def test_queue_rate_limits_define_each_queue_s_own_limit() -> None:
+    """queue_rate_limits: a rate ("200/s") or a rate and burst, as `pgq limit set
+    queue:<name> --rate … --burst …` would write them."""
+    from pg_transport.message.limits import Limit, Rate
+
+    given_options = {"queue_rate_limits": {"celery": "200/s", "api": {"rate": "600/m", "burst": 5}}}
+    assert options(given_options).queue_limits() == [
+        Limit("queue:api", rate=Rate(600, 60.0), burst=5),
+        Limit("queue:celery", rate=Rate(200, 1.0), burst=1),
+    ]
+    assert options().queue_limits() == []
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("ten per second", "pgq option queue_rate_limits['q']='ten per second'"),
+        ("0/s", "pgq option queue_rate_limits['q']='0/s'"),
+        ("-3/m", "pgq option queue_rate_limits['q']='-3/m'"),
+        (0, "pgq option queue_rate_limits['q']=0"),
+        ({"rate": "10/s", "burst": 0}, "pgq option queue_rate_limits['q']['burst']=0"),
+        ({"rate": "ten"}, "pgq option queue_rate_limits['q']['rate']='ten'"),
+        ({"burst": 2}, "pgq option queue_rate_limits['q']={'burst': 2}: give a 'rate'"),
+        ({"rate": "10/s", "concurrency": 3}, "'burst' only, not concurrency"),
+    ],
+)
+def test_a_bad_queue_rate_limit_is_refused_naming_the_option(value: Any, named: str) -> None:
+    from pg_transport.errors import LimitError
+
+    with pytest.raises(LimitError) as error:
+        options({"queue_rate_limits": {"q": value}})
+    assert named in str(error.value)
+
+
+def test_queue_rate_limits_must_name_queues_a_limit_can_have() -> None:
+    from pg_transport.errors import LimitError
+
+    with pytest.raises(ConfigurationError, match="queue_rate_limits='200/s' must be a mapping"):
+        options({"queue_rate_limits": "200/s"})
+    with pytest.raises(LimitError, match=r"queue_rate_limits\['x{200}'\]"):
+        options({"queue_rate_limits": {"x" * 200: "1/s"}})
