@@ -118,8 +118,7 @@ def test_beat_runs_a_periodic_task_on_schedule(shared: Env, tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "celery",
-            "-A",
+            "tests.acceptance.launch",  # celery -A APP beat, without the umbrella
             APP,
             "beat",
             "-l",

@@ -26,7 +26,16 @@ import pytest
 from psycopg import sql
 
 import pg_transport
-from tests.acceptance.harness import ROOT, Env, Fleet, Worker, fleet, start_worker, wait_for
+from tests.acceptance.harness import (
+    ROOT,
+    Env,
+    Fleet,
+    Worker,
+    fleet,
+    start_worker,
+    stop_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -114,8 +123,7 @@ def together(env: Env, *names: str, **kwargs: Any) -> Iterator[list[Worker]]:
             wait_for(lambda w=worker: ready(w), 60, f"worker {worker.name} to be ready")
         yield started
     finally:
-        for worker in started:
-            worker.stop()
+        stop_all(started)  # side by side: each warm shutdown takes a moment of its own
 
 
 def ready(worker: Worker) -> bool:
