@@ -14,7 +14,8 @@ import pytest
 
 from tests.acceptance.harness import QUICK_STOP, ROOT, Env, Fleet, fleet, wait_for, workers
 
-pytestmark = pytest.mark.acceptance
+# The sessions a test holds at most (measured peak, -n 0); a test may say otherwise.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(6)]
 
 
 @pytest.fixture
