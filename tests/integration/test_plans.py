@@ -25,6 +25,9 @@ from pg_transport.store import Lease, Store, claim_params
 from tests.integration.conftest import Peek, build_schema
 from tests.pg import created_session_database, drop_schema, new_schema_name
 
+# The sessions a test holds at most (measured peak, -n 0).
+pytestmark = pytest.mark.sessions(3)
+
 
 def walk(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield plan
@@ -157,7 +160,6 @@ OTHERS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONSUMER))
-@pytest.mark.sessions(4)
 def test_the_generic_plan_of_each_consumer_query_uses_its_index(planned: Store, name: str) -> None:
     params, indexes = CONSUMER[name]
     nodes = scans(generic_plan(planned, name, params))
@@ -167,7 +169,6 @@ def test_the_generic_plan_of_each_consumer_query_uses_its_index(planned: Store, 
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
-@pytest.mark.sessions(4)
 def test_the_plan_of_each_other_queue_query_uses_its_index(planned: Store, name: str) -> None:
     params, indexes = OTHERS[name]
     with (
@@ -195,7 +196,6 @@ def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("head", ["in flight", "delayed", "in flight, higher priority"])
-@pytest.mark.sessions(4)
 def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, head: str) -> None:
     # 20,000 invisible rows published before the ready ones: the head of the queue in
     # arrival order (or in priority order). Leased (claimed, not acked) or delayed (ETA),
