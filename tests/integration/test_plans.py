@@ -26,7 +26,7 @@ from tests.integration.conftest import Peek, build_schema
 from tests.pg import created_session_database, drop_schema, new_schema_name
 
 # The sessions a test holds at most (measured peak, -n 0).
-pytestmark = pytest.mark.sessions(3)
+pytestmark = pytest.mark.sessions(4)
 
 
 def walk(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
