@@ -90,7 +90,7 @@ def no_chord_unlock(env: Env) -> None:
 
 
 @pytest.mark.parametrize("parts", [1, 10, 1000])
-@pytest.mark.sessions(18)  # measured peak, -n 0
+@pytest.mark.sessions(18)  # the most of two runs, -n 0
 def test_a_chord_fires_once_with_its_results_in_order(shared: Env, parts: int) -> None:
     env = shared
     app = client(env)
@@ -106,7 +106,7 @@ def test_a_chord_fires_once_with_its_results_in_order(shared: Env, parts: int) -
     assert result.parent.get(timeout=10) == list(range(parts))
 
 
-@pytest.mark.sessions(13)  # measured peak, -n 0
+@pytest.mark.sessions(13)  # the most of two runs, -n 0
 def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None:
     app = client(env)
     environ = {"PGQ_VISIBILITY_TIMEOUT": "2"}
@@ -136,7 +136,7 @@ def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None
 
 
 @pytest.mark.parametrize("allow_header_errbacks", [False, True])
-@pytest.mark.sessions(15)  # measured peak, -n 0
+@pytest.mark.sessions(15)  # the most of two runs, -n 0
 def test_a_failing_part_fails_over_to_the_errbacks_once(
     shared: Env, allow_header_errbacks: bool
 ) -> None:
@@ -168,7 +168,7 @@ def test_a_failing_part_fails_over_to_the_errbacks_once(
     assert len(labels(env, "errback:")) == expected
 
 
-@pytest.mark.sessions(17)  # measured peak, -n 0
+@pytest.mark.sessions(17)  # the most of two runs, -n 0
 def test_the_chord_shapes_celery_documents(shared: Env) -> None:
     """Immutable bodies and errbacks, a frozen chord applied again, a generator header,
     the body's parent and the errbacks as its children, add_to_chord: one fleet."""

@@ -35,8 +35,8 @@ from tests.acceptance.failover_load import (
 from tests.acceptance.replication import replicated_pair
 
 # The servers that fail are a pair of their own; on the test server only the runs are
-# recorded (measured peak 3, -n 0).
-pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(3)]
+# recorded (measured peak 4, -n 0).
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(4)]
 
 PREFETCH = 4  # failover_app's worker_prefetch_multiplier
 #: Deliveries a worker holds at once (running and prefetched).
