@@ -47,7 +47,7 @@ def spawn_beat(
 ) -> Beat:
     """A beat with ``entries`` as its beat_schedule (see beat_app), just started."""
     log = Path(tempfile.mkstemp(prefix="pgq-beat-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "celery", "-A", BEAT_APP, "beat", "-l", "info"]
+    cmd = [sys.executable, "-m", "tests.acceptance.launch", BEAT_APP, "beat", "-l", "info"]
     cmd += ["--max-interval", str(int(TICK))]
     if scheduler is not None:
         cmd += ["-S", scheduler]

@@ -172,6 +172,20 @@ class Load:
         )
         return found
 
+    def wait_drained(self, url: str, timeout: float) -> None:
+        """Nothing left in the queue on ``url`` (libpq picks the writable member): what
+        survived has run and been acked, a delivery a stopped worker held included (it
+        comes back when its lease runs out). For a case that loses messages, where
+        "every published task ran" never holds."""
+        query = sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(SCHEMA))
+
+        def left() -> int:
+            with psycopg.connect(url, autocommit=True) as conn:
+                row = conn.execute(query).fetchone()
+            return int(row[0]) if row else 0
+
+        wait_for(lambda: left() == 0, timeout, "the queue to drain", step=0.5)
+
     def wait_all_ran(self, timeout: float) -> None:
         """Every task published so far has run (once at least)."""
         published = set(self.tally.published)

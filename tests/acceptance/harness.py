@@ -34,6 +34,24 @@ STARTED: list[str] = []
 QUICK_STOP = {"PGQ_POLLING_INTERVAL": "0.2"}
 
 
+#: Where the processes tests start keep the modules they compile, when the environment
+#: says to write no bytecode beside the sources (PYTHONDONTWRITEBYTECODE).
+PYCACHE = Path(tempfile.gettempdir()) / "pgq-test-pycache"
+
+
+def compiled_modules_kept(env: dict[str, str]) -> dict[str, str]:
+    """What to add to ``env`` so that a process started with it reads the modules it
+    imports compiled instead of compiling them again. With PYTHONDONTWRITEBYTECODE set,
+    each process compiles every module that has no .pyc (some 100: pgq's and the
+    tests' own) and keeps nothing: 0.60 s of CPU for a worker's start and stop against
+    0.51 s with them kept (alternating, load 12). Bytecode then goes to :data:`PYCACHE`
+    (PYTHONPYCACHEPREFIX, unless one is set), not beside the sources, which stay as
+    they were; the first process to use it compiles what it imports once."""
+    if not env.get("PYTHONDONTWRITEBYTECODE") or env.get("PYTHONPYCACHEPREFIX"):
+        return {}
+    return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(PYCACHE)}
+
+
 @dataclass
 class Env:
     pg_url: str
@@ -50,6 +68,7 @@ class Env:
 
     def environ(self, **overrides: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
+        env.update(compiled_modules_kept(env))
         env.update(
             PGQ_BROKER_URL=self.broker_url,
             PGQ_SCHEMA=self.schema,

@@ -171,6 +171,7 @@ def test_soak_barriers_with_repeated_kills(env: Env, client: Celery) -> None:
     print(f"500 barriers x 20 parts, 3 kills: {stats}")
 
 
+@pytest.mark.sessions(8)  # the most of two runs, -n 0
 def test_failure_retry_zero_parts_and_the_workers_sweeper(env: Env, client: Celery) -> None:
     b = Barrier(client)
     b.dispatch(

@@ -24,7 +24,8 @@ from psycopg import sql
 from tests.acceptance.beats import BEAT_APP, TICK, Beat, start_beat, start_beats, stop_beats
 from tests.acceptance.harness import ROOT, Env, wait_for
 
-pytestmark = pytest.mark.acceptance
+# The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(6)]
 
 # The entries' periods: shorter than the tick (slots fall due several times a tick, the
 # beat sleeps until the next one), so that the slots the tests count come quickly; the
@@ -134,6 +135,7 @@ def test_a_killed_leader_is_replaced_within_two_ticks_and_no_slot_is_lost(
     assert len(assert_once_and_contiguous(sent(env), "slot", EVERY)) >= 9
 
 
+@pytest.mark.sessions(4)  # the most of two runs, -n 0
 def test_a_restarted_beat_sends_nothing_twice(env: Env, beats: list[Beat]) -> None:
     entries = {"slot": {"every": EVERY}, "cron": {"crontab": "* * * * *"}}
     first = start_beat(env, entries)
@@ -178,6 +180,7 @@ def test_beats_with_skewed_clocks_send_each_slot_once_and_never_early(
     assert early == 0
 
 
+@pytest.mark.sessions(5)  # the most of two runs, -n 0
 def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once(
     env: Env, beats: list[Beat]
 ) -> None:
@@ -210,6 +213,7 @@ def test_a_leader_whose_sessions_are_terminated_goes_on_and_sends_each_slot_once
         ("{'bad': {'task': 'x', 'schedule': 5, 'options': 'fast'}}", "must be a dict"),
     ],
 )
+@pytest.mark.sessions(1)  # the most of two runs, -n 0
 def test_a_bad_schedule_stops_beat_with_one_error(env: Env, raw: str, message: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "celery", "-A", BEAT_APP, "beat", "-S", "pgq"],
@@ -226,6 +230,7 @@ def test_a_bad_schedule_stops_beat_with_one_error(env: Env, raw: str, message: s
     assert rows(env, "SELECT name FROM {schema}.beat_entry") == []
 
 
+@pytest.mark.sessions(1)  # the most of two runs, -n 0
 def test_a_slot_sent_twice_would_be_seen(env: Env) -> None:
     """The check the tests above rely on fails on a duplicate and on a missing slot."""
     t0 = datetime(2026, 1, 1, 12, 0, 0).astimezone()

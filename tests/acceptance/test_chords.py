@@ -12,6 +12,7 @@ import pytest
 from celery import Celery, chord, group, states
 from celery.exceptions import ChordError
 
+from pg_transport.fanin.backend import forget
 from tests.acceptance.harness import (
     QUICK_STOP,
     Env,
@@ -53,9 +54,26 @@ def shared(chord_fleet: Fleet) -> Iterator[Env]:
         yield env
 
 
+#: The client apps the running test made (closed after it: :func:`close_clients`).
+_clients: list[Celery] = []
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    """A test's client apps close after it, with the sessions of their barrier backends:
+    an app's backend keeps its idle sessions as long as the app, and they piled up here,
+    test after test (7 idle sessions of this process by the last test)."""
+    yield
+    while _clients:
+        app = _clients.pop()
+        forget(app)
+        app.close()
+
+
 def client(env: Env) -> Celery:
     app = Celery("client", broker=env.broker_url, backend=env.broker_url, set_as_current=False)
     app.conf.broker_transport_options = {"schema": env.schema}
+    _clients.append(app)
     return app
 
 
@@ -72,7 +90,7 @@ def no_chord_unlock(env: Env) -> None:
 
 
 @pytest.mark.parametrize("parts", [1, 10, 1000])
-@pytest.mark.sessions(18)
+@pytest.mark.sessions(18)  # the most of two runs, -n 0
 def test_a_chord_fires_once_with_its_results_in_order(shared: Env, parts: int) -> None:
     env = shared
     app = client(env)
@@ -88,6 +106,7 @@ def test_a_chord_fires_once_with_its_results_in_order(shared: Env, parts: int) -
     assert result.parent.get(timeout=10) == list(range(parts))
 
 
+@pytest.mark.sessions(13)  # the most of two runs, -n 0
 def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None:
     app = client(env)
     environ = {"PGQ_VISIBILITY_TIMEOUT": "2"}
@@ -117,7 +136,7 @@ def test_a_worker_killed_inside_the_last_part_still_fires_once(env: Env) -> None
 
 
 @pytest.mark.parametrize("allow_header_errbacks", [False, True])
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(15)  # the most of two runs, -n 0
 def test_a_failing_part_fails_over_to_the_errbacks_once(
     shared: Env, allow_header_errbacks: bool
 ) -> None:
@@ -149,7 +168,7 @@ def test_a_failing_part_fails_over_to_the_errbacks_once(
     assert len(labels(env, "errback:")) == expected
 
 
-@pytest.mark.sessions(19)
+@pytest.mark.sessions(17)  # the most of two runs, -n 0
 def test_the_chord_shapes_celery_documents(shared: Env) -> None:
     """Immutable bodies and errbacks, a frozen chord applied again, a generator header,
     the body's parent and the errbacks as its children, add_to_chord: one fleet."""

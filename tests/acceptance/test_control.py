@@ -22,7 +22,7 @@ def env(env: Env) -> Env:
 MARK = "tests.acceptance.app.mark"
 
 
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(15)  # the most of two runs, -n 0
 def test_inspect_ping_reaches_every_worker(env: Env) -> None:
     with workers(env, "w1", "w2", "w3", concurrency=1):
         client = env.client()
@@ -36,6 +36,7 @@ def test_inspect_ping_reaches_every_worker(env: Env) -> None:
         assert stats and "pool" in next(iter(stats.values()))
 
 
+@pytest.mark.sessions(7)  # the most of two runs, -n 0
 def test_control_rate_limit_revoke_and_shutdown(env: Env) -> None:
     with workers(env, "ctl", concurrency=1) as (worker,):
         client = env.client()
@@ -48,6 +49,7 @@ def test_control_rate_limit_revoke_and_shutdown(env: Env) -> None:
         assert worker.proc.wait(30) == 0
 
 
+@pytest.mark.sessions(12)  # the most of two runs, -n 0
 def test_killed_workers_control_queue_expires_and_stops_collecting(env: Env) -> None:
     expires = 3.0
     environ = {"TEST_CONTROL_EXPIRES": str(expires)}
@@ -79,6 +81,7 @@ def test_killed_workers_control_queue_expires_and_stops_collecting(env: Env) -> 
         survivor.stop()
 
 
+@pytest.mark.sessions(8)  # the most of two runs, -n 0
 def test_event_receiver_sees_task_events(env: Env) -> None:
     seen: list[str] = []
     done = threading.Event()

@@ -22,7 +22,7 @@ MARK = "tests.acceptance.app.mark"
 SLOW = "tests.acceptance.app.slow_mark"
 
 
-@pytest.mark.sessions(18)  # two workers: 16 seen
+@pytest.mark.sessions(14)  # the most of two runs, -n 0
 def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     total = 2000
     client = env.client()
@@ -47,6 +47,7 @@ def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     assert len({r[2] for r in runs}) >= 2, "both workers should have taken part"
 
 
+@pytest.mark.sessions(7)  # the most of two runs, -n 0
 def test_a_worker_runs_the_tasks_of_a_batch_once_each_after_its_commit(env: Env) -> None:
     total = 300
     client = env.client()
@@ -72,6 +73,7 @@ def test_a_worker_runs_the_tasks_of_a_batch_once_each_after_its_commit(env: Env)
     assert env.scalar("SELECT min(at) FROM {schema}.task_runs") > before_commit
 
 
+@pytest.mark.sessions(8)  # the most of two runs, -n 0
 def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
     vt = 3.0
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt)}
@@ -100,6 +102,7 @@ def test_sigkilled_worker_task_runs_again_once_after_vt(env: Env) -> None:
     assert redelivered_after >= vt - 1.5
 
 
+@pytest.mark.sessions(12)  # the most of two runs, -n 0
 def test_long_task_is_not_redelivered_while_renewed(env: Env) -> None:
     environ = {"PGQ_VISIBILITY_TIMEOUT": "1"}
     client = env.client()
@@ -113,6 +116,7 @@ def test_long_task_is_not_redelivered_while_renewed(env: Env) -> None:
     assert len(env.runs()) == 1  # 3x its vt, yet no second run
 
 
+@pytest.mark.sessions(7)  # the most of two runs, -n 0
 def test_priority_order(env: Env) -> None:
     client = env.client()
     sent = [(0, "low"), (9, "high"), (5, "mid"), (255, "top"), (9, "high2")]
@@ -124,6 +128,7 @@ def test_priority_order(env: Env) -> None:
     assert [r[1] for r in env.runs()] == ["top", "high", "high2", "mid", "low"]
 
 
+@pytest.mark.sessions(2)  # the most of two runs, -n 0
 def test_purge_returns_the_count(env: Env) -> None:
     client = env.client()
     for n in range(7):
@@ -132,6 +137,7 @@ def test_purge_returns_the_count(env: Env) -> None:
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
 
 
+@pytest.mark.sessions(1)  # the most of two runs, -n 0
 def test_passive_declare_and_qsize_report_the_count(env: Env) -> None:
     client = env.client()
     for n in range(5):
@@ -144,6 +150,7 @@ def test_passive_declare_and_qsize_report_the_count(env: Env) -> None:
         queue.close()
 
 
+@pytest.mark.sessions(6)  # the most of two runs, -n 0
 def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
     client = env.client()
     with workers(env, "phoenix", concurrency=2) as (worker,):
@@ -156,6 +163,7 @@ def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
     assert [r[1] for r in env.runs()] == ["before", "after"]
 
 
+@pytest.mark.sessions(5)  # the most of two runs, -n 0
 def test_idle_workers_are_woken_by_a_publish_and_a_killed_one_holds_nothing(
     env: Env,
 ) -> None:

@@ -20,7 +20,8 @@ from pg_transport.db.pool import Connector
 from pg_transport.store import Store
 from tests.acceptance.harness import Env, wait_for, workers
 
-pytestmark = pytest.mark.acceptance
+# The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(8)]
 
 APP = "tests.acceptance.timing_app"
 COUNTDOWNS = 20

@@ -14,7 +14,8 @@ import pytest
 
 from tests.acceptance.harness import QUICK_STOP, ROOT, Env, Fleet, fleet, wait_for, workers
 
-pytestmark = pytest.mark.acceptance
+# The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(7)]
 
 
 @pytest.fixture
@@ -118,8 +119,7 @@ def test_beat_runs_a_periodic_task_on_schedule(shared: Env, tmp_path: Path) -> N
         [
             sys.executable,
             "-m",
-            "celery",
-            "-A",
+            "tests.acceptance.launch",  # celery -A APP beat, without the umbrella
             APP,
             "beat",
             "-l",

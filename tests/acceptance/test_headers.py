@@ -89,6 +89,7 @@ def insert_rows(env: Env, rows: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
+@pytest.mark.sessions(8)  # the most of two runs, -n 0
 def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: str) -> None:
     client = env.client()
     # A slow task first, so that the bad messages come to a pool that is busy (prefork
@@ -134,6 +135,7 @@ def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: st
     assert env.scalar("SELECT count(*) FROM {schema}.message") == 0
 
 
+@pytest.mark.sessions(5)  # the most of two runs, -n 0
 def test_a_worker_holding_a_task_its_pool_never_starts_is_unhealthy(
     env: Env, tmp_path: Path
 ) -> None:

@@ -26,7 +26,16 @@ import pytest
 from psycopg import sql
 
 import pg_transport
-from tests.acceptance.harness import ROOT, Env, Fleet, Worker, fleet, start_worker, wait_for
+from tests.acceptance.harness import (
+    ROOT,
+    Env,
+    Fleet,
+    Worker,
+    fleet,
+    start_worker,
+    stop_all,
+    wait_for,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -114,8 +123,7 @@ def together(env: Env, *names: str, **kwargs: Any) -> Iterator[list[Worker]]:
             wait_for(lambda w=worker: ready(w), 60, f"worker {worker.name} to be ready")
         yield started
     finally:
-        for worker in started:
-            worker.stop()
+        stop_all(started)  # side by side: each warm shutdown takes a moment of its own
 
 
 def ready(worker: Worker) -> bool:
@@ -154,7 +162,7 @@ def overlapping_pairs_of_different_keys(rows: Sequence[Run]) -> int:
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
-@pytest.mark.sessions(28)
+@pytest.mark.sessions(23)  # the most of two runs, -n 0
 def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_parallel(
     oenv: Env, pool: str
 ) -> None:
@@ -193,7 +201,7 @@ def test_three_workers_run_each_key_in_publish_order_one_at_a_time_and_keys_in_p
 # -- 2. a worker killed mid-key ----------------------------------------------------
 
 
-@pytest.mark.sessions(19)
+@pytest.mark.sessions(15)  # the most of two runs, -n 0
 def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: Env) -> None:
     vt = 3.0
     environ = {"PGQ_VISIBILITY_TIMEOUT": str(vt), "TEST_PREFETCH": "1"}
@@ -255,6 +263,7 @@ def test_a_killed_worker_s_key_waits_out_the_lease_while_other_keys_flow(oenv: E
         pytest.param("relaxed", [(1, 0), (2, 0), (3, 0), (1, 1)], id="relaxed"),
     ],
 )
+@pytest.mark.sessions(8)  # the most of two runs, -n 0
 def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_one(
     shared: Env, queue: str, expected: list[tuple[int, int]]
 ) -> None:
@@ -284,6 +293,7 @@ def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_on
         pytest.param("relaxed", [1, 2, 3, 1], id="relaxed"),
     ],
 )
+@pytest.mark.sessions(9)  # the most of two runs, -n 0
 def test_a_message_given_back_until_dead_lettered_releases_its_key(
     oenv: Env, queue: str, expected: list[int]
 ) -> None:
@@ -309,6 +319,7 @@ def test_a_message_given_back_until_dead_lettered_releases_its_key(
     assert oenv.scalar("SELECT count(*) FROM {schema}.dead_letter") == 1
 
 
+@pytest.mark.sessions(9)  # the most of two runs, -n 0
 def test_a_failure_rejected_without_requeue_is_dead_lettered_and_releases_its_key(
     shared: Env,
 ) -> None:
@@ -325,6 +336,7 @@ def test_a_failure_rejected_without_requeue_is_dead_lettered_and_releases_its_ke
     assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == first.id
 
 
+@pytest.mark.sessions(5)  # the most of two runs, -n 0
 def test_a_message_a_stopping_worker_gives_back_unstarted_keeps_its_place(oenv: Env) -> None:
     """Not a failure: a worker's warm shutdown gives back what it received and never
     started, in a relaxed queue as in a strict one, and its key keeps its order."""
@@ -367,6 +379,7 @@ def parked(env: Env, task_id: str) -> bool:
 
 
 @pytest.mark.parametrize("findable", ["followable", "ordering_key"])
+@pytest.mark.sessions(10)  # the most of two runs, -n 0
 def test_a_follower_published_first_waits_for_its_predecessor(shared: Env, findable: str) -> None:
     oenv = shared
     client = oenv.client()
@@ -386,7 +399,7 @@ def test_a_follower_published_first_waits_for_its_predecessor(shared: Env, finda
     assert oenv.scalar("SELECT count(*) FROM {schema}.ordering_signals") == 0
 
 
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(11)  # the most of two runs, -n 0
 def test_a_chain_published_backwards_across_queues_runs_forwards(shared: Env) -> None:
     """c follows b follows a, published c, b, a, b in another queue; and a follower of a
     task that fails and is dead-lettered runs after it, as after one that succeeded."""
@@ -415,6 +428,7 @@ def test_a_chain_published_backwards_across_queues_runs_forwards(shared: Env) ->
     assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == failing.id
 
 
+@pytest.mark.sessions(10)  # the most of two runs, -n 0
 def test_a_follower_of_a_finished_followable_task_runs_at_once(shared: Env) -> None:
     oenv = shared
     client = oenv.client()
@@ -429,6 +443,7 @@ def test_a_follower_of_a_finished_followable_task_runs_at_once(shared: Env) -> N
     assert (rows[1].started - published).total_seconds() < 10
 
 
+@pytest.mark.sessions(7)  # the most of two runs, -n 0
 def test_a_follower_whose_predecessor_never_comes_runs_after_its_wait(oenv: Env) -> None:
     client = oenv.client()
     never = str(uuid.uuid4())
@@ -479,7 +494,7 @@ else:
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(13)  # the most of two runs, -n 0
 def test_a_task_s_ordering_key_argument_keys_its_calls(shared: Env, where: str) -> None:
     oenv = shared
     # A separate service importing the app publishes with .delay(customer=...), no header.

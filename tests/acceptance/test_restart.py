@@ -46,7 +46,9 @@ from tests.acceptance.harness import Env, Worker, prepare, wait_for, workers
 from tests.acceptance.soak_app import MARK, prepare_runs
 from tests.pg import new_schema_name
 
-pytestmark = pytest.mark.acceptance
+# Its workers and data are on a throwaway cluster of its own: no session on the test
+# server (measured, -n 0), the least a test may declare.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(1)]
 
 SOAK_APP = "tests.acceptance.soak_app"
 TOTAL = 5000

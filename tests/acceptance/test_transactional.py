@@ -29,7 +29,8 @@ from tests.acceptance.harness import ROOT, Env, Worker, prepare, start_worker, w
 from tests.acceptance.txn_fronts import FRONTS, Fronts, setup_django
 from tests.pg import drop_schema, new_schema_name
 
-pytestmark = pytest.mark.acceptance
+# The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(10)]
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ def test_a_producer_killed_before_its_commit_leaves_nothing(
 
 
 @pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(10)  # the most of two runs, -n 0
 def test_a_producer_killed_at_any_moment_leaves_a_task_for_every_committed_row(
     front: str, env: Env, worker: Worker, fronts: Fronts
 ) -> None:

@@ -29,6 +29,9 @@ from pg_transport.store import Lease, Store, claim_params
 from tests.integration.test_plans import generic_plan, no_seq_scan, scans, uses, walk
 from tests.pg import drop_schema, new_schema_name
 
+# The sessions a test holds at most (measured peak, -n 0).
+pytestmark = pytest.mark.sessions(4)
+
 QUEUE = "q1"
 MESSAGES = 1_000_000
 PER_KEY = 100

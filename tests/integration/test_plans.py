@@ -18,9 +18,15 @@ import psycopg
 import pytest
 from psycopg.abc import Query
 
+from pg_transport.db.migrate import ensure_schema
+from pg_transport.db.pool import Connector
 from pg_transport.sql import load_named, to_positional
 from pg_transport.store import Lease, Store, claim_params
-from tests.integration.conftest import Peek
+from tests.integration.conftest import Peek, build_schema
+from tests.pg import created_session_database, drop_schema, new_schema_name
+
+# The sessions a test holds at most (measured peak, -n 0).
+pytestmark = pytest.mark.sessions(4)
 
 
 def walk(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -37,8 +43,7 @@ def scans(plan: dict[str, Any]) -> list[tuple[str, str | None]]:
     ]
 
 
-@pytest.fixture
-def backlog(store: Store, peek: Peek) -> Store:
+def load_backlog(peek: Peek) -> None:
     # One deep queue, the common case (Celery's default queue), is the hard one: with
     # one queue name in its statistics, the planner expects every row to match.
     peek(
@@ -46,7 +51,39 @@ def backlog(store: Store, peek: Peek) -> Store:
         " SELECT 'q1', n %% 3, '{{}}' FROM generate_series(1, 100000) AS n"
     )
     peek("ANALYZE {schema}.message")
+
+
+@pytest.fixture
+def backlog(store: Store, peek: Peek) -> Store:
+    """A backlog of the test's own (for a test that adds rows to it)."""
+    load_backlog(peek)
     return store
+
+
+@pytest.fixture(scope="module")
+def shared_backlog(pg_url: str) -> Iterator[Store]:
+    """The backlog, made once for the module's tests that only plan on it (each plan is
+    made in a transaction rolled back: rows and statistics stay as loaded)."""
+    schema = new_schema_name()
+    connector = Connector(pg_url)
+    with connector.connection() as conn:
+        build_schema(conn, schema)
+    ensure_schema(connector, schema, auto_migrate=True)
+    peek = Peek(pg_url, schema)
+    try:
+        load_backlog(peek)
+    finally:
+        peek.conn.close()
+    yield Store(connector, schema)
+    connector.close()
+    if not created_session_database():
+        drop_schema(pg_url, schema)
+
+
+@pytest.fixture
+def planned(shared_backlog: Store) -> Iterator[Store]:
+    yield shared_backlog
+    shared_backlog.connector.discard_idle()  # (no idle session kept between tests)
 
 
 def generic_plan(
@@ -123,24 +160,22 @@ OTHERS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONSUMER))
-@pytest.mark.sessions(10)
-def test_the_generic_plan_of_each_consumer_query_uses_its_index(backlog: Store, name: str) -> None:
+def test_the_generic_plan_of_each_consumer_query_uses_its_index(planned: Store, name: str) -> None:
     params, indexes = CONSUMER[name]
-    nodes = scans(generic_plan(backlog, name, params))
+    nodes = scans(generic_plan(planned, name, params))
     for index in indexes:
         assert uses(nodes, index), (name, index, nodes)
     assert no_seq_scan(nodes), (name, nodes)
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
-@pytest.mark.sessions(10)
-def test_the_plan_of_each_other_queue_query_uses_its_index(backlog: Store, name: str) -> None:
+def test_the_plan_of_each_other_queue_query_uses_its_index(planned: Store, name: str) -> None:
     params, indexes = OTHERS[name]
     with (
-        psycopg.connect(backlog.connector.conninfo, autocommit=True) as conn,
+        psycopg.connect(planned.connector.conninfo, autocommit=True) as conn,
         conn.transaction(force_rollback=True),
     ):
-        row = conn.execute("EXPLAIN (FORMAT JSON) " + backlog.q[name], params).fetchone()
+        row = conn.execute("EXPLAIN (FORMAT JSON) " + planned.q[name], params).fetchone()
     assert row is not None
     nodes = scans((row[0] if isinstance(row[0], list) else json.loads(row[0]))[0]["Plan"])
     for index in indexes:
@@ -161,7 +196,6 @@ def claim_buffers(store: Store, queue: str, limit: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("head", ["in flight", "delayed", "in flight, higher priority"])
-@pytest.mark.sessions(10)
 def test_claim_never_reads_rows_that_are_not_visible(store: Store, peek: Peek, head: str) -> None:
     # 20,000 invisible rows published before the ready ones: the head of the queue in
     # arrival order (or in priority order). Leased (claimed, not acked) or delayed (ETA),
