@@ -208,61 +208,34 @@ def test_results_count_chords_on_fanin() -> None:
     assert any(within(name, "pg_transport.fanin") for name in chords)
 
 
-def start_fresh(statement: str) -> subprocess.Popen[str]:
-    """A fresh interpreter that runs ``statement`` and prints the barrier modules it then
-    holds, one a line."""
+def barrier_modules_after(statement: str) -> list[str]:
+    """The barrier modules a fresh interpreter holds after ``statement``."""
     code = (
         f"{statement}\nimport sys\n"
         "print('\\n'.join(sorted(m for m in sys.modules"
         " if m == 'barrier' or m.startswith('barrier.'))))"
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
+    return out.stdout.split()
 
 
-def barrier_modules(proc: subprocess.Popen[str]) -> list[str]:
-    """What :func:`start_fresh`'s interpreter printed, once it exited (it must succeed)."""
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    return out.split()
-
-
-CORE_IMPORTS = [
-    "import pg_transport.results.backend",
-    "import pg_transport.transport",
-    # What every `celery` command loads (celery pgq): no barrier hooks in every worker.
-    "import pg_transport.ops.celery_command",
-    "import pg_transport.ops.cli",
-    "import pg_transport.web.app",
-]
-
-
-@pytest.fixture(scope="module")
-def fresh_interpreters() -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """One fresh interpreter per statement of CORE_IMPORTS, all started at once (each
-    spends its second or so importing; side by side, the module waits for them once)."""
-    started = {statement: start_fresh(statement) for statement in CORE_IMPORTS}
-    try:
-        yield started
-    finally:
-        for proc in started.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
-
-
-@pytest.mark.parametrize("statement", CORE_IMPORTS)
-def test_importing_the_core_imports_no_barrier(
-    statement: str, fresh_interpreters: dict[str, subprocess.Popen[str]]
-) -> None:
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import pg_transport.results.backend",
+        "import pg_transport.transport",
+        # What every `celery` command loads (celery pgq): no barrier hooks in every worker.
+        "import pg_transport.ops.celery_command",
+        "import pg_transport.ops.cli",
+        "import pg_transport.web.app",
+    ],
+)
+def test_importing_the_core_imports_no_barrier(statement: str) -> None:
     """Importing the barrier connects its worker hooks and its sweeper: an app that never
     names it gets neither."""
-    assert barrier_modules(fresh_interpreters[statement]) == []
+    assert barrier_modules_after(statement) == []
 
 
 def test_the_barrier_plugin_is_found_by_its_entry_point() -> None:
