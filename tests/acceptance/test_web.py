@@ -18,15 +18,7 @@ import pytest
 from psycopg import sql
 
 from tests.acceptance import console as web
-from tests.acceptance.harness import (
-    QUICK_STOP,
-    Env,
-    Worker,
-    start_worker,
-    stop_all,
-    wait_for,
-    wait_ready,
-)
+from tests.acceptance.harness import QUICK_STOP, Env, start_worker, wait_for
 from tests.pg import pgq_url
 
 pytestmark = [
@@ -140,13 +132,9 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
         assert MARK in browser.find_element("id", "ready").text
 
         # A worker that does not answer remote control: Postgres knows it is connected.
-        # (The two start side by side.)
-        quiet = start_worker(
-            env, "quiet", queues="web.quiet", environ={"TEST_REMOTE_CONTROL": "0"}, wait=False
-        )
-        worker = start_worker(env, "drain", queues="web.fill", wait=False)
+        quiet = start_worker(env, "quiet", queues="web.quiet", environ={"TEST_REMOTE_CONTROL": "0"})
+        worker = start_worker(env, "drain", queues="web.fill")
         try:
-            wait_ready([quiet, worker])
             wait_for(lambda: len(env.runs()) == 40, 60, "the worker to run all 40")
             # The worker's sessions carry its node name and kind; its remote-control
             # mailbox is listed apart from the task queues, folded away.
@@ -217,7 +205,8 @@ def test_the_queues_page_shows_a_queue_filling_and_draining(env: Env, browser: A
                 "web.fill's dead letters per second above zero",
             )
         finally:
-            stop_all([worker, quiet])
+            worker.stop()
+            quiet.stop()
         # The history the chart draws: kept in Postgres, full then empty.
         depths = env.scalar(
             "SELECT array_agg(ready + in_flight ORDER BY at) FROM {schema}.console_sample"
@@ -379,16 +368,12 @@ def monitor_role(env: Env, role: str) -> None:
 def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> None:
     role = f"{env.schema}_monitor"
     monitor_role(env, role)
-    worker: Worker | None = None
     try:
         for i in range(5):
             env.client().send_task(MARK, kwargs={"label": f"secret-{i}"}, queue="web.mon")
         add_dead(env, 2, queue="web.mon")
         url = pgq_url(env.pg_url, user=role)
         assert role in url
-        # A worker on another queue, started while the console starts: its sessions
-        # are what the monitor is shown below.
-        worker = start_worker(env, "seen", queues="web.other", wait=False)
         with web.console(env, url=url) as console:
             showing(
                 browser,
@@ -400,8 +385,8 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
             # It may not publish, so it cannot ask the workers what they consume: the
             # column says it does not know, and the page lists the worker nodes Postgres
             # knows connected (their sessions' names).
+            worker = start_worker(env, "seen", queues="web.other")
             try:
-                wait_ready([worker])
                 node = f"seen@{socket.gethostname()}"
                 showing(
                     browser,
@@ -429,8 +414,6 @@ def test_a_monitor_role_sees_counts_but_no_payloads(env: Env, browser: Any) -> N
             assert browser.find_element("id", "error-title").text == "Not allowed for this role"
             assert "permission denied" in browser.find_element("id", "error-detail").text
     finally:
-        if worker is not None:
-            worker.stop()  # (stopped already, unless the test failed before)
         with psycopg.connect(env.pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
