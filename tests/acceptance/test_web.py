@@ -66,11 +66,19 @@ def rate(browser: Any, queue: str, column: str) -> float:
 
 
 def showing(browser: Any, url: str, predicate: Any, what: str, timeout: float = 30) -> None:
-    """Reload ``url`` until ``predicate(browser)`` holds (the page shows an outcome)."""
+    """Reload ``url`` until ``predicate(browser)`` holds (the page shows an outcome).
+
+    A load of the page without an element the predicate reads does not show the outcome
+    yet: the next reload is looked at (once, at load 17, a processes page's worker row
+    was read without its node cell), and the wait fails only when ``timeout`` ends."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
     def check() -> bool:
         browser.get(url)
-        return bool(predicate(browser))
+        try:
+            return bool(predicate(browser))
+        except (NoSuchElementException, StaleElementReferenceException):
+            return False
 
     wait_for(check, timeout, what, step=0.3)
 
