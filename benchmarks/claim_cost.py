@@ -108,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(
-        f"{args.messages} messages a drain, acks riding; load {Path('/proc/loadavg').read_text()}"
-    )
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    print(f"{args.messages} messages a drain, acks riding; load average {load}")
     print("round  window  claims  server us/msg  server us/claim  wall us/msg")
     for row in rows:
         print(
