@@ -61,8 +61,12 @@ class Sink:
     def ready_key(self) -> str:
         return f"{self.prefix}:ready"
 
+    @property
+    def engine_key(self) -> str:
+        return f"{self.prefix}:engine"
+
     def keys(self) -> list[str]:
-        return [self.done_key, self.latency_key, self.ready_key]
+        return [self.done_key, self.latency_key, self.ready_key, self.engine_key]
 
     def client(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
@@ -129,11 +133,28 @@ def app_from_env(environ: Mapping[str, str] = os.environ) -> Celery:
 app = app_from_env()
 
 
-def _report_ready(**_: Any) -> None:
+# The pgq consumer engine of this worker (None on other brokers), for its statement counts.
+_engine: Any = None
+
+
+def _report_ready(sender: Any = None, **_: Any) -> None:
     # Lets the harness report start-up time and notice a worker that never came up.
+    global _engine
+    transport = getattr(getattr(sender, "connection", None), "transport", None)
+    _engine = getattr(transport, "engine", None)
     if ENV_SINK_URL in os.environ:
         sink = worker_sink()
         sink.client().rpush(sink.ready_key, repr(time.time()))
 
 
+def _report_statements(**_: Any) -> None:
+    # pgq only: how many statements of each kind the consumer sent (claims, acks riding
+    # on them, acks alone...), so the harness can give them per task.
+    statements = getattr(_engine, "statements", None)
+    if statements is not None and ENV_SINK_URL in os.environ:
+        sink = worker_sink()
+        sink.client().rpush(sink.engine_key, json.dumps(vars(statements)))
+
+
 signals.worker_ready.connect(_report_ready)
+signals.worker_shutdown.connect(_report_statements)

@@ -48,6 +48,7 @@ from benchmarks.phases import (
     publish_interleaved,
     wait_ready,
 )
+from benchmarks.procstat import busy_loops, named, pgq_backends, sample
 from benchmarks.report import RATIO_MEANING, combine, format_report, pgbench_ratios, ratios
 from benchmarks.targets import (
     AmqpBroker,
@@ -105,6 +106,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--concurrency", type=int, default=4, help="worker concurrency (default 4)")
     add("--prefetch-multiplier", type=int, default=4, help="worker_prefetch_multiplier")
     add(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy-loop processes (nice 0) running through every broker's drain alike "
+        "(default 0)",
+    )
+    add(
         "--brokers",
         default=",".join(BROKERS),
         help=f"subset of {','.join(BROKERS + EXTRA_BROKERS)} (default: {','.join(BROKERS)})",
@@ -151,6 +160,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(
             "--latency-samples, --concurrency, --prefetch-multiplier and --rounds must be >= 1"
         )
+    if args.background_load < 0:
+        parser.error(f"--background-load must be >= 0, got {args.background_load}")
     if args.phase_timeout <= 0 or args.probe_timeout <= 0 or args.probe_gap < 0:
         parser.error("--phase-timeout and --probe-timeout must be > 0, --probe-gap >= 0")
     known = BROKERS + EXTRA_BROKERS
@@ -331,13 +342,48 @@ def launch(run: Run, entry: Entry, purpose: str) -> tuple[Worker, float]:
 def drain_one(run: Run, entry: Entry) -> None:
     """Drain the published tasks with one worker, started for it and stopped after."""
     args, result = run.args, entry.result
-    run.say(f"[{entry.broker.name}] draining with one worker ({args.pool} x{args.concurrency})")
-    with load_during("drain", [entry]):
+    loaded = f", {args.background_load} busy loops beside it" if args.background_load else ""
+    run.say(
+        f"[{entry.broker.name}] draining with one worker ({args.pool} x{args.concurrency}){loaded}"
+    )
+    # The busy loops first: the load average recorded for the drain includes them.
+    with busy_loops(args.background_load), load_during("drain", [entry]):
         worker, spawned_at = launch(run, entry, "drain")
         try:
-            result["drain"] = drain(worker, entry.sink, args.tasks, args.phase_timeout, spawned_at)
+            result["drain"] = drain(
+                worker,
+                entry.sink,
+                args.tasks,
+                args.phase_timeout,
+                spawned_at,
+                sample=_sampler(run, entry, worker),
+            )
+            result["drain"]["background_load"] = args.background_load
         finally:
             result["worker"] = describe_worker(worker, entry.sink, spawned_at, ready=0)
+
+
+def _sampler(run: Run, entry: Entry, worker: Worker) -> Callable[[], dict[str, Any] | None]:
+    """A reading of the drain worker's CPU and context switches, and its broker's
+    server processes on this host: pgq's backends (found at the first reading, once the
+    worker has connected), RabbitMQ's beam.smp."""
+    server: list[int] | None = None
+
+    def read() -> dict[str, Any] | None:
+        nonlocal server
+        if server is None:
+            server = []
+            name = entry.broker.name
+            try:
+                if name.startswith("pgq") and "bouncer" not in name:
+                    server = pgq_backends(run.args.pg_url, worker.proc.pid)
+                elif name.startswith("rabbitmq"):
+                    server = named("beam.smp")
+            except Exception as exc:  # a figure left out, never a failed drain
+                run.say(f"[{name}] server processes not found: {exc}")
+        return sample(worker.proc.pid, server)
+
+    return read
 
 
 def probe_all(run: Run, entries: list[Entry]) -> None:
@@ -395,7 +441,10 @@ def describe_worker(worker: Worker, sink: Sink, spawned_at: float, *, ready: int
     list) and the trouble in its log."""
     stamp = sink.client().lindex(sink.ready_key, ready)
     code = worker.stop()
+    # pgq's worker reports its consumer's statements as it shuts down (benchmarks.app).
+    counts = sink.client().lpop(sink.engine_key)
     return {
+        **({"statements": json.loads(counts)} if isinstance(counts, (bytes, str)) else {}),
         "log": str(worker.log),
         "exit_code": code,
         "ready_seconds": float(stamp) - spawned_at if stamp is not None else None,
@@ -502,6 +551,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         "pool": args.pool,
         "concurrency": args.concurrency,
         "prefetch_multiplier": args.prefetch_multiplier,
+        "background_load": args.background_load,
         "acks_late": True,
         "probe_gap_max_s": args.probe_gap,
         "sink": f"{mask_url(sink_url(args))} (Redis RPUSH per task)",

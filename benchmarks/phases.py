@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from celery import Task
 from kombu.messaging import Producer
 
+from benchmarks import procstat
 from benchmarks.app import LATENCY, Sink
 from benchmarks.worker import Worker
 
@@ -162,12 +163,23 @@ def publish_interleaved(
 
 
 def drain(
-    worker: Worker, sink: Sink, expected: int, timeout: float, spawned_at: float
+    worker: Worker,
+    sink: Sink,
+    expected: int,
+    timeout: float,
+    spawned_at: float,
+    sample: Callable[[], dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """Wait until the worker has run ``expected`` pre-published tasks; rate first→last."""
+    """Wait until the worker has run ``expected`` pre-published tasks; rate first→last.
+    With ``sample`` (a reading of the worker's CPU and context switches, see
+    :mod:`benchmarks.procstat`), what the worker spent per task from its first task
+    done to its last, under ``per_task``."""
     client = sink.client()
     deadline = time.monotonic() + timeout
+    first: tuple[int, dict[str, Any] | None] | None = None
     while (done := int(client.llen(sink.done_key))) < expected:
+        if sample is not None and first is None and done > 0:
+            first = (done, sample())
         if not worker.alive():
             raise PhaseError(
                 f"worker exited (code {worker.proc.returncode}) after {done}/{expected} tasks"
@@ -177,9 +189,14 @@ def drain(
                 f"drain timed out after {timeout:.0f}s with {done}/{expected} tasks done"
             )
         time.sleep(DRAIN_POLL)
+    last = sample() if sample is not None else None
     stamps = sorted(float(s) for s in client.lrange(sink.done_key, 0, -1))
     span = stamps[-1] - stamps[0]
+    found: dict[str, Any] = {}
+    if first is not None and first[1] is not None and last is not None:
+        found["per_task"] = procstat.per_task(first[1], last, done - first[0])
     return {
+        **found,
         "tasks": len(stamps),
         # More completions than tasks would mean redeliveries of finished tasks.
         "duplicates": len(stamps) - expected,

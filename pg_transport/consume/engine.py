@@ -420,6 +420,8 @@ class Engine:
             )
             self.statements.claim += 1
             self.statements.acks_riding += len(acks)
+            if want.room is not None and (want.window - want.room) * 4 <= want.window:
+                self.statements.claims_low += 1
             self._refill_due = False
             if self._refill is not None:
                 self._refill.cancel()
@@ -515,6 +517,7 @@ class Engine:
             return
         batch = read_claim(flight.acks, rows)
         if flight.kind == "claim":
+            self.statements.claim_seconds += monotonic() - flight.sent
             self.flow = claim_limits(rows)
             if self.flow and flight.statement == "claim":
                 # A flow limit exists: the plain claim picked nothing (its acks landed).

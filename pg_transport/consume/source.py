@@ -72,3 +72,8 @@ class Statements:
     held: int = 0
     #: Plain claims that found a flow limit (picked nothing; flow_claim sent after).
     flow_switch: int = 0
+    #: Seconds claims spent on the wire, from sending to reading their answer.
+    claim_seconds: float = 0.0
+    #: Claims sent while the consumer held no more than a quarter of its prefetch
+    #: window: its pool was about to run dry waiting for the answer.
+    claims_low: int = 0

@@ -327,6 +327,28 @@ def test_a_refill_waits_a_moment_for_more_free_slots(
     assert (sent.claim, sent.acks_riding) == (3, 5)
 
 
+def test_the_engine_counts_its_claims_time_and_those_sent_running_low(
+    conn: Connection, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the broker benchmark reports per task: how long claims were out, and how
+    # many were sent with the pool about to run dry (a quarter of the window or less).
+    sent, got = started(conn, hub, monkeypatch, "counted", prefetch=8, messages=12)
+    before = time.monotonic()
+    turn_until(hub, lambda: len(got) == 8 and not engine(conn).busy)
+    assert (sent.claim, sent.claims_low) == (1, 1)  # idle: nothing held
+    assert 0 < sent.claim_seconds <= time.monotonic() - before
+    for message in got[:4]:
+        message.ack()
+    turn_until(hub, lambda: len(got) == 12 and not engine(conn).busy)
+    assert (sent.claim, sent.claims_low) == (2, 1)  # half the window still held
+    out = sent.claim_seconds
+    for message in got[4:]:
+        message.ack()
+    turn_until(hub, lambda: sent.claim == 3 and not engine(conn).busy)
+    assert sent.claims_low == 2  # nothing held again
+    assert sent.claim_seconds > out
+
+
 def _claim_blocked_behind(
     conn: Connection, hub: Hub, rows: Peek, admin: psycopg.Connection[Any]
 ) -> None:
