@@ -1023,7 +1023,11 @@ WHERE {part:claim_flow_on}
 -- (a delayed one, or one whose lease runs out) becomes visible; NULL when there is none.
 -- An idle consumer arms a timer with it, to claim the moment the message is due. One
 -- index descent per priority present in a queue, as in claim (a skip scan), then the
--- first visible_at past now at that priority.
+-- first visible_at past now at that priority, less since seconds: the time since the
+-- consumer's last claim looked (0 when none looked just before). A message that fell
+-- due after that claim looked and is not claimed yet comes back as due now (a negative
+-- answer), where past now alone it would wait for the next poll; one the claim saw and
+-- left (a flow limit) fell due before it looked, and does not.
 WITH RECURSIVE level AS (
     SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
                     WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
@@ -1038,7 +1042,8 @@ SELECT EXTRACT(EPOCH FROM pg_catalog.min(d.at) - pg_catalog.clock_timestamp())::
 FROM level AS l
 CROSS JOIN LATERAL (
     SELECT m.visible_at AS at FROM {schema}.message AS m
-    WHERE m.queue = l.name AND m.priority = l.priority AND m.visible_at > pg_catalog.now()
+    WHERE m.queue = l.name AND m.priority = l.priority
+      AND m.visible_at > pg_catalog.now() - pg_catalog.make_interval(secs => %(since)s::float8)
       AND m.visible_at < 'infinity'::timestamptz
     ORDER BY m.visible_at LIMIT 1
 ) AS d
