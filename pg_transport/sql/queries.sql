@@ -1386,6 +1386,7 @@ WITH ex AS (
                %(channel_prefix)s::text
                || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')), '')
     FROM targets AS t
+    WHERE %(wake)s::boolean
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        (SELECT pg_catalog.count(*) FROM woken),
@@ -1397,6 +1398,26 @@ SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        END AS holder,
        (SELECT w.before FROM waits AS w) AS lock_timeout,
        (SELECT pg_catalog.count(*) FROM inserted) AS inserted
+
+-- name: wake_routed
+-- Wake the queues an exchange routes a routing key to, as publish_routed does, after a
+-- publish_routed sent with wake false committed (a transaction of its own, sent with
+-- it: see wake). The route is looked up again; a binding changed in between makes a
+-- wake-up too many or one missing, which the poll makes good.
+SELECT pg_catalog.count(pg_catalog.pg_notify(
+           %(channel_prefix)s::text || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')),
+           ''))
+FROM (
+    SELECT DISTINCT b.queue
+    FROM {schema}.binding AS b
+    JOIN {schema}.exchange AS e ON e.name = b.exchange
+    WHERE b.exchange = %(exchange)s::text
+      AND CASE e.type
+              WHEN 'fanout' THEN true
+              WHEN 'topic' THEN %(routing_key)s::text OPERATOR(pg_catalog.~) b.pattern
+              ELSE b.routing_key = %(routing_key)s::text
+          END
+) AS t
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.
