@@ -152,15 +152,30 @@ class Run:
                 sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema))
             )
 
-    def round_trip(self, probes: int) -> dict[str, float]:
+    def round_trip(self, probes: int) -> dict[str, Any]:
+        """p50/p99 of send -> get() returning; ``result_leg``: of the task's end (its
+        body's last wall-clock stamp) -> get() returning, the result backend's own part
+        (the store, its commit, the wake-up of the waiter and its read); the load average
+        before and after."""
         times: list[float] = []
+        legs: list[float] = []
+        load_before = os.getloadavg()
         for n in range(probes + 10):
             started = time.perf_counter()
-            self.app.send_task("bench.stamp").get(timeout=30)
+            ended = float(self.app.send_task("bench.stamp").get(timeout=30))
+            returned = time.time()
             if n >= 10:
                 times.append((time.perf_counter() - started) * 1000)
+                legs.append((returned - ended) * 1000)
         cuts = quantiles(times, n=100)
-        return {"p50_ms": median(times), "p99_ms": cuts[98]}
+        leg_cuts = quantiles(legs, n=100)
+        return {
+            "p50_ms": median(times),
+            "p99_ms": cuts[98],
+            "result_leg_p50_ms": median(legs),
+            "result_leg_p99_ms": leg_cuts[98],
+            "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
+        }
 
     def chord(self, parts: int, rounds: int) -> dict[str, Any]:
         lags = []
@@ -219,8 +234,8 @@ def measure(
 
     # Round trips and chords: the backends take turns, round after round, so that the
     # machine's other load falls on all of them alike.
-    for _ in range(rounds):
-        for kind in kinds:
+    for turn in range(rounds):
+        for kind in kinds if turn % 2 == 0 else kinds[::-1]:  # (reversed every other round)
             run = Run(kind, url, concurrency)
             try:
                 trips[kind].append(run.round_trip(probes))
@@ -230,6 +245,8 @@ def measure(
             out[kind]["round_trip"] = {
                 "p50_ms": median(t["p50_ms"] for t in trips[kind]),
                 "p99_ms": median(t["p99_ms"] for t in trips[kind]),
+                "result_leg_p50_ms": median(t["result_leg_p50_ms"] for t in trips[kind]),
+                "result_leg_p99_ms": median(t["result_leg_p99_ms"] for t in trips[kind]),
                 "rounds": trips[kind],
             }
             out[kind]["chord"] = {"lag_s": median(lags[kind]), "lags_s": lags[kind]}
@@ -263,6 +280,10 @@ def report(figures: dict[str, dict[str, Any]]) -> str:
             f"{f['chord']['lag_s']:12.3f} {f['waiting']['xacts_per_s']:10.1f} "
             f"{f['waiting_tenth']['xacts_per_s']:12.1f}"
         )
+    lines.append("result leg (the task's end -> get() returning), p50 / p99 ms:")
+    for kind, f in figures.items():
+        rt = f["round_trip"]
+        lines.append(f"  {kind:10} {rt['result_leg_p50_ms']:.2f} / {rt['result_leg_p99_ms']:.2f}")
     if base:
         lines.append("ratios against redis (round trip p50, p99, chord lag):")
         for kind, f in figures.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import random
 import sys
 import tempfile
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--sink-db", type=int, default=12, help="Redis db of the timing sink")
     add("--amqp-url", default="amqp://guest:guest@127.0.0.1:5672//", help="RabbitMQ")
     add("--seed", type=int, default=1, help="random seed of the countdowns")
+    add("--rounds", type=int, default=1, help="turns of every broker (order reversed each round)")
     add("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     low, _, high = args.spread.partition(",")
@@ -58,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.low, args.high = float(low), float(high)
     except ValueError:
         parser.error(f"--spread must be two numbers, 'shortest,longest'; got {args.spread!r}")
-    if not 0 < args.low <= args.high or args.tasks < 1:
-        parser.error("--spread needs 0 < shortest <= longest, --tasks at least 1")
+    if not 0 < args.low <= args.high or args.tasks < 1 or args.rounds < 1:
+        parser.error("--spread needs 0 < shortest <= longest, --tasks and --rounds at least 1")
     unknown = set(args.brokers.split(",")) - set(BROKERS)
     if unknown:
         parser.error(f"unknown broker(s) {', '.join(sorted(unknown))}; known: {', '.join(BROKERS)}")
@@ -91,6 +93,7 @@ def measure(broker: Broker, args: argparse.Namespace, sink_url: str) -> dict[str
     sink = Sink(sink_url, f"countdown:{run_id}")
     spec = WorkerSpec("prefork", 2, 4, sink_url)
     log = Path(tempfile.mkstemp(prefix=f"pgq-countdown-{broker.name}-", suffix=".log")[1])
+    load_before = os.getloadavg()
     try:
         with patched_environ(target.env):
             app = make_app(target.broker_url, target.queue, target.transport_options)
@@ -119,6 +122,14 @@ def measure(broker: Broker, args: argparse.Namespace, sink_url: str) -> dict[str
         log.unlink(missing_ok=True)
     late = [(started - due) * 1000.0 for _, due, started in rows]
     return {
+        **_summary(late),
+        "loadavg": {"before": list(load_before), "after": list(os.getloadavg())},
+        "late_ms": [round(ms, 3) for ms in late],
+    }
+
+
+def _summary(late: list[float]) -> dict[str, Any]:
+    return {
         "tasks": len(late),
         "p50_ms": percentile(late, 0.50),
         "p99_ms": percentile(late, 0.99),
@@ -142,19 +153,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sink_url = str(RedisBroker(args.redis_url, args.sink_db).url)
     results: dict[str, Any] = {}
+    brokers = []
     for broker in make_brokers(args):
         why = broker.check()
         if why is not None:
             results[broker.name] = {"skipped": why}
-            continue
-        results[broker.name] = measure(broker, args, sink_url)
+        else:
+            brokers.append(broker)
+    # Rounds: every broker in turn, the order reversed every other round, so that a
+    # slow spell of a shared machine weighs on each alike; each turn's load average
+    # is kept with its figures.
+    turns: dict[str, list[dict[str, Any]]] = {b.name: [] for b in brokers}
+    for n in range(args.rounds):
+        for broker in brokers if n % 2 == 0 else brokers[::-1]:
+            turns[broker.name].append(measure(broker, args, sink_url))
+    for name, measured in turns.items():
+        late = [ms for m in measured for ms in m["late_ms"]]
+        results[name] = {
+            **_summary(late),
+            "rounds": [{k: v for k, v in m.items() if k != "late_ms"} for m in measured],
+        }
     pgq = results.get("pgq", {})
     ratios = {
         f"pgq/{name}": {k: pgq[k] / other[k] for k in ("p50_ms", "p99_ms") if other.get(k)}
         for name, other in results.items()
         if name != "pgq" and "p50_ms" in pgq and "p50_ms" in other
     }
-    report = {"spread_s": [args.low, args.high], "brokers": results, "ratios": ratios}
+    report = {
+        "spread_s": [args.low, args.high],
+        "rounds": args.rounds,
+        "brokers": results,
+        "ratios": ratios,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -164,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         if "skipped" in found:
             print(f"{name:<10} skipped: {found['skipped']}")
             continue
+        loads = " ".join(f"{r['loadavg']['before'][0]:.1f}" for r in found["rounds"])
         print(
             f"{name:<10} {found['p50_ms']:8.1f} {found['p99_ms']:8.1f} "
-            f"{found['max_ms']:8.1f} {found['min_ms']:8.1f}"
+            f"{found['max_ms']:8.1f} {found['min_ms']:8.1f}   load {loads}"
         )
     for name, found in ratios.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in found.items()))

@@ -300,9 +300,24 @@ def latency_interleaved(
                 **summarize(millis[name]),
                 "publish_call_p50_ms": percentile(called[name], 0.50),
                 "publish_call_p99_ms": percentile(called[name], 0.99),
+                # Each probe's time after its publish returned (the wake-up, the claim
+                # or delivery, the dispatch to the pool): the part above the floor a
+                # durable publish sets, where the call waits for its commit's flush.
+                **_after_publish(millis[name], called[name]),
                 "samples_ms": [round(m, 3) for m in millis[name]],
             }
     return outcome
+
+
+def _after_publish(millis: list[float], called: list[float]) -> dict[str, float]:
+    """p50 and p99 of each probe's latency minus its own publish call, in ms."""
+    after = [took - call for took, call in zip(millis, called, strict=True)]
+    if not after:
+        return {}
+    return {
+        "after_publish_p50_ms": percentile(after, 0.50),
+        "after_publish_p99_ms": percentile(after, 0.99),
+    }
 
 
 def percentile(values: list[float], fraction: float) -> float:

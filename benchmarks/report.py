@@ -181,4 +181,20 @@ def format_report(report: dict[str, Any]) -> str:
             "publish / pgbench: "
             + ", ".join(f"{name} {_cell(value, '.2f')}x" for name, value in to_pgbench.items())
         )
+    lines += _after_publish_rows(report["brokers"])
     return "\n".join(lines)
+
+
+def _after_publish_rows(brokers: dict[str, dict[str, Any]]) -> list[str]:
+    """Each broker's probe latency split at the return of its publish call: the call (a
+    durable broker waits there for its commit's flush), then the rest."""
+    cells = []
+    for name, result in brokers.items():
+        call = _value(result, "latency", "publish_call_p50_ms")
+        after = _value(result, "latency", "after_publish_p50_ms")
+        after99 = _value(result, "latency", "after_publish_p99_ms")
+        if call is not None and after is not None and after99 is not None:
+            cells.append(f"{name} {call:.2f} / {after:.2f} (p99 {after99:.2f})")
+    if not cells:
+        return []
+    return ["latency split, p50 of the publish call / of the rest, ms: " + "; ".join(cells)]

@@ -74,6 +74,9 @@ REFILL_DELAY = 0.002
 MAX_KEYED = 100_000
 # Longest a stopping consumer waits for the answer of a statement it has out (seconds).
 RETIRE_TIMEOUT = 5.0
+# Added to the time since the last claim was sent when next_due looks back for messages
+# that fell due after it (seconds): the two statements' trips to the server differ.
+DUE_SLACK = 0.002
 
 
 @dataclass
@@ -125,6 +128,8 @@ class Engine:
         # The timer set for the next message falling due, and whether to ask again.
         self._due: Handle | None = None
         self._due_stale = True
+        # When the last claim answered was sent (monotonic), until next_due uses it.
+        self._looked: float | None = None
         self._loop_thread = 0
         self._looping = False
         self._kick_due = False
@@ -444,8 +449,20 @@ class Engine:
             if queues:
                 self._due_stale = False
                 self._in_flight = _InFlight("next_due", queues=queues)
-                session.send("next_due", {"queues": queues})
+                session.send("next_due", {"queues": queues, "since": self._since_looked()})
                 self.statements.next_due += 1
+
+    def _since_looked(self) -> float:
+        """Seconds since the last claim was sent, for next_due (once: then 0).
+
+        A message that fell due after that claim looked, and before next_due runs (while
+        the claim's answer came back and was delivered), is found by neither: the claim
+        did not see it visible, and next_due looks only past its own now. next_due looks
+        back this far, and such a message is claimed at once. Once only: a next_due not
+        following a claim (a full prefetch window, nothing claimed) looks from now, or a
+        message left unclaimed would be reported due again and again."""
+        looked, self._looked = self._looked, None
+        return 0.0 if looked is None else monotonic() - looked + DUE_SLACK
 
     def _wake_channels(self, wants: list[Want]) -> set[str]:
         """The wake-up channels of every queue consumed: worked out again only when the
@@ -518,6 +535,7 @@ class Engine:
         batch = read_claim(flight.acks, rows)
         if flight.kind == "claim":
             self.statements.claim_seconds += monotonic() - flight.sent
+            self._looked = flight.sent
             self.flow = claim_limits(rows)
             if self.flow and flight.statement == "claim":
                 # A flow limit exists: the plain claim picked nothing (its acks landed).

@@ -114,7 +114,8 @@ class Publisher:
         self.q = load_queries(schema)
         # The statements run once per message go through libpq directly (wire.py).
         self.wire = {
-            name: Statement(name, self.q[name]) for name in ("publish_plain", "enqueue", "wake")
+            name: Statement(name, self.q[name])
+            for name in ("publish_plain", "enqueue", "wake", "publish_routed", "wake_routed")
         }
 
     def channel(self, queue: str) -> str:
@@ -391,7 +392,12 @@ class Publisher:
             self._wake_failed(conn, params, woke)
 
     def _wake_failed(
-        self, conn: psycopg.Connection[Any], params: dict[str, Any], woke: psycopg.Error
+        self,
+        conn: psycopg.Connection[Any],
+        params: dict[str, Any],
+        woke: psycopg.Error,
+        *,
+        statement: str = "wake",
     ) -> None:
         """A wake-up for a message committed durably failed: lost with ``conn``, it is
         sent again on another connection; otherwise a warning says so. Nothing here
@@ -400,7 +406,7 @@ class Publisher:
         if isinstance(woke, psycopg.OperationalError) and conn.closed:
             try:
                 self.connector.run(
-                    lambda other: self.wire["wake"].execute(other, params, prepare=True),
+                    lambda other: self.wire[statement].execute(other, params, prepare=True),
                     idempotent=True,
                 )
                 failure = None
@@ -410,7 +416,7 @@ class Publisher:
             logger.warning(
                 "pgq: a message of queue %r is published, but waking its consumers "
                 "failed (%s): they take it at their next poll",
-                params["queue"],
+                params.get("queue") or params.get("exchange"),
                 failure,
             )
 
@@ -445,9 +451,12 @@ class Publisher:
             "publish_tag": publish_tag,
             "payload": self.encode(payload),
             "channel_prefix": self.channel_prefix,
+            "wake": True,
         }
 
         def routed(conn: psycopg.Connection[Any]) -> tuple[str | None, int, int, str | None]:
+            if params["ukey"] is None and way_of(conn, flushes=self.flushes) == "apart":
+                return self._routed_then_wake(conn, params)
             with self._permitted(conn), self._waits(params):
                 row = _fetch_one(conn, self.q["publish_routed"], params)
             assert row is not None
@@ -477,6 +486,29 @@ class Publisher:
             f"unique key {params['ukey'][:80]!r} changed hands {UNIQUE_ATTEMPTS} times "
             "while it was published; nothing was published"
         )
+
+    def _routed_then_wake(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any]
+    ) -> tuple[str | None, int, int, str | None]:
+        """``publish_routed`` without its wake-ups, then ``wake_routed``: two transactions
+        sent at once, as :meth:`_enqueue_then_wake` sends a publish to one queue (its
+        docstring says why). (type, queues matched, copies inserted, holder: None.)"""
+        with self._permitted(conn):
+            inserted, woke = run_apart(
+                conn,
+                [
+                    (self.wire["publish_routed"], {**params, "wake": False}),
+                    (self.wire["wake_routed"], params),
+                ],
+                prepare=True,
+            )
+            if isinstance(inserted, psycopg.Error):
+                raise inserted
+        if isinstance(woke, psycopg.Error):
+            self._wake_failed(conn, params, woke, statement="wake_routed")
+        (row,) = inserted
+        kind = None if row[0] is None else bytes(row[0]).decode()
+        return kind, int(row[1] or 0), int(row[5] or 0), None
 
     def dead_letter_unroutable(
         self, queue: str, payload: dict[str, Any], *, priority: int, reason: str

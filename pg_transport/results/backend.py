@@ -14,6 +14,7 @@ Expired results (``result_expires``) are deleted by the workers using this backe
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -33,9 +34,10 @@ from kombu.utils.encoding import bytes_to_str
 from pg_transport.config import Options
 from pg_transport.db import completing
 from pg_transport.db.migrate import ensure_schema
-from pg_transport.db.pool import Connector, shared, url_to_conninfo
+from pg_transport.db.pool import Connector, is_own, shared, url_to_conninfo
 from pg_transport.db.retry import is_dead_connection
 from pg_transport.db.url import mask_url
+from pg_transport.db.wire import Statement, run_apart
 from pg_transport.errors import BrokerUnreachable, NotPermitted, NotYetCommitted
 from pg_transport.message import unique
 from pg_transport.publish import joined
@@ -72,6 +74,18 @@ def alias_in(meta: Mapping[str, Any]) -> str | None:
     if meta.get("status") != states.PENDING or not isinstance(holder, str) or not holder:
         return None
     return holder
+
+logger = logging.getLogger("pg_transport.results")
+
+
+def _idle_own(conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``conn`` is a session of pgq's own with no transaction open and no
+    pipeline running: one where a statement commits on its own."""
+    return (
+        is_own(conn)
+        and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+        and conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    )
 
 
 def _connector(conninfo: str, display_url: str, *, own_sessions: bool) -> Connector:
@@ -242,6 +256,7 @@ class PgqBackend(AsyncBackendMixin, Backend):
             url_to_conninfo(url), mask_url(url), own_sessions=self.options.use_notify
         )
         self.q = load_named("results.sql", self.schema, "pg_transport.results")
+        self._statements: dict[str, Statement] = {}
         self._checked = False
         self.chords = Chords(
             self, enabled=self.options.native_chords, conninfo=self.connector.conninfo
@@ -387,14 +402,66 @@ class PgqBackend(AsyncBackendMixin, Backend):
         notify = {"channel": result_channel(self.schema, meta["task_id"])}
 
         def work(conn: psycopg.Connection[Any]) -> None:
-            # Two transactions in one round trip: the row commits (durably), then the
-            # wake-up alone, so no waiter is woken for a row not yet on disk.
-            with conn.pipeline():
+            if not _idle_own(conn):
+                # In a transaction of the caller's (an atomic task's): both in it, the
+                # wake-up sent when it commits.
                 conn.execute(self.q["result_store"], params)
                 conn.execute(self.q["result_notify"], notify)
+                return
+            self._store_then_wake(conn, params, notify)
 
         self._run(work, "store a result")
         return result
+
+    def _store_then_wake(
+        self, conn: psycopg.Connection[Any], params: dict[str, Any], notify: dict[str, Any]
+    ) -> None:
+        """The row and its wake-up as two transactions sent at once (one round trip):
+        the row commits (durably), then the wake-up alone. Postgres commits the
+        transactions that NOTIFY one at a time, each holding a lock through its commit,
+        WAL flush included: a wake-up in the row's transaction would make every other
+        result stored (and every publish) wait for this flush, where alone it holds the
+        lock only for a moment. No waiter is woken for a row not yet on disk. (psycopg's
+        pipeline would send both in one transaction: no synchronization point between
+        them in autocommit.)
+
+        A wake-up lost with the connection after the row committed is sent again on
+        another one; one that fails otherwise is said: the waiter's next look (a new
+        subscriber, a reconnection) finds the row."""
+        stored, woke = run_apart(
+            conn,
+            [(self._wire("result_store"), params), (self._wire("result_notify"), notify)],
+            prepare=conn.prepare_threshold is not None,
+        )
+        if isinstance(stored, psycopg.Error):
+            raise stored
+        if not isinstance(woke, psycopg.Error):
+            return
+        failure: Exception | None = woke
+        if isinstance(woke, psycopg.OperationalError) and conn.closed:
+            try:
+                self.connector.run(
+                    lambda other: self._wire("result_notify").execute(
+                        other, notify, prepare=other.prepare_threshold is not None
+                    ),
+                    idempotent=True,
+                )
+                failure = None
+            except Exception as exc:  # (no connection to be had: BrokerUnavailable, …)
+                failure = exc
+        if failure is not None:
+            logger.warning(
+                "pgq results: a result of task %s is stored, but waking its waiters failed (%s)",
+                params["task_id"],
+                failure,
+            )
+
+    def _wire(self, name: str) -> Statement:
+        """A named query of results.sql, sent through libpq (:mod:`pg_transport.db.wire`)."""
+        statement = self._statements.get(name)
+        if statement is None:
+            statement = self._statements[name] = Statement(name, self.q[name])
+        return statement
 
     def store_state_row(
         self, conn: psycopg.Connection[Any], task_id: str, meta: dict[str, Any]

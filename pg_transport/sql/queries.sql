@@ -1079,7 +1079,11 @@ WHERE {part:claim_flow_on}
 -- (a delayed one, or one whose lease runs out) becomes visible; NULL when there is none.
 -- An idle consumer arms a timer with it, to claim the moment the message is due. One
 -- index descent per priority present in a queue, as in claim (a skip scan), then the
--- first visible_at past now at that priority.
+-- first visible_at past now at that priority, less since seconds: the time since the
+-- consumer's last claim looked (0 when none looked just before). A message that fell
+-- due after that claim looked and is not claimed yet comes back as due now (a negative
+-- answer), where past now alone it would wait for the next poll; one the claim saw and
+-- left (a flow limit) fell due before it looked, and does not.
 WITH RECURSIVE level AS (
     SELECT w.name, (SELECT m.priority FROM {schema}.message AS m
                     WHERE m.queue = w.name ORDER BY m.priority DESC LIMIT 1) AS priority
@@ -1094,7 +1098,8 @@ SELECT EXTRACT(EPOCH FROM pg_catalog.min(d.at) - pg_catalog.clock_timestamp())::
 FROM level AS l
 CROSS JOIN LATERAL (
     SELECT m.visible_at AS at FROM {schema}.message AS m
-    WHERE m.queue = l.name AND m.priority = l.priority AND m.visible_at > pg_catalog.now()
+    WHERE m.queue = l.name AND m.priority = l.priority
+      AND m.visible_at > pg_catalog.now() - pg_catalog.make_interval(secs => %(since)s::float8)
       AND m.visible_at < 'infinity'::timestamptz
     ORDER BY m.visible_at LIMIT 1
 ) AS d
@@ -1453,6 +1458,7 @@ WITH ex AS (
                %(channel_prefix)s::text
                || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')), '')
     FROM targets AS t
+    WHERE %(wake)s::boolean
 )
 SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        (SELECT pg_catalog.count(*) FROM woken),
@@ -1464,6 +1470,26 @@ SELECT (SELECT type FROM ex), (SELECT pg_catalog.count(*) FROM targets),
        END AS holder,
        (SELECT w.before FROM waits AS w) AS lock_timeout,
        (SELECT pg_catalog.count(*) FROM inserted) AS inserted
+
+-- name: wake_routed
+-- Wake the queues an exchange routes a routing key to, as publish_routed does, after a
+-- publish_routed sent with wake false committed (a transaction of its own, sent with
+-- it: see wake). The route is looked up again; a binding changed in between makes a
+-- wake-up too many or one missing, which the poll makes good.
+SELECT pg_catalog.count(pg_catalog.pg_notify(
+           %(channel_prefix)s::text || pg_catalog.md5(pg_catalog.convert_to(t.queue, 'UTF8')),
+           ''))
+FROM (
+    SELECT DISTINCT b.queue
+    FROM {schema}.binding AS b
+    JOIN {schema}.exchange AS e ON e.name = b.exchange
+    WHERE b.exchange = %(exchange)s::text
+      AND CASE e.type
+              WHEN 'fanout' THEN true
+              WHEN 'topic' THEN %(routing_key)s::text OPERATOR(pg_catalog.~) b.pattern
+              ELSE b.routing_key = %(routing_key)s::text
+          END
+) AS t
 
 -- name: dead_letter_unroutable
 -- Keep a message no queue was bound to receive, under its routing key as queue name.

@@ -27,5 +27,9 @@ def test_the_backends_benchmark_reports_every_figure(
     assert set(figures) == {"pgq", "redis"}
     for kind, f in figures.items():
         assert f["round_trip"]["p50_ms"] > 0, kind
+        # The result's leg is part of the round trip, and each round's load is kept.
+        leg = f["round_trip"]["result_leg_p50_ms"]
+        assert 0 < leg <= f["round_trip"]["p50_ms"], (kind, f["round_trip"])
+        assert all(len(r["loadavg"]["before"]) == 3 for r in f["round_trip"]["rounds"]), kind
         assert f["chord"]["lag_s"] < 5, kind
         assert f["waiting"]["waiters"] == 20 and f["waiting_tenth"]["waiters"] == 2

@@ -62,6 +62,10 @@ def _assert_sane(name: str, result: dict[str, Any]) -> None:
     assert latency["samples"] == PROBES, (name, latency)
     assert 0 < latency["p50_ms"] <= latency["p99_ms"], (name, latency)
     assert latency["min_ms"] <= latency["p50_ms"] and latency["p99_ms"] <= latency["max_ms"]
+    # The split at the publish call's return: the part after it is at most the whole (a
+    # broker may start the task before its call returns: negative then).
+    after50, after99 = latency["after_publish_p50_ms"], latency["after_publish_p99_ms"]
+    assert after50 <= after99 <= latency["max_ms"], (name, latency)
     # The drain's worker and the idle one probed for latency both started and stopped.
     for key in ("worker", "probe_worker"):
         assert result[key]["ready_seconds"] is not None, (name, key, result[key])

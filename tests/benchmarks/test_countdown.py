@@ -43,11 +43,15 @@ def test_countdowns_on_pgq_start_on_time(pg_url: str, capsys: pytest.CaptureFixt
     )
     found = json.loads(capsys.readouterr().out)["brokers"]["pgq"]
     assert found["tasks"] == 30
+    (turn,) = found["rounds"]  # one round: its figures and the load it ran under
+    assert turn["tasks"] == 30 and len(turn["loadavg"]["before"]) == 3
     assert found["min_ms"] > -5  # never started before its eta (clock noise aside)
     assert found["p50_ms"] < 50, found  # a poll would make it ~500 ms
 
 
-@pytest.mark.parametrize("bad", [["--spread", "5,1"], ["--spread", "x"], ["--tasks", "0"]])
+@pytest.mark.parametrize(
+    "bad", [["--spread", "5,1"], ["--spread", "x"], ["--tasks", "0"], ["--rounds", "0"]]
+)
 def test_bad_arguments_are_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(bad)

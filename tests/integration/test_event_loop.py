@@ -182,6 +182,51 @@ def test_the_poll_finds_a_delayed_message_that_fell_due(
         turn_until(hub, lambda: len(got) == 1, timeout=5)
 
 
+def test_a_message_falling_due_while_the_last_claim_was_delivered_is_claimed_at_once(
+    broker_url: str, schema: str, hub: Hub, rows: Peek
+) -> None:
+    """An idle consumer claims A when it falls due; B falls due after that claim looked
+    and before the consumer asks when the next message is due (here: while A is being
+    delivered). B is due and unclaimed: the consumer claims it at once, not at its next
+    poll (60 s). No notification is involved: the rows are inserted directly, and the
+    one wake-up sent (for both, before either is due) is long taken when B falls due."""
+    options = {"schema": schema, "polling_interval": 60}
+    payload = (
+        '{"body": "{}", "content-type": "application/json", "headers": {},'
+        ' "properties": {"delivery_info": {}}}'
+    )
+    with Connection(broker_url, transport_options=options) as c:
+        c.connect()
+        got: list[Any] = []
+        due_b: list[int] = []
+
+        def delivered(_body: Any, message: Any) -> None:
+            got.append(message)
+            if len(got) == 1:  # A: hold the loop here until B is due
+                rows.wait_until(
+                    "SELECT visible_at <= now() FROM {schema}.message WHERE id = %s",
+                    due_b[0],
+                    failure="B never fell due",
+                )
+
+        consumer = Consumer(c.channel(), [Queue("late")], callbacks=[delivered])
+        consumer.qos(prefetch_count=4)
+        consumer.consume()
+        c.transport.register_with_event_loop(c.connection, hub)
+        turn_until(hub, lambda: engine(c).waiting)
+        ((_,), (b,)) = rows(
+            "INSERT INTO {schema}.message (queue, visible_at, payload) VALUES"
+            " ('late', now() + interval '300 ms', %s),"
+            " ('late', now() + interval '600 ms', %s) RETURNING id",
+            payload,
+            payload,
+        )
+        due_b.append(b)
+        rows("SELECT pg_notify(%s, '')", engine(c).channel("late"))
+        turn_until(hub, lambda: len(got) == 1, timeout=10)
+        turn_until(hub, lambda: len(got) == 2, timeout=10)
+
+
 def test_a_terminated_session_is_a_connection_error_and_keeps_the_acks(
     conn: Connection, hub: Hub, rows: Peek, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

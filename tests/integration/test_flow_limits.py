@@ -186,7 +186,7 @@ def test_a_refused_message_is_deferred_to_its_token(store: PublishingStore, peek
     )
     # tat is the first grant + 2 s; burst 1: the next token is due at tat.
     assert rows == [("00:00:00", True), ("00:00:02", True)]
-    (due,) = peek.conn.execute(store.q["next_due"], {"queues": [Q]}).fetchone()  # type: ignore[misc]
+    (due,) = peek.conn.execute(store.q["next_due"], {"queues": [Q], "since": 0.0}).fetchone()  # type: ignore[misc]
     assert 0 < due <= 2.0
 
 

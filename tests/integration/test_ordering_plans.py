@@ -192,7 +192,7 @@ def test_a_claim_parks_newcomers_to_busy_keys_without_reading_the_backlog(
 
 
 def test_next_due_skips_the_parked_rows(backlog: Backlog) -> None:
-    params = {"queues": [QUEUE, "q2"]}
+    params = {"queues": [QUEUE, "q2"], "since": 0.0}
     nodes = scans(generic_plan(backlog.store, "next_due", params))
     assert uses(nodes, "message_claim_idx"), nodes
     assert no_seq_scan(nodes), nodes

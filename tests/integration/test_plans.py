@@ -144,7 +144,7 @@ CONSUMER = {
     "renew": ({**TOKENS, "vts": [30.0, 30.0, 30.0]}, ("message_pkey",)),
     "settle": ({**TOKENS, "channel_prefix": "c"}, ("message_pkey",)),
     # An idle consumer's question: when does the first not-yet-visible message fall due?
-    "next_due": ({"queues": ["q1", "q2"]}, ("message_claim_idx",)),
+    "next_due": ({"queues": ["q1", "q2"], "since": 0.0}, ("message_claim_idx",)),
 }
 
 # The rest run on sessions that plan for the values they get (a queue's size is best

@@ -135,6 +135,52 @@ def test_get_is_woken_by_the_store_and_idle_waiting_sends_nothing(
     assert time.monotonic() - started < 1.0  # woken, not polled (the drainer's step is 1 s)
 
 
+def test_a_result_commits_before_its_wake_up_is_sent(
+    pg_url: str, schema: str, apps: tuple[Celery, Celery]
+) -> None:
+    """The stored row and its wake-up are two transactions: while the row's commit is in
+    progress the wake-up has not run in it. In one transaction the wake-up's NOTIFY would
+    hold Postgres' notify lock through the row's WAL flush, and every other session's
+    NOTIFYing commit (a publish, another result) would queue behind it.
+
+    The row's commit is held at a deferred trigger (an advisory lock this test holds);
+    the session is then asked which statement it ran last: the INSERT, not the NOTIFY."""
+    client, worker = apps
+    worker.backend.store_result("t-warm", 0, states.SUCCESS)  # the schema is there
+    key = 4_205_001
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {schema}.hold() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END$$; "
+                "CREATE CONSTRAINT TRIGGER hold AFTER INSERT ON {schema}.result "
+                "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {schema}.hold()"
+            ).format(schema=sql.Identifier(schema), key=sql.Literal(key))
+        )
+        conn.execute("SELECT pg_advisory_lock(%s)", [key])
+        stored = threading.Thread(
+            target=worker.backend.store_result, args=("t-held", "done", states.SUCCESS)
+        )
+        stored.start()
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                held = conn.execute(
+                    "SELECT query FROM pg_stat_activity WHERE wait_event = 'advisory' "
+                    "AND pid <> pg_backend_pid() AND datname = current_database()"
+                ).fetchall()
+                if held:
+                    break
+                assert time.monotonic() < deadline, "the store never reached its commit"
+                time.sleep(0.01)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", [key])
+        stored.join(20)
+    ((query,),) = held
+    assert "INSERT" in query and "pg_notify" not in query, query
+    assert client.AsyncResult("t-held").get(timeout=20) == "done"
+
+
 def test_many_waiters_share_one_session(
     pg_url: str, schema: str, apps: tuple[Celery, Celery]
 ) -> None:

@@ -198,6 +198,36 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
             # commit did not wait, and the NOTIFY proved nothing. Publish again.
 
 
+def test_a_routed_publish_flushing_holds_up_no_other_notifying_commit(
+    slow: Store, peek: Peek, other: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """As above, for a publish to an exchange: its copies' insert commits, flush and
+    all, before its wake-ups are sent, in a transaction of their own."""
+    slow.declare_exchange("tasks", "direct")
+    slow.bind("tasks", "q", "k", "")
+    [pid] = slow_backends(peek)
+    took: dict[str, float] = {}
+    thread = routing(slow, took)
+    wait_for_insert(peek, pid)
+    notify_other(other)
+    thread.join()
+    assert took["publish"] >= COMMIT_DELAY_US / 1e6  # the flush was slow indeed
+
+
+def test_a_routed_publish_wakes_the_queues_it_routed_to_after_its_commit(
+    store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The wake-ups, sent apart from the insert, go to the queues its route matched."""
+    store.declare_exchange("tasks", "direct")
+    store.bind("tasks", "q", "k", "")
+    store.bind("tasks", "good", "other", "")
+    assert store.publisher.publish_routed("tasks", "k", PAYLOAD) == ("direct", 1)
+    assert store.publisher.publish_routed("tasks", "other", PAYLOAD) == ("direct", 1)
+    wakes = listener.notifies(timeout=10.0, stop_after=2)
+    assert [w.channel for w in wakes] == [store.channel("q"), store.channel("good")]
+    assert sorted(peek("SELECT queue FROM {schema}.message")) == [("good",), ("q",)]
+
+
 def test_the_wake_up_follows_the_committed_message(
     store: Store, peek: Peek, listener: psycopg.Connection[tuple[object, ...]]
 ) -> None:
