@@ -10,19 +10,27 @@ A token is an ``fcntl.flock`` on a file of its own in a directory the controllin
 made for the run, so a process that dies gives its tokens back with its open files. Taking
 tokens happens under one more lock, the gate, and a process gives back all it holds before
 it waits for the gate: so nobody waits while holding tokens others wait for. A test that
-needs many tokens is not starved by small ones: they queue behind it at the gate, and a
-process that would keep its tokens for its next test gives them back and queues too when
-someone is waiting there. The gate's holder waits on a token held by someone else with a
-blocking lock, never by polling.
+needs many tokens is not starved by small ones: the gate's holder writes how many it
+needs, and a process that would keep its tokens for its next test (or take a few more
+that are free) does so only while what it wants, what the waiter needs and what the
+other processes that kept theirs past the waiter hold fit in the budget together (a
+test running meanwhile gives its tokens back when it ends: the waiter gets them); else
+it gives them back and queues at the gate too. (Giving back always made a process of quick unit
+tests idle for as long as a long acceptance test of a third process ran, which a waiter
+needing fewer tokens than were left had to wait for anyway.) The gate's holder waits on
+a token held by someone else with a blocking lock, never by polling.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 from pathlib import Path
 from typing import IO
 
 GATE = "gate"
+#: What the gate's holder needs in all (written under the gate; 0 or absent: nobody).
+NEED = "need"
 
 
 def make(directory: Path, total: int) -> None:
@@ -44,6 +52,9 @@ class Budget:
         )
         self.total = len(self._tokens)
         self._held: dict[Path, IO[bytes]] = {}
+        #: This holder's name among the run's (a process may hold several in tests).
+        self.name = f"{os.getpid()}.{id(self)}"
+        self._kept = False  # whether the last hold kept tokens past a waiter
 
     @property
     def held(self) -> int:
@@ -53,15 +64,27 @@ class Budget:
         """Hold exactly ``min(wanted, total)`` tokens: give back the surplus at once, or give
         back everything and wait at the gate for the whole number."""
         wanted = max(0, min(wanted, self.total))
-        if wanted <= self.held and not self._someone_waiting():
-            for path in list(self._held)[wanted:]:
-                self._give_back(path)
-            return
-        # Growing, or someone is waiting at the gate: queue behind them with nothing held
-        # (holders that kept their tokens from test to test would starve a big request).
+        self._kept = False
+        try:
+            waiter, keepers = self._waiter_needs()
+            if waiter + keepers + wanted <= self.total:  # (nobody waiting: 0)
+                for path in list(self._held)[wanted:]:
+                    self._give_back(path)
+                if self._take_free(wanted):
+                    self._kept = waiter > 0
+                    return
+            self._hold_at_gate(wanted)
+        finally:
+            self._note()
+
+    def _hold_at_gate(self, wanted: int) -> None:
+        # Growing past what is free, or a waiter at the gate needs what this process
+        # holds: queue behind them with nothing held (holders that kept their tokens
+        # from test to test would starve a big request).
         self.release()
         with open(self.directory / GATE, "rb") as gate:
             fcntl.flock(gate, fcntl.LOCK_EX)
+            (self.directory / NEED).write_text(f"{self.name}\t{wanted}")
             try:
                 while self.held < wanted:
                     free = [p for p in self._tokens if p not in self._held]
@@ -73,21 +96,61 @@ class Budget:
                         waiting = next(p for p in self._tokens if p not in self._held)
                         self._take(waiting, block=True)
             finally:
+                (self.directory / NEED).write_text("")
                 fcntl.flock(gate, fcntl.LOCK_UN)
 
-    def _someone_waiting(self) -> bool:
-        """Whether another process is at the gate now (waiting for tokens)."""
+    def _waiter_needs(self) -> tuple[int, int]:
+        """How many tokens the holder at the gate needs in all (0 when nobody is there;
+        all of them while it has not said yet: it has just come), and how many the
+        other holders that kept theirs past it hold, as each last wrote it."""
         with open(self.directory / GATE, "rb") as gate:
             try:
                 fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return True
-            fcntl.flock(gate, fcntl.LOCK_UN)
-            return False
+                waiting = True
+            else:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+                waiting = False
+        if not waiting:
+            return 0, 0
+        try:
+            waiter, _, need = (self.directory / NEED).read_text().partition("\t")
+            needs = int(need)
+        except (OSError, ValueError):
+            return self.total, 0
+        if needs <= 0:
+            return self.total, 0
+        keepers = 0
+        for path in self.directory.glob("held-*"):
+            if path.name[len("held-") :] in (self.name, waiter):
+                continue
+            try:
+                held, _, kept = path.read_text().partition("\t")
+                keepers += int(held) if kept == "kept" else 0
+            except (OSError, ValueError):
+                return self.total, 0
+        return needs, keepers
+
+    def _take_free(self, wanted: int) -> bool:
+        """Take tokens that are free now, without waiting, until ``wanted`` are held:
+        whether that many are (if not, what was taken is kept: the caller gives all back)."""
+        for path in self._tokens:
+            if self.held >= wanted:
+                break
+            if path not in self._held:
+                self._take(path, block=False)
+        return self.held >= wanted
 
     def release(self) -> None:
         for path in list(self._held):
             self._give_back(path)
+        self._kept = False
+        self._note()
+
+    def _note(self) -> None:
+        """Write how many tokens this process holds, for the others' :meth:`hold`."""
+        kept = "kept" if self._kept and self._held else ""
+        (self.directory / f"held-{self.name}").write_text(f"{self.held}\t{kept}")
 
     def _take(self, path: Path, *, block: bool) -> None:
         handle = open(path, "rb")  # noqa: SIM115 (held open as long as the token)

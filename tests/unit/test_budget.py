@@ -150,3 +150,56 @@ def test_holders_keeping_their_share_from_test_to_test_let_a_waiting_big_one_in(
         threading.Thread(target=lambda m=mine, d=done: (m.hold(2), d.set()), daemon=True).start()
     assert big.wait(10), "the big holder was starved by holders keeping their share"
     assert not any(done.is_set() for done in queued)  # behind it: it holds all four
+
+
+def waiter_said(directory: Path) -> bool:
+    """Whether the holder at the gate has written what it needs."""
+    path = directory / budget.NEED
+    return gate_taken(directory) and path.exists() and path.read_text() != ""
+
+
+def test_a_holder_keeps_its_share_past_a_waiter_that_fits_beside_it(tmp_path: Path) -> None:
+    budget.make(tmp_path, 6)
+    long_test, small = budget.Budget(tmp_path), budget.Budget(tmp_path)
+    long_test.hold(3)  # a long test of a third process, running
+    small.hold(2)
+    big = threading.Event()
+    holding(tmp_path, 4, big)  # waits for the long test's tokens (1 is free)
+    wait_for(lambda: waiter_said(tmp_path), 10, "the big holder to wait at the gate")
+    # Its next test needs no more than it holds, and the waiter's 4 fit beside its 2:
+    # it goes on at once instead of idling behind the waiter until the long test ends.
+    small.hold(2)
+    assert small.held == 2 and not big.is_set()
+    long_test.release()
+    assert big.wait(10), "the waiter never got in beside the holder that kept its share"
+
+
+def test_only_as_many_keep_their_share_past_a_waiter_as_leave_it_room(tmp_path: Path) -> None:
+    budget.make(tmp_path, 6)
+    long_test = budget.Budget(tmp_path)
+    long_test.hold(2)
+    one, two = budget.Budget(tmp_path), budget.Budget(tmp_path)
+    one.hold(1)
+    two.hold(1)
+    big, let_go = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        mine = budget.Budget(tmp_path)
+        mine.hold(5)  # 2 free: it waits for the long test
+        big.set()
+        let_go.wait()
+        mine.release()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    wait_for(lambda: waiter_said(tmp_path), 10, "the big holder to wait at the gate")
+    one.hold(1)  # 5 + 1 fit: kept
+    assert one.held == 1
+    queued = threading.Event()
+    threading.Thread(target=lambda: (two.hold(1), queued.set()), daemon=True).start()
+    # 5 + one's 1 + its own 1 do not fit in 6: it gives its token back and queues.
+    wait_for(lambda: two.held == 0, 10, "the second keeper to give its token back")
+    assert not queued.is_set()
+    long_test.release()
+    assert big.wait(10), "the waiter never got in"
+    let_go.set()
+    assert queued.wait(10), "the queued holder never got its token after the waiter"
