@@ -75,6 +75,7 @@ def alias_in(meta: Mapping[str, Any]) -> str | None:
         return None
     return holder
 
+
 logger = logging.getLogger("pg_transport.results")
 
 
