@@ -33,10 +33,10 @@ _running = ""
 
 # -- running side by side (pytest-xdist) --
 #: How many pytest processes the default run uses (``-n N`` or PGQ_TEST_WORKERS to choose,
-#: ``-n 0`` or ``-p no:xdist`` to run in this process). One for now: side by side, the
-#: sessions a module's worker fleet and a process's idle pools keep between tests are not
-#: all declared yet, and a run of three went to 37 sessions with every test green.
-DEFAULT_WORKERS = 0
+#: ``-n 0`` or ``-p no:xdist`` to run in this process). Three: the suite waits far more
+#: than it computes (worker start-ups, leases, countdowns), and the session budget
+#: (tests/budget.py) keeps the three within PGQ_TEST_MAX_CONNECTIONS together.
+DEFAULT_WORKERS = 3
 #: Sessions a test holds at most, by tier, unless it says otherwise with
 #: ``@pytest.mark.sessions(n)`` (on the test or its module): what a test takes of the
 #: run's budget before it starts (tests/budget.py). Every test takes at least one token, so

@@ -81,7 +81,7 @@ def test_killed_workers_control_queue_expires_and_stops_collecting(env: Env) -> 
         survivor.stop()
 
 
-@pytest.mark.sessions(8)  # the most of two runs, -n 0
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_event_receiver_sees_task_events(env: Env) -> None:
     seen: list[str] = []
     done = threading.Event()

@@ -47,7 +47,7 @@ def test_two_workers_run_every_task_exactly_once(env: Env) -> None:
     assert len({r[2] for r in runs}) >= 2, "both workers should have taken part"
 
 
-@pytest.mark.sessions(7)  # the most of two runs, -n 0
+@pytest.mark.sessions(8)  # side by side, the run's meter
 def test_a_worker_runs_the_tasks_of_a_batch_once_each_after_its_commit(env: Env) -> None:
     total = 300
     client = env.client()
@@ -163,7 +163,7 @@ def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
     assert [r[1] for r in env.runs()] == ["before", "after"]
 
 
-@pytest.mark.sessions(5)  # the most of two runs, -n 0
+@pytest.mark.sessions(6)  # side by side, the run's meter
 def test_idle_workers_are_woken_by_a_publish_and_a_killed_one_holds_nothing(
     env: Env,
 ) -> None:

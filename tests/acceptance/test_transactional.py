@@ -168,6 +168,7 @@ def kill_and_wait_for_its_sessions(env: Env, proc: subprocess.Popen[str], label:
     )
 
 
+@pytest.mark.sessions(12)  # side by side, the run's meter
 @pytest.mark.parametrize("front", FRONTS)
 def test_a_producer_killed_before_its_commit_leaves_nothing(
     front: str, env: Env, worker: Worker, fronts: Fronts
@@ -186,7 +187,7 @@ def test_a_producer_killed_before_its_commit_leaves_nothing(
 
 
 @pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.sessions(10)  # the most of two runs, -n 0
+@pytest.mark.sessions(14)  # side by side, the run's meter
 def test_a_producer_killed_at_any_moment_leaves_a_task_for_every_committed_row(
     front: str, env: Env, worker: Worker, fronts: Fronts
 ) -> None:

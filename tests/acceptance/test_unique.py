@@ -80,7 +80,7 @@ def read_elsewhere(env: Env, task_id: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.sessions(8)
+@pytest.mark.sessions(10)  # side by side, the run's meter
 def test_a_plain_duplicate_delay_resolves_to_the_holders_result(env: Env) -> None:
     app = client(env)
     first = app.send_task(T + "echo", args=["first"], unique_key="report-2")

@@ -105,7 +105,7 @@ def callbacks(peek: Peek) -> Counter[str]:
     return Counter(r[0] for r in rows)
 
 
-@pytest.mark.sessions(11)
+@pytest.mark.sessions(13)  # side by side, the run's meter
 def test_parts_finishing_together_always_fire(
     db: Backend, sessions: Callable[[int], Sessions], peek: Peek, pg_url: str
 ) -> None:
@@ -130,6 +130,7 @@ def test_parts_finishing_together_always_fire(
         assert json.loads(body)[0][0] == [{"part": i} for i in range(n)]
 
 
+@pytest.mark.sessions(9)  # side by side, the run's meter
 def test_last_two_parts_at_the_same_instant_fire_once(
     db: Backend, sessions: Callable[[int], Sessions], peek: Peek, pg_url: str
 ) -> None:
@@ -151,6 +152,7 @@ def test_last_two_parts_at_the_same_instant_fire_once(
     assert callbacks(peek) == {f"b{rep}": 1 for rep in range(REPEAT)}
 
 
+@pytest.mark.sessions(9)  # side by side, the run's meter
 def test_same_part_redelivered_concurrently_counts_once(
     db: Backend, sessions: Callable[[int], Sessions], peek: Peek, pg_url: str
 ) -> None:

@@ -120,6 +120,7 @@ def test_a_redelivered_part_counts_once(app: Celery, pg_url: str, schema: str) -
     assert len(messages(pg_url, schema, "t.collect")) == 1
 
 
+@pytest.mark.sessions(9)  # side by side, the run's meter
 def test_concurrent_failures_fail_the_chord_once(app: Celery, pg_url: str, schema: str) -> None:
     n = 4
     ids, body = arm(app, "g-fail", n, errback=True)
