@@ -6,7 +6,7 @@
 -- The run's transaction as it begins: its id (a commit behind pgq's back changes it)
 -- and its isolation level (READ COMMITTED only: the fence must see a renewal's update);
 -- its role, and whether that role may end a delivery here (the fence below: USAGE on the
--- schema, SELECT and DELETE on the message table), asked now so that a role without
+-- schema, SELECT and DELETE on the message table, EXECUTE on atomic_complete), asked now so that a role without
 -- those rights is named before the body runs, not found out at the fence.
 SELECT pg_catalog.pg_current_xact_id()::text, pg_catalog.current_setting('transaction_isolation'),
        current_user::text,
@@ -15,12 +15,17 @@ SELECT pg_catalog.pg_current_xact_id()::text, pg_catalog.current_setting('transa
            pg_catalog.quote_ident(%(schema)s::text) || '.message', 'SELECT')
        AND pg_catalog.has_table_privilege(
            pg_catalog.quote_ident(%(schema)s::text) || '.message', 'DELETE')
+       AND pg_catalog.has_function_privilege(
+           pg_catalog.quote_ident(%(schema)s::text)
+           || '.atomic_complete(bigint, integer, text, text)', 'EXECUTE')
 
 -- name: complete
--- End one delivery in the run's transaction, fenced as an ack is (row id, lease, queue):
--- no row means the lease lapsed and the message is someone else's. The row's triggers
--- release its ordering key and record its end for followers, visible at that commit.
--- Also the transaction's id, to tell that it is still the one the run began.
-DELETE FROM {schema}.message AS m
-WHERE m.id = %(id)s::bigint AND m.lease = %(lease)s::integer AND m.queue = %(queue)s::text
-RETURNING m.id, pg_catalog.pg_current_xact_id()::text
+-- End one delivery in the run's transaction, fenced as an ack is (row id, lease, queue),
+-- and only in the transaction the run began (xid, the open's answer): the function
+-- (migration 0019) raises SQLSTATE PQ001 when no row is found (the lease lapsed and the
+-- message is someone else's) and PQ002 when the transaction is another. Sent with the
+-- COMMIT in one round trip: a refusal aborts the transaction, so nothing of the run
+-- commits. The row's triggers release its ordering key and record its end for
+-- followers, visible at that commit.
+SELECT {schema}.atomic_complete(%(id)s::bigint, %(lease)s::integer, %(queue)s::text,
+                                %(xid)s::text)

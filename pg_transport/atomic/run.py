@@ -4,8 +4,9 @@ Steps (docs/design/exactly-once.md, "The run, step by step"): :func:`open_run` b
 transaction on the provider's connection, checks it (READ COMMITTED, on the broker's
 database), marks the body's start with a savepoint and opens a
 ``pg_transport.transaction()`` block and the result backend's completion context on it;
-:meth:`Run.fence` deletes the delivery's message row under its fencing token;
-:meth:`Run.finish` commits (or rolls back) and closes the contexts.
+:meth:`Run.complete` says the run ends its delivery; :meth:`Run.finish` closes the
+contexts and commits (the fence, which deletes the delivery's message row under its
+fencing token, sent with the COMMIT in one round trip) or rolls back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pg_transport.atomic.providers import SAVEPOINT, Handle, PsycopgHandle, hand
 from pg_transport.config import Options
 from pg_transport.db import completing
 from pg_transport.db.pool import Connector, shared, url_to_conninfo
+from pg_transport.db.retry import is_dead_connection
 from pg_transport.errors import NotPermitted, TransactionRefused
 from pg_transport.message.rows import Lease
 from pg_transport.publish.callers import caller_for
@@ -118,7 +120,12 @@ class Run:
         self.task, self.handle, self.token, self.schema = task, handle, token, schema
         self.task_id: str | None = getattr(task.request, "id", None)
         self.after_commit: list[Callable[[], object]] = []
-        self.fenced = False
+        #: Whether the run ends its delivery (its fence goes with its COMMIT).
+        self.completes = False
+        #: Why its commit was refused (LeaseLost, TransactionRefused), if it was.
+        self.refused: LeaseLost | TransactionRefused | None = None
+        #: Whether :meth:`finish` logs a lost connection (False: already logged).
+        self.report_lost = True
         self.conn: psycopg.Connection[Any]
         self._xid = ""
         self._joined: Joined | None = None
@@ -153,8 +160,9 @@ class Run:
             raise NotPermitted(
                 f"pgq cannot run an atomic task on {handle.describe}: its role "
                 f"{row[2]!r} may not end a delivery in pgq's schema {self.schema!r} "
-                f"(USAGE on the schema, SELECT and DELETE on {self.schema}.message), which "
-                "the run's transaction does as it commits; give that role a worker's "
+                f"(USAGE on the schema, SELECT and DELETE on {self.schema}.message, EXECUTE "
+                f"on {self.schema}.atomic_complete), which the run's transaction does as it "
+                "commits; give that role a worker's "
                 "rights (docs/least-privilege.md: GRANT pgq_worker TO the role) or open "
                 "the run's connection as the worker's role"
             )
@@ -171,70 +179,55 @@ class Run:
         self._joined.__enter__()
         self._tokens = [completing.enter(self.conn), _current.set(self)]
 
-    # -- 3. fence --------------------------------------------------------------------
+    # -- 3. the body's end -----------------------------------------------------------
     def rollback_body(self) -> None:
         self.handle.rollback_body()
 
-    def fence(self) -> None:
-        """Delete the delivery's row under its fencing token, in the run's transaction;
-        :class:`LeaseLost` if it is no longer this delivery's."""
-        if self.fenced or self.token is None:
-            self.fenced = True
-            return
-        token = self.token
-        row = _one_or_none(
-            self.conn,
-            _q(self.schema)["complete"],
-            {"id": token.id, "lease": token.lease, "queue": token.queue},
-        )
-        if row is None:
-            logger.error(
-                "pgq: atomic task %s[%s] not completed: its lease on message %d of queue %r "
-                "lapsed and the message went to another delivery; its transaction is "
-                "rolled back",
-                getattr(self.task, "name", "?"),
-                self.task_id,
-                token.id,
-                token.queue,
-            )
-            raise LeaseLost(
-                f"the lease of task {self.task_id} on message {token.id} of queue "
-                f"{token.queue!r} lapsed: its run is rolled back, another delivery's counts"
-            )
-        if str(row[1]) != self._xid:
-            raise TransactionRefused(
-                f"atomic task {self.task_id} committed or rolled back pgq's transaction "
-                f"on {self.handle.describe} itself: what it committed stays, and its "
-                "delivery was not completed (it is delivered again)"
-            )
-        self.fenced = True
+    def complete(self) -> None:
+        """The run ends its delivery: :meth:`finish` sends the fence with its COMMIT."""
+        self.completes = True
 
-    # -- 5. commit -------------------------------------------------------------------
-    def finish(self, commit: bool) -> bool:
-        """Commit (``commit``) or roll back, close the contexts; whether it committed.
-        Never raises: a commit that fails is logged, and the worker's settle releases
-        the message for another delivery."""
+    # -- 4. commit -------------------------------------------------------------------
+    def finish(self, commit: bool, *, report: bool = True) -> bool:
+        """Close the contexts and commit (``commit``) or roll back; whether it committed.
+        A run that ends its delivery commits through its fence, sent with the COMMIT: a
+        lost lease or another transaction refuses it, and nothing of the run commits
+        (:attr:`refused` says why, in one log line). Never raises: a commit that fails is
+        logged, and the worker's settle releases the message for another delivery
+        (``report``: whether a lost connection is logged; not for a run refused at its
+        open, which says so itself)."""
         self._close_contexts()
-        done = False
+        done = lost = False
         try:
             if commit:
-                self.handle.commit()
+                self._commit()
                 done = True
             else:
                 self.handle.rollback()
-        except Exception:
-            logger.exception(
-                "pgq: atomic task %s[%s]: its transaction could not commit; nothing of its "
-                "run is kept and its message is delivered again",
+        except _Refusal as refusal:
+            self.refused = refusal.error
+            logger.error("%s", refusal.error)
+            self._rollback_after_failure()
+        except Exception as exc:
+            lost = self._lost(exc)
+            if not lost:
+                logger.exception(
+                    "pgq: atomic task %s[%s]: its transaction could not commit; nothing of "
+                    "its run is kept and its message is delivered again",
+                    getattr(self.task, "name", "?"),
+                    self.task_id,
+                )
+            self._rollback_after_failure()
+        finally:
+            self.handle.close()
+        if report and self.report_lost and not done and (lost or self._lost(None)):
+            # (found by the commit, or by a statement of Celery's success path before it)
+            logger.error(
+                "pgq: atomic task %s[%s]: its transaction's connection was lost; nothing "
+                "of its run is kept and its message is delivered again",
                 getattr(self.task, "name", "?"),
                 self.task_id,
             )
-            try:
-                self.handle.rollback()
-            except Exception:  # the connection is gone: so is the transaction
-                logger.debug("pgq: rollback after a failed commit failed", exc_info=True)
-        finally:
-            self.handle.close()
         if done:
             hook = _after_commit_hook
             if hook is not None:
@@ -246,10 +239,65 @@ class Run:
                     logger.exception("pgq: an on_commit callback of task %s raised", self.task_id)
         return done
 
+    def _commit(self) -> None:
+        token = self.token
+        if not self.completes or token is None:
+            self.handle.commit()
+            return
+        query = _q(self.schema)["complete"]
+        params = {"id": token.id, "lease": token.lease, "queue": token.queue, "xid": self._xid}
+        try:
+            if isinstance(self.handle, PsycopgHandle) and _fence_and_commit(
+                self.conn, query, params
+            ):
+                return
+            # A framework's transaction (SQLAlchemy, Django) ends through its own API: the
+            # fence goes just before it.
+            _one_or_none(self.conn, query, params)
+        except psycopg.Error as exc:
+            refused = self._refusal(exc, token)
+            if refused is None:
+                raise
+            raise _Refusal(refused) from exc
+        self.handle.commit()
+
+    def _refusal(self, exc: psycopg.Error, token: Lease) -> LeaseLost | TransactionRefused | None:
+        """What the fence's SQLSTATE (migration 0019) says, as pgq's error."""
+        name = getattr(self.task, "name", "?")
+        if exc.sqlstate == LEASE_LAPSED:
+            return LeaseLost(
+                f"pgq: atomic task {name}[{self.task_id}] not completed: its lease on "
+                f"message {token.id} of queue {token.queue!r} lapsed and the message went "
+                "to another delivery; its commit was refused, so nothing of its run is "
+                "kept (its writes, result, chord count and follow-up tasks: another "
+                "delivery's count)"
+            )
+        if exc.sqlstate == ANOTHER_TRANSACTION:
+            return TransactionRefused(
+                f"pgq: atomic task {name}[{self.task_id}] committed or rolled back pgq's "
+                f"transaction on {self.handle.describe} itself: what it committed stays, "
+                "the rest of its run is rolled back, and its delivery was not completed "
+                "(it is delivered again)"
+            )
+        return None
+
+    def _lost(self, exc: BaseException | None) -> bool:
+        """Whether the run's connection is gone (so is its transaction)."""
+        conn: psycopg.Connection[Any] | None = getattr(self, "conn", None)
+        if conn is not None and (conn.closed or conn.broken):
+            return True
+        return exc is not None and is_dead_connection(exc, conn)
+
+    def _rollback_after_failure(self) -> None:
+        try:
+            self.handle.rollback()
+        except Exception:  # the connection is gone: so is the transaction
+            logger.debug("pgq: rollback after a failed commit failed", exc_info=True)
+
     def abandon(self) -> None:
         """A run refused as it opened: roll back only a transaction pgq began."""
         if self._open:
-            self.finish(commit=False)
+            self.finish(commit=False, report=False)
         else:
             self.handle.close()
 
@@ -283,6 +331,28 @@ def _one_or_none(
     with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
         row: tuple[Any, ...] | None = cur.execute(query, params, prepare=False).fetchone()
         return row
+
+
+def _fence_and_commit(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> bool:
+    """The fence (``query``, values bound client-side) and the COMMIT as one simple-query
+    string: one round trip. A refused fence aborts the transaction and the server skips
+    the COMMIT (the caller rolls back); its error is raised. False (nothing sent): the
+    connection is not in a transaction of its own outside a pipeline."""
+    with conn.lock:
+        ready = (
+            conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+            and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
+        )
+        if ready:
+            text = psycopg.ClientCursor(conn).mogrify(query, params)
+            conn.pgconn.send_query(f"{text};\nCOMMIT".encode(conn.info.encoding))
+            results = conn.wait(generators.execute(conn.pgconn))
+    if not ready:
+        return False
+    for result in results:
+        if result.status == psycopg.pq.ExecStatus.FATAL_ERROR:
+            raise psycopg.errors.error_from_result(result, encoding=conn.info.encoding)
+    return True
 
 
 def _open_pipelined(
@@ -331,6 +401,19 @@ def _text_value(value: bytes | None, oid: int) -> str | bool | None:
     if value is None:
         return None
     return value == b"t" if oid == _BOOL_OID else value.decode()
+
+
+#: The fence's SQLSTATEs (migration 0019): no row under the token; another transaction.
+LEASE_LAPSED = "PQ001"
+ANOTHER_TRANSACTION = "PQ002"
+
+
+class _Refusal(Exception):
+    """The fence refused the run's commit: ``error`` says why."""
+
+    def __init__(self, error: LeaseLost | TransactionRefused) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class ConnectionLost(Exception):

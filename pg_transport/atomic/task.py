@@ -2,9 +2,11 @@
 its follow-up tasks commit in one transaction (docs/exactly-once.md).
 
 Celery's trace runs ``__call__`` (the body), then stores the result, counts the chord
-part and sends callbacks, then sends ``task_postrun``: the run's transaction is begun
-and its body fenced in :meth:`AtomicTask.__call__`, and committed (or rolled back) by
-the ``task_postrun`` receiver, the last thing of every run whatever its state.
+part and sends callbacks, then sends ``task_postrun``: the run's transaction is begun in
+:meth:`AtomicTask.__call__`, and committed (or rolled back) by the ``task_postrun``
+receiver, the last thing of every run whatever its state. The fence that ends the
+delivery under its token travels with that COMMIT, in one round trip: a stale
+delivery's whole run, success path included, rolls back there.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["AtomicTask"]
 
 logger = logging.getLogger("pg_transport.atomic")
 
-#: States whose run commits (if its delivery was fenced): what Celery recorded then is
+#: States whose run commits (if it ends its delivery): what Celery recorded then is
 #: the delivery's one outcome. Any other (IGNORED, REJECTED, an internal error) rolls back.
 COMMITTED_STATES = frozenset({"SUCCESS", "FAILURE", "RETRY"})
 
@@ -42,8 +44,8 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
 
     The body runs in a transaction on :attr:`transaction`'s connection; at its commit,
     the task's message is deleted under its fencing token, its result stored, its chord
-    part counted and the tasks it publishes enqueued. A stale delivery raises
-    :class:`~pg_transport.LeaseLost` and commits nothing.
+    part counted and the tasks it publishes enqueued. A stale delivery's commit is
+    refused (:class:`~pg_transport.LeaseLost`, logged) and commits nothing.
     """
 
     #: The message is acknowledged by the run's own commit, after the body: never before.
@@ -94,17 +96,17 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
             try:
                 result = self.run(*args, **kwargs)
             except (Ignore, Reject):
-                raise  # (LeaseLost included) rolled back at the end of the run
+                raise  # rolled back at the end of the run
             except Retry:
-                raise  # retry() fenced it; a Retry raised by hand is rolled back
+                raise  # retry() completes it; a Retry raised by hand is rolled back
             except Exception as exc:
                 if is_dead_connection(exc, run.conn):
                     raise
                 run.rollback_body()
                 if self._acks_failures():
-                    run.fence()  # a stale run's failure is not recorded: LeaseLost instead
+                    run.complete()  # a stale run's failure is refused at its commit
                 raise
-            run.fence()
+            run.complete()
         except psycopg.Error as exc:
             if not is_dead_connection(exc, run.conn):
                 raise
@@ -117,6 +119,7 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
                 request.id,
                 exc,
             )
+            run.report_lost = False  # (said here, with the error)
             raise Reject(str(exc), requeue=True) from exc
         return result
 
@@ -127,13 +130,13 @@ class AtomicTask(Task):  # type: ignore[misc]  # Celery is untyped
         return bool(value)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry()``: the body's writes are rolled back and the delivery fenced
-        first, so the retry message, the RETRY state and the end of this delivery
-        commit together, without the body's writes."""
+        """Celery's ``retry()``: the body's writes are rolled back first, and the run
+        ends its delivery, so the retry message, the RETRY state and the end of this
+        delivery commit together (under the fence), without the body's writes."""
         run = current()
-        if run is not None and run.task is self and not run.fenced:
+        if run is not None and run.task is self and not run.completes:
             run.rollback_body()
-            run.fence()
+            run.complete()
         return super().retry(*args, **kwargs)
 
 
@@ -142,7 +145,7 @@ def _finish(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any
     run: Run | None = current()
     if run is None or run.task_id != task_id:
         return
-    run.finish(commit=state in COMMITTED_STATES and run.fenced)
+    run.finish(commit=state in COMMITTED_STATES and run.completes)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:

@@ -1011,3 +1011,24 @@ CREATE TRIGGER message_leave_queue_slot AFTER DELETE ON {schema}.message
 FOR EACH ROW WHEN (OLD.qslot) EXECUTE FUNCTION {schema}.flow_queue_leave();
 
 REVOKE ALL ON FUNCTION {schema}.flow_queue_leave() FROM PUBLIC;
+
+-- An atomic task's fence, sent with its run's COMMIT (0019_atomic_fence.sql).
+CREATE FUNCTION {schema}.atomic_complete(id bigint, lease integer, queue text, xid text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF pg_catalog.pg_current_xact_id()::text IS DISTINCT FROM xid THEN
+        RAISE EXCEPTION USING ERRCODE = 'PQ002',
+            MESSAGE = 'pgq: the atomic run''s transaction ended before its commit',
+            DETAIL = pg_catalog.format('message %s of queue %L', id, queue);
+    END IF;
+    DELETE FROM {schema}.message AS m
+    WHERE m.id = atomic_complete.id AND m.lease = atomic_complete.lease
+      AND m.queue = atomic_complete.queue;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'PQ001',
+            MESSAGE = 'pgq: the atomic run''s lease lapsed',
+            DETAIL = pg_catalog.format('message %s of queue %L', id, queue);
+    END IF;
+END
+$$;

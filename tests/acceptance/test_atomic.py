@@ -283,7 +283,8 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
 
 def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
     """Worker A's lease lapses while its body runs (its parent process stopped: no
-    renewal lands); B runs the message and commits; A's run then ends in LeaseLost."""
+    renewal lands); B runs the message and commits; A's commit is then refused
+    (LeaseLost, logged) and nothing of its run is kept."""
     a = start(env, "a", "prefork")
     stopped.append(a)
     tid = send(env, label="s", gate="hold")
@@ -314,6 +315,8 @@ def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
         wait_for(lambda: "lapsed and the message went to another" in a.output(), 60, "A refused")
     finally:
         os_kill(a.proc.pid, signal.SIGCONT)
+    # Refused at its commit (the fence travels with it): one line says so.
+    assert a.output().count("its commit was refused") == 1
     assert counts(env) == (1, 1)
     assert points(env, tid, "written") == 2  # both bodies ran; one committed
     wait_for(lambda: messages(env) == 0, 30, "the message gone")

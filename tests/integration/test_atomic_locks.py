@@ -1,4 +1,5 @@
-"""An atomic task's fence (the ``complete`` statement in its own transaction) against the
+"""An atomic task's fence (the ``complete`` statement, migration 0019's function, in its
+own transaction; a run sends it with its COMMIT) against the
 worker's own statements, on real concurrent sessions (docs/design/exactly-once.md,
 "Locks"): the worker never waits on the task's row lock, a renewal meeting it is not a
 lost lease, and the settle after a commit or a rollback does what each needs."""
@@ -12,7 +13,7 @@ import psycopg
 import pytest
 
 from pg_transport import fencing
-from pg_transport.atomic.run import _q
+from pg_transport.atomic.run import ANOTHER_TRANSACTION, LEASE_LAPSED, _q
 from pg_transport.message.rows import Lease
 from tests.integration.conftest import Peek, PublishingStore
 
@@ -24,10 +25,25 @@ def claimed(store: PublishingStore, queue: str = "q") -> Lease:
     return Lease(row.id, row.lease, queue, "t1")
 
 
-def fence(conn: psycopg.Connection[Any], schema: str, token: Lease) -> list[tuple[Any, ...]]:
-    return conn.execute(
-        _q(schema)["complete"], {"id": token.id, "lease": token.lease, "queue": token.queue}
-    ).fetchall()
+def fence(
+    conn: psycopg.Connection[Any], schema: str, token: Lease, xid: str | None = None
+) -> str | None:
+    """The fence in ``conn``'s transaction (of id ``xid``, default: the one open): None
+    when it deleted the row, else the SQLSTATE it refused with (the transaction aborted)."""
+    if xid is None:
+        xid = str(one(conn, "SELECT pg_current_xact_id()::text"))
+    params = {"id": token.id, "lease": token.lease, "queue": token.queue, "xid": xid}
+    try:
+        conn.execute(_q(schema)["complete"], params)
+    except psycopg.Error as exc:
+        return exc.sqlstate
+    return None
+
+
+def one(conn: psycopg.Connection[Any], query: str) -> Any:
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return row[0]
 
 
 @pytest.fixture
@@ -43,7 +59,7 @@ def test_renewal_and_settle_skip_a_row_a_task_is_completing(
     token = claimed(store)
     before = fencing.counts()["renewal"]
     with psycopg.connect(pg_url) as task:
-        assert len(fence(task, schema, token)) == 1  # the row is locked by the task now
+        assert fence(task, schema, token) is None  # the row is locked by the task now
         # Neither statement waits (each would block until the commit otherwise): they
         # return while the task's transaction is still open.
         assert store.renew([(token, 30.0)]) == 1  # still held: being completed, not lost
@@ -61,14 +77,14 @@ def test_a_settle_after_a_rolled_back_run_releases_the_message_at_once(
 ) -> None:
     token = claimed(store)
     with psycopg.connect(pg_url) as task:
-        assert len(fence(task, schema, token)) == 1
+        assert fence(task, schema, token) is None
         task.rollback()
     assert store.settle([token]) == [token.id]
     (again,) = store.claim(["q"], [30.0], 1)
     assert (again.id, again.lease) == (token.id, token.lease + 2)  # released, claimed anew
     # The old delivery can no longer complete it.
     with psycopg.connect(pg_url) as late:
-        assert fence(late, schema, token) == []
+        assert fence(late, schema, token) == LEASE_LAPSED
 
 
 def test_the_fence_of_a_stale_delivery_waits_on_a_claim_and_then_finds_no_row(
@@ -76,7 +92,7 @@ def test_the_fence_of_a_stale_delivery_waits_on_a_claim_and_then_finds_no_row(
 ) -> None:
     """The reverse direction, short and allowed: the fence waits on a claim in progress
     (seen waiting in pg_stat_activity), re-reads the row under READ COMMITTED and finds
-    it claimed again (another lease): no row, so LeaseLost for the run."""
+    it claimed again (another lease): no row, refused with LeaseLost's SQLSTATE."""
     token = claimed(store)
     rows.expire_leases()
     with psycopg.connect(pg_url) as claimer, psycopg.connect(pg_url) as task:
@@ -89,30 +105,38 @@ def test_the_fence_of_a_stale_delivery_waits_on_a_claim_and_then_finds_no_row(
             [token.id],
         )
         pid = task.info.backend_pid
-        found: list[list[tuple[Any, ...]]] = []
+        found: list[str | None] = []
         fencing_thread = threading.Thread(target=lambda: found.append(fence(task, schema, token)))
         fencing_thread.start()
         rows.wait_for_lock(pid, "the fence to wait on the claim's row lock")
         claimer.commit()
         fencing_thread.join(10)
-        assert found == [[]]
+        assert found == [LEASE_LAPSED]
         task.rollback()
     assert rows("SELECT lease FROM {schema}.message WHERE id = %s", token.id) == [
         (token.lease + 1,)
     ]
 
 
-def test_the_fence_returns_the_transaction_id(
+def test_the_fence_completes_only_in_the_transaction_the_run_opened(
     store: PublishingStore, rows: Peek, pg_url: str, schema: str
 ) -> None:
+    """The open's transaction id is what the fence checks: a task that committed the
+    run's transaction itself is refused (another transaction), the row left."""
     token = claimed(store)
     with psycopg.connect(pg_url) as task:
         opened = task.execute(_q(schema)["open"], {"schema": schema}).fetchone()
         assert opened is not None and opened[1] == "read committed"
         assert opened[3] is True  # its role may end a delivery here
-        ((ident, xid),) = fence(task, schema, token)
-        assert (ident, xid) == (token.id, opened[0])
+        task.commit()  # what a body committing pgq's transaction behind its back does
+        assert fence(task, schema, token, str(opened[0])) == ANOTHER_TRANSACTION
         task.rollback()
+        assert rows("SELECT count(*) FROM {schema}.message") == [(1,)]
+        opened = task.execute(_q(schema)["open"], {"schema": schema}).fetchone()
+        assert opened is not None
+        assert fence(task, schema, token, str(opened[0])) is None
+        task.commit()
+    assert rows("SELECT count(*) FROM {schema}.message") == [(0,)]
 
 
 def test_maintain_and_purge_skip_a_lapsed_row_a_task_is_completing(
@@ -130,7 +154,7 @@ def test_maintain_and_purge_skip_a_lapsed_row_a_task_is_completing(
         token.id,
     )
     with psycopg.connect(pg_url) as task:
-        assert len(fence(task, schema, token)) == 1  # the row is locked by the task now
+        assert fence(task, schema, token) is None  # the row is locked by the task now
         answers: dict[str, Any] = {}
         done = threading.Event()
 
@@ -168,7 +192,7 @@ def test_purge_skips_a_lapsed_row_a_task_is_completing(
     token = claimed(store)
     rows.expire_leases()
     with psycopg.connect(pg_url) as task:
-        assert len(fence(task, schema, token)) == 1
+        assert fence(task, schema, token) is None
         answer: list[int] = []
         done = threading.Event()
 

@@ -1,9 +1,11 @@
 """How many round trips an atomic run makes on a psycopg connection (issue 46: its cost
 against a plain task's BEGIN, body, COMMIT), counted from libpq's own trace of the
-messages the client sends: each round trip ends with a simple ``Query`` or a ``Sync``."""
+messages the client sends: each round trip ends with a simple ``Query`` or a ``Sync``.
+A run is its open (one), its body's statements, and its fence with its COMMIT (one)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -13,9 +15,12 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
+from celery.app.trace import build_tracer
+from psycopg import sql
 
 import pg_transport
 from pg_transport.atomic.run import open_run
+from pg_transport.message.rows import Lease
 from tests.integration.conftest import PublishingStore
 
 #: What ends a round trip, as libpq's trace writes a message the client sent.
@@ -106,3 +111,105 @@ def test_a_run_refused_at_its_open_rolls_back_what_the_one_round_trip_began(
     with pytest.raises(pg_transport.TransactionRefused, match="REPEATABLE READ"):
         open_run(task)
     assert traced.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def claimed(store: PublishingStore) -> Lease:
+    store.declare_queue("q")
+    store.publisher.publish("q", {"body": "b", "headers": {"id": "t1"}}, priority=0)
+    (row,) = store.claim(["q"], [30.0], 1)
+    return Lease(row.id, row.lease, "q", "t1")
+
+
+def bump_task(pg_url: str, schema: str, conn: psycopg.Connection[Any]) -> Any:
+    """The benchmark's body (benchmarks/exactly_once.py): an UPDATE and an INSERT."""
+    app = Celery("round-trips", broker="pgq://" + pg_url.split("://", 1)[1], set_as_current=False)
+    app.conf.broker_transport_options = {"schema": schema}
+    app.conf.pgq_atomic_connection = lambda: conn
+    s = sql.Identifier(schema)
+
+    @app.task(bind=True, base=pg_transport.AtomicTask)
+    def bump(self: Any) -> None:
+        on = self.transaction.connection
+        on.execute(sql.SQL("UPDATE {}.counter SET n = n + 1 WHERE id = 1").format(s))
+        on.execute(sql.SQL("INSERT INTO {}.audit VALUES (%s)").format(s), [self.request.id])
+
+    return bump
+
+
+def deliver(task: Any, token: Lease) -> None:
+    """Run ``task`` as a worker runs a delivery: Celery's trace, whose ``task_postrun``
+    commits the run; the delivery's token where the transport puts it."""
+    info = {"pgq_token": [token.id, token.lease], "pgq_queue": token.queue}
+    tracer = build_tracer(task.name, task, app=task.app, propagate=True)
+    tracer(token.task, (), {}, {"id": token.task, "properties": {"delivery_info": info}})
+
+
+@pytest.fixture
+def tables(pg_url: str, schema: str, store: PublishingStore) -> Iterator[None]:
+    s = sql.Identifier(schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE TABLE {}.counter (id int PRIMARY KEY, n int)").format(s))
+        conn.execute(sql.SQL("INSERT INTO {}.counter VALUES (1, 0)").format(s))
+        conn.execute(sql.SQL("CREATE TABLE {}.audit (task_id text)").format(s))
+    yield
+
+
+def counted(pg_url: str, schema: str) -> tuple[int, int, int]:
+    s = sql.Identifier(schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL(
+                "SELECT (SELECT n FROM {0}.counter), (SELECT count(*) FROM {0}.audit),"
+                " (SELECT count(*) FROM {0}.message)"
+            ).format(s)
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def test_an_atomic_run_of_two_statements_makes_four_round_trips(
+    store: PublishingStore, tables: None, traced: Traced, pg_url: str, schema: str
+) -> None:
+    """Open (1), the body's UPDATE and INSERT (2), the fence with the COMMIT (1): four,
+    as a plain task's BEGIN, UPDATE, INSERT, COMMIT (the fence alone used to take a
+    fifth). What it ended committed: the writes and the end of the delivery."""
+    task = bump_task(pg_url, schema, traced.conn)
+    open_run(task).finish(commit=False)  # the connection's server check, once
+    token = claimed(store)
+    traced.round_trips()
+    deliver(task, token)
+    # (psycopg sends a statement without values as a simple query: the UPDATE's "Query")
+    assert traced.round_trips() == ["Query", "Query", "Sync", "Query"]
+    assert traced.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert counted(pg_url, schema) == (1, 1, 0)
+
+
+def test_a_stale_run_is_refused_at_its_commit_and_keeps_nothing(
+    store: PublishingStore,
+    tables: None,
+    traced: Traced,
+    pg_url: str,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run whose lease was taken (the message claimed again under a new lease) runs its
+    body and success path, then its fence refuses the COMMIT that travels with it:
+    nothing of the run commits, the message stays the new delivery's, and the worker's
+    log says why in one line."""
+    task = bump_task(pg_url, schema, traced.conn)
+    open_run(task).finish(commit=False)
+    token = claimed(store)
+    stale = Lease(token.id, token.lease - 1, token.queue, token.task)
+    traced.round_trips()
+    with caplog.at_level(logging.ERROR, logger="pg_transport.atomic"):
+        deliver(task, stale)
+    # The refused fence skips the COMMIT; the ROLLBACK that follows is the fifth.
+    assert traced.round_trips() == ["Query", "Query", "Sync", "Query", "Query"]
+    assert traced.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert counted(pg_url, schema) == (0, 0, 1)
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "lapsed and the message went to another delivery" in record.getMessage()
+    assert "commit was refused" in record.getMessage()
+    # The delivery that holds the message now still completes it.
+    deliver(task, token)
+    assert counted(pg_url, schema) == (1, 1, 0)

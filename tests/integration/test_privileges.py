@@ -1161,6 +1161,22 @@ def test_what_a_later_migration_adds_is_the_workers_only(granted: Roles) -> None
                 assert refused(conn, sql.SQL("SELECT later FROM {}.message").format(s)), kind
 
 
+def test_the_atomic_fence_ends_a_delivery_with_the_callers_rights_only(granted: Roles) -> None:
+    """``atomic_complete`` (migration 0019) runs with its caller's rights: the worker's
+    DELETE on message lets it end a delivery (no such row here: refused with the fence's
+    own PQ001, past the rights); the publisher and monitor are refused at the DELETE."""
+    call = sql.SQL(
+        "SELECT {}.atomic_complete(0, 0, 'q', pg_catalog.pg_current_xact_id()::text)"
+    ).format(sql.Identifier(granted.schema))
+    with granted.connect(granted.worker) as worker:
+        with pytest.raises(psycopg.Error) as lapsed:
+            worker.execute(call)
+        assert lapsed.value.sqlstate == "PQ001"
+    for kind in ("publisher", "monitor"):
+        with granted.connect(granted.role(kind)) as conn:
+            assert refused(conn, call), kind
+
+
 # -- a real Celery worker and a real Celery publisher -------------------------------------
 
 
