@@ -43,7 +43,7 @@ DEFAULT_WORKERS = 3
 #: one that takes them all runs alone. Measured, not guessed: a parallel run reports each
 #: test that held more than it declares (counting what earlier tests of its process still
 #: hold: a unit test sees a few idle sessions its process's pools keep).
-TIER_SESSIONS = {"unit": 6, "integration": 8, "conformance": 8, "acceptance": 14}
+TIER_SESSIONS = {"unit": 7, "integration": 10, "conformance": 8, "acceptance": 14}
 OTHER_SESSIONS = 6
 #: Sessions kept out of the tokens for each process beyond the first: between its tests a
 #: process's pools keep a few idle sessions no test declares (a run that gave out all 30

@@ -150,7 +150,7 @@ def test_passive_declare_and_qsize_report_the_count(env: Env) -> None:
         queue.close()
 
 
-@pytest.mark.sessions(6)  # the most of two runs, -n 0
+@pytest.mark.sessions(7)  # side by side, the run's meter
 def test_worker_reconnects_after_its_backends_are_terminated(env: Env) -> None:
     client = env.client()
     with workers(env, "phoenix", concurrency=2) as (worker,):

@@ -89,7 +89,7 @@ def insert_rows(env: Env, rows: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "gevent"])
-@pytest.mark.sessions(8)  # the most of two runs, -n 0
+@pytest.mark.sessions(9)  # side by side, the run's meter
 def test_bad_headers_are_dead_lettered_and_the_worker_goes_on(env: Env, pool: str) -> None:
     client = env.client()
     # A slow task first, so that the bad messages come to a pool that is busy (prefork

@@ -293,7 +293,7 @@ def test_a_retry_keeps_its_place_in_a_strict_queue_and_goes_last_in_a_relaxed_on
         pytest.param("relaxed", [1, 2, 3, 1], id="relaxed"),
     ],
 )
-@pytest.mark.sessions(9)  # the most of two runs, -n 0
+@pytest.mark.sessions(10)  # side by side, the run's meter
 def test_a_message_given_back_until_dead_lettered_releases_its_key(
     oenv: Env, queue: str, expected: list[int]
 ) -> None:

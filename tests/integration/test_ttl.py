@@ -60,6 +60,7 @@ def _consume_until_gone(conn: Connection, rows: Peek, queue: Queue) -> list[Any]
     return delivered
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_default_exchange_publish_honours_expiration(conn: Connection, rows: Peek) -> None:
     queue = _declared(conn, "ttl-default")
     producer = Producer(conn, exchange=DEFAULT)
@@ -89,6 +90,7 @@ def test_default_exchange_publish_honours_queue_message_ttl(conn: Connection, ro
     assert _consume_until_gone(conn, rows, queue) == []
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_expired_message_is_not_redelivered_after_its_lease(conn: Connection, rows: Peek) -> None:
     """Claimed before it expired, released after: never delivered again, cleaned up."""
     queue = _declared(conn, "ttl-held")

@@ -256,6 +256,7 @@ def test_a_publish_waits_for_the_transaction_holding_its_key(
         assert keys(peek) == [("k", first["headers"]["id"])]
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_a_transaction_left_open_is_waited_for_at_most_unique_wait(
     store: PublishingStore, peek: Peek, app_conns: list[psycopg.Connection[Any]], schema: str
 ) -> None:
@@ -274,6 +275,7 @@ def test_a_transaction_left_open_is_waited_for_at_most_unique_wait(
     holder_conn.rollback()
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_unique_wait_is_a_transport_option(
     pg_url: str, store: PublishingStore, app_conns: list[psycopg.Connection[Any]], schema: str
 ) -> None:

@@ -179,6 +179,7 @@ def received(listener: psycopg.Connection[tuple[object, ...]]) -> str:
     raise AssertionError("no wake-up in 10 s")
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_a_publish_flushing_holds_up_no_other_notifying_commit(
     slow: Store, peek: Peek, other: psycopg.Connection[tuple[object, ...]]
 ) -> None:
@@ -198,6 +199,7 @@ def test_a_publish_flushing_holds_up_no_other_notifying_commit(
             # commit did not wait, and the NOTIFY proved nothing. Publish again.
 
 
+@pytest.mark.sessions(11)  # side by side, the run's meter
 def test_a_routed_publish_flushing_holds_up_no_other_notifying_commit(
     slow: Store, peek: Peek, other: psycopg.Connection[tuple[object, ...]]
 ) -> None:

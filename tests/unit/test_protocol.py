@@ -229,6 +229,7 @@ JSON = st.recursive(
     value=JSON,
     hybrid=st.booleans(),
 )
+@pytest.mark.sessions(8)  # side by side, the run's meter
 def test_whatever_passes_the_check_celery_takes_without_raising(
     field: str, value: Any, hybrid: bool
 ) -> None:
