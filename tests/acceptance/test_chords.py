@@ -169,7 +169,6 @@ def test_a_failing_part_fails_over_to_the_errbacks_once(
     assert len(labels(env, "errback:")) == expected
 
 
-@pytest.mark.sessions(15)
 def test_a_chord_whose_second_part_is_refused_fails_over_to_the_errback_once(
     shared: Env,
 ) -> None:

@@ -417,3 +417,38 @@ def test_a_refused_part_outside_a_chord_fails_no_chord(
     with pytest.raises(UniqueError):
         app.send_task("t.echo", args=[1], unique_key="x" * 10_000)
     assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("armed",)]
+
+
+def test_a_refused_part_and_a_failing_part_fail_the_chord_once(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """A part refused as it is sent while a part sent before it fails on a worker: two
+    connections flip the chord at once, one wins; its errback is sent once."""
+    ids, body = arm(app, "g-refused-race", 2, errback=True)
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def refused() -> None:
+        try:
+            start.wait(10)
+            app.backend.chords.refused("g-refused-race", ids[1], UniqueError("refused"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def failing() -> None:
+        try:
+            start.wait(10)
+            finish(app, "g-refused-race", body, ids[0], states.FAILURE, ValueError("no"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=refused), threading.Thread(target=failing)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+    meta = app.backend.get_task_meta(body.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
