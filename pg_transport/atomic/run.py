@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import Any
@@ -53,6 +54,14 @@ def _q(schema: str) -> dict[str, str]:
 
 
 _brokers: dict[tuple[int, int, str], tuple[str, Connector]] = {}
+
+#: Per connection and schema, the role its open found permitted to end a delivery: the
+#: next run's open skips the four privilege lookups while its role is still that one (a
+#: role changed or a new connection asks again). A right revoked since is refused by the
+#: fence itself (it runs with the caller's rights), which drops the entry.
+_permitted: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _broker_of(app: Any) -> tuple[str, Connector]:
@@ -123,11 +132,12 @@ class Run:
         #: Whether the run ends its delivery (its fence goes with its COMMIT).
         self.completes = False
         #: Why its commit was refused (LeaseLost, TransactionRefused), if it was.
-        self.refused: LeaseLost | TransactionRefused | None = None
+        self.refused: LeaseLost | TransactionRefused | NotPermitted | None = None
         #: Whether :meth:`finish` logs a lost connection (False: already logged).
         self.report_lost = True
         self.conn: psycopg.Connection[Any]
         self._xid = ""
+        self._role = ""
         self._joined: Joined | None = None
         self._tokens: list[Token[Any]] = []
         self._open = False
@@ -141,7 +151,8 @@ class Run:
         connector = _broker_of(self.task.app)[1]
 
         caller = caller_for(handle.target)
-        params = {"schema": self.schema}
+        known = _permitted.get(self.conn)
+        params = {"schema": self.schema, "known": known.get(self.schema) if known else None}
         # On a psycopg connection pgq drives itself, the BEGIN, this query and the body's
         # savepoint go in one pipeline flight (one round trip instead of three); a
         # framework's (SQLAlchemy, Django) begins and marks through its own API.
@@ -155,8 +166,13 @@ class Run:
             if pipelined
             else (lambda conn: _one(conn, q["open"], params)),
         )
-        self._xid, isolation = str(row[0]), str(row[1])
-        if not row[3]:
+        self._xid, isolation, self._role = str(row[0]), str(row[1]), str(row[2])
+        if row[3]:
+            if known is None:
+                _permitted[self.conn] = {self.schema: str(row[2])}
+            else:
+                known[self.schema] = str(row[2])
+        else:
             raise NotPermitted(
                 f"pgq cannot run an atomic task on {handle.describe}: its role "
                 f"{row[2]!r} may not end a delivery in pgq's schema {self.schema!r} "
@@ -261,7 +277,9 @@ class Run:
             raise _Refusal(refused) from exc
         self.handle.commit()
 
-    def _refusal(self, exc: psycopg.Error, token: Lease) -> LeaseLost | TransactionRefused | None:
+    def _refusal(
+        self, exc: psycopg.Error, token: Lease
+    ) -> LeaseLost | TransactionRefused | NotPermitted | None:
         """What the fence's SQLSTATE (migration 0019) says, as pgq's error."""
         name = getattr(self.task, "name", "?")
         if exc.sqlstate == LEASE_LAPSED:
@@ -278,6 +296,19 @@ class Run:
                 f"transaction on {self.handle.describe} itself: what it committed stays, "
                 "the rest of its run is rolled back, and its delivery was not completed "
                 "(it is delivered again)"
+            )
+        if exc.sqlstate == INSUFFICIENT_PRIVILEGE:
+            # (a right revoked since this connection's open last asked: asked again next)
+            known = _permitted.get(self.conn)
+            if known is not None:
+                known.pop(self.schema, None)
+            return NotPermitted(
+                f"pgq: atomic task {name}[{self.task_id}] not completed: its role "
+                f"{self._role!r} on {self.handle.describe} may no longer end a delivery "
+                f"in pgq's schema {self.schema!r} ({exc.diag.message_primary}); its commit "
+                "was refused, so nothing of its run is kept, and its message is delivered "
+                "again (give that role a worker's rights: docs/least-privilege.md, "
+                "GRANT pgq_worker TO the role)"
             )
         return None
 
@@ -406,12 +437,14 @@ def _text_value(value: bytes | None, oid: int) -> str | bool | None:
 #: The fence's SQLSTATEs (migration 0019): no row under the token; another transaction.
 LEASE_LAPSED = "PQ001"
 ANOTHER_TRANSACTION = "PQ002"
+#: A right the fence needs was revoked (since the connection's open asked).
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 class _Refusal(Exception):
     """The fence refused the run's commit: ``error`` says why."""
 
-    def __init__(self, error: LeaseLost | TransactionRefused) -> None:
+    def __init__(self, error: LeaseLost | TransactionRefused | NotPermitted) -> None:
         super().__init__(str(error))
         self.error = error
 
