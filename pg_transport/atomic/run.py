@@ -53,7 +53,9 @@ def _q(schema: str) -> dict[str, str]:
     return found
 
 
-_brokers: dict[tuple[int, int, str], tuple[str, Connector]] = {}
+#: Where a run finds its app's broker (schema, connector), kept on the app object per
+#: process: Celery's settings cost microseconds a lookup, and a run needs them each time.
+_BROKER_ATTR = "_pgq_atomic_broker"
 
 #: Per connection and schema, the role its open found permitted to end a delivery: the
 #: next run's open skips the four privilege lookups while its role is still that one (a
@@ -66,15 +68,17 @@ _permitted: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, str]] =
 
 def _broker_of(app: Any) -> tuple[str, Connector]:
     """The broker's schema and this process's connector for it (read once per app and
-    process: a run must not parse the configuration again)."""
+    process: a run must not read or parse the configuration again)."""
+    pid = os.getpid()
+    kept: tuple[int, str, Connector] | None = getattr(app, _BROKER_ATTR, None)
+    if kept is not None and kept[0] == pid:
+        return kept[1], kept[2]
     conf = app.conf
     broker = str(conf.broker_write_url or conf.broker_url).split(";")[0]
-    key = (id(app), os.getpid(), broker)
-    found = _brokers.get(key)
-    if found is None:
-        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
-        found = _brokers[key] = (schema, shared(url_to_conninfo(broker)))
-    return found
+    schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+    connector = shared(url_to_conninfo(broker))
+    setattr(app, _BROKER_ATTR, (pid, schema, connector))
+    return schema, connector
 
 
 def current() -> Run | None:
