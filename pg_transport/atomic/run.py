@@ -66,6 +66,14 @@ _permitted: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, str]] =
 )
 
 
+#: Per connection, the open's string (BEGIN, the open query with its values bound, the
+#: savepoint) by those values: built once, not on every run (the values are pgq's own,
+#: the schema and the role kept above: a few per connection; and its client encoding).
+_open_texts: weakref.WeakKeyDictionary[
+    psycopg.Connection[Any], dict[tuple[str, str, tuple[tuple[str, Any], ...]], bytes]
+] = weakref.WeakKeyDictionary()
+
+
 def _broker_of(app: Any) -> tuple[str, Connector]:
     """The broker's schema and this process's connector for it (read once per app and
     process: a run must not read or parse the configuration again)."""
@@ -407,8 +415,16 @@ def _open_pipelined(
             and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
         )
         if idle:
-            text = psycopg.ClientCursor(conn).mogrify(query, params)
-            conn.pgconn.send_query(f"BEGIN;\n{text};\n{SAVEPOINT}".encode(conn.info.encoding))
+            texts = _open_texts.get(conn)
+            if texts is None:
+                texts = _open_texts[conn] = {}
+            encoding = conn.info.encoding
+            key = (query, encoding, tuple(sorted(params.items())))
+            data = texts.get(key)
+            if data is None:
+                text = psycopg.ClientCursor(conn).mogrify(query, params)
+                data = texts[key] = f"BEGIN;\n{text};\n{SAVEPOINT}".encode(encoding)
+            conn.pgconn.send_query(data)
             results = conn.wait(generators.execute(conn.pgconn))
     if idle:
         for result in results:
