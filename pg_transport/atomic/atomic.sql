@@ -6,18 +6,23 @@
 -- The run's transaction as it begins: its id (a commit behind pgq's back changes it)
 -- and its isolation level (READ COMMITTED only: the fence must see a renewal's update);
 -- its role, and whether that role may end a delivery here (the fence below: USAGE on the
--- schema, SELECT and DELETE on the message table, EXECUTE on atomic_complete), asked now so that a role without
--- those rights is named before the body runs, not found out at the fence.
+-- schema, SELECT and DELETE on the message table, EXECUTE on atomic_complete), asked so
+-- that a role without those rights is named before the body runs, not found out at the
+-- fence. Asked once per connection and role: %(known)s is the role this connection's
+-- earlier run found permitted (NULL: none), and while it is still the role, the four
+-- lookups are not made again (CASE evaluates its ELSE only when it is reached). A right
+-- revoked since is found by the fence itself, which runs with the caller's rights.
 SELECT pg_catalog.pg_current_xact_id()::text, pg_catalog.current_setting('transaction_isolation'),
        current_user::text,
-       pg_catalog.has_schema_privilege(%(schema)s::text, 'USAGE')
+       CASE WHEN current_user::text = %(known)s::text THEN true
+       ELSE pg_catalog.has_schema_privilege(%(schema)s::text, 'USAGE')
        AND pg_catalog.has_table_privilege(
            pg_catalog.quote_ident(%(schema)s::text) || '.message', 'SELECT')
        AND pg_catalog.has_table_privilege(
            pg_catalog.quote_ident(%(schema)s::text) || '.message', 'DELETE')
        AND pg_catalog.has_function_privilege(
            pg_catalog.quote_ident(%(schema)s::text)
-           || '.atomic_complete(bigint, integer, text, text)', 'EXECUTE')
+           || '.atomic_complete(bigint, integer, text, text)', 'EXECUTE') END
 
 -- name: complete
 -- End one delivery in the run's transaction, fenced as an ack is (row id, lease, queue),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import Any
@@ -52,20 +53,40 @@ def _q(schema: str) -> dict[str, str]:
     return found
 
 
-_brokers: dict[tuple[int, int, str], tuple[str, Connector]] = {}
+#: Where a run finds its app's broker (schema, connector), kept on the app object per
+#: process: Celery's settings cost microseconds a lookup, and a run needs them each time.
+_BROKER_ATTR = "_pgq_atomic_broker"
+
+#: Per connection and schema, the role its open found permitted to end a delivery: the
+#: next run's open skips the four privilege lookups while its role is still that one (a
+#: role changed or a new connection asks again). A right revoked since is refused by the
+#: fence itself (it runs with the caller's rights), which drops the entry.
+_permitted: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+#: Per connection, the open's string (BEGIN, the open query with its values bound, the
+#: savepoint) by those values: built once, not on every run (the values are pgq's own,
+#: the schema and the role kept above: a few per connection; and its client encoding).
+_open_texts: weakref.WeakKeyDictionary[
+    psycopg.Connection[Any], dict[tuple[str, str, tuple[tuple[str, Any], ...]], bytes]
+] = weakref.WeakKeyDictionary()
 
 
 def _broker_of(app: Any) -> tuple[str, Connector]:
     """The broker's schema and this process's connector for it (read once per app and
-    process: a run must not parse the configuration again)."""
+    process: a run must not read or parse the configuration again)."""
+    pid = os.getpid()
+    kept: tuple[int, str, Connector] | None = getattr(app, _BROKER_ATTR, None)
+    if kept is not None and kept[0] == pid:
+        return kept[1], kept[2]
     conf = app.conf
     broker = str(conf.broker_write_url or conf.broker_url).split(";")[0]
-    key = (id(app), os.getpid(), broker)
-    found = _brokers.get(key)
-    if found is None:
-        schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
-        found = _brokers[key] = (schema, shared(url_to_conninfo(broker)))
-    return found
+    schema = Options.from_sources(conf.broker_transport_options, os.environ).schema
+    connector = shared(url_to_conninfo(broker))
+    setattr(app, _BROKER_ATTR, (pid, schema, connector))
+    return schema, connector
 
 
 def current() -> Run | None:
@@ -123,11 +144,12 @@ class Run:
         #: Whether the run ends its delivery (its fence goes with its COMMIT).
         self.completes = False
         #: Why its commit was refused (LeaseLost, TransactionRefused), if it was.
-        self.refused: LeaseLost | TransactionRefused | None = None
+        self.refused: LeaseLost | TransactionRefused | NotPermitted | None = None
         #: Whether :meth:`finish` logs a lost connection (False: already logged).
         self.report_lost = True
         self.conn: psycopg.Connection[Any]
         self._xid = ""
+        self._role = ""
         self._joined: Joined | None = None
         self._tokens: list[Token[Any]] = []
         self._open = False
@@ -141,7 +163,8 @@ class Run:
         connector = _broker_of(self.task.app)[1]
 
         caller = caller_for(handle.target)
-        params = {"schema": self.schema}
+        known = _permitted.get(self.conn)
+        params = {"schema": self.schema, "known": known.get(self.schema) if known else None}
         # On a psycopg connection pgq drives itself, the BEGIN, this query and the body's
         # savepoint go in one pipeline flight (one round trip instead of three); a
         # framework's (SQLAlchemy, Django) begins and marks through its own API.
@@ -155,8 +178,13 @@ class Run:
             if pipelined
             else (lambda conn: _one(conn, q["open"], params)),
         )
-        self._xid, isolation = str(row[0]), str(row[1])
-        if not row[3]:
+        self._xid, isolation, self._role = str(row[0]), str(row[1]), str(row[2])
+        if row[3]:
+            if known is None:
+                _permitted[self.conn] = {self.schema: str(row[2])}
+            else:
+                known[self.schema] = str(row[2])
+        else:
             raise NotPermitted(
                 f"pgq cannot run an atomic task on {handle.describe}: its role "
                 f"{row[2]!r} may not end a delivery in pgq's schema {self.schema!r} "
@@ -261,7 +289,9 @@ class Run:
             raise _Refusal(refused) from exc
         self.handle.commit()
 
-    def _refusal(self, exc: psycopg.Error, token: Lease) -> LeaseLost | TransactionRefused | None:
+    def _refusal(
+        self, exc: psycopg.Error, token: Lease
+    ) -> LeaseLost | TransactionRefused | NotPermitted | None:
         """What the fence's SQLSTATE (migration 0019) says, as pgq's error."""
         name = getattr(self.task, "name", "?")
         if exc.sqlstate == LEASE_LAPSED:
@@ -278,6 +308,19 @@ class Run:
                 f"transaction on {self.handle.describe} itself: what it committed stays, "
                 "the rest of its run is rolled back, and its delivery was not completed "
                 "(it is delivered again)"
+            )
+        if exc.sqlstate == INSUFFICIENT_PRIVILEGE:
+            # (a right revoked since this connection's open last asked: asked again next)
+            known = _permitted.get(self.conn)
+            if known is not None:
+                known.pop(self.schema, None)
+            return NotPermitted(
+                f"pgq: atomic task {name}[{self.task_id}] not completed: its role "
+                f"{self._role!r} on {self.handle.describe} may no longer end a delivery "
+                f"in pgq's schema {self.schema!r} ({exc.diag.message_primary}); its commit "
+                "was refused, so nothing of its run is kept, and its message is delivered "
+                "again (give that role a worker's rights: docs/least-privilege.md, "
+                "GRANT pgq_worker TO the role)"
             )
         return None
 
@@ -372,8 +415,16 @@ def _open_pipelined(
             and conn.pgconn.pipeline_status == psycopg.pq.PipelineStatus.OFF
         )
         if idle:
-            text = psycopg.ClientCursor(conn).mogrify(query, params)
-            conn.pgconn.send_query(f"BEGIN;\n{text};\n{SAVEPOINT}".encode(conn.info.encoding))
+            texts = _open_texts.get(conn)
+            if texts is None:
+                texts = _open_texts[conn] = {}
+            encoding = conn.info.encoding
+            key = (query, encoding, tuple(sorted(params.items())))
+            data = texts.get(key)
+            if data is None:
+                text = psycopg.ClientCursor(conn).mogrify(query, params)
+                data = texts[key] = f"BEGIN;\n{text};\n{SAVEPOINT}".encode(encoding)
+            conn.pgconn.send_query(data)
             results = conn.wait(generators.execute(conn.pgconn))
     if idle:
         for result in results:
@@ -406,12 +457,14 @@ def _text_value(value: bytes | None, oid: int) -> str | bool | None:
 #: The fence's SQLSTATEs (migration 0019): no row under the token; another transaction.
 LEASE_LAPSED = "PQ001"
 ANOTHER_TRANSACTION = "PQ002"
+#: A right the fence needs was revoked (since the connection's open asked).
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 class _Refusal(Exception):
     """The fence refused the run's commit: ``error`` says why."""
 
-    def __init__(self, error: LeaseLost | TransactionRefused) -> None:
+    def __init__(self, error: LeaseLost | TransactionRefused | NotPermitted) -> None:
         super().__init__(str(error))
         self.error = error
 

@@ -125,14 +125,14 @@ def test_the_fence_completes_only_in_the_transaction_the_run_opened(
     run's transaction itself is refused (another transaction), the row left."""
     token = claimed(store)
     with psycopg.connect(pg_url) as task:
-        opened = task.execute(_q(schema)["open"], {"schema": schema}).fetchone()
+        opened = task.execute(_q(schema)["open"], {"schema": schema, "known": None}).fetchone()
         assert opened is not None and opened[1] == "read committed"
         assert opened[3] is True  # its role may end a delivery here
         task.commit()  # what a body committing pgq's transaction behind its back does
         assert fence(task, schema, token, str(opened[0])) == ANOTHER_TRANSACTION
         task.rollback()
         assert rows("SELECT count(*) FROM {schema}.message") == [(1,)]
-        opened = task.execute(_q(schema)["open"], {"schema": schema}).fetchone()
+        opened = task.execute(_q(schema)["open"], {"schema": schema, "known": None}).fetchone()
         assert opened is not None
         assert fence(task, schema, token, str(opened[0])) is None
         task.commit()

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import tempfile
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from psycopg import sql
 
 import pg_transport
 from pg_transport.atomic.run import open_run
+from pg_transport.errors import NotPermitted
 from pg_transport.message.rows import Lease
 from tests.integration.conftest import PublishingStore
 
@@ -120,8 +122,11 @@ def claimed(store: PublishingStore) -> Lease:
     return Lease(row.id, row.lease, "q", "t1")
 
 
-def bump_task(pg_url: str, schema: str, conn: psycopg.Connection[Any]) -> Any:
-    """The benchmark's body (benchmarks/exactly_once.py): an UPDATE and an INSERT."""
+def bump_task(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], ran: list[str] | None = None
+) -> Any:
+    """The benchmark's body (benchmarks/exactly_once.py): an UPDATE and an INSERT (then
+    the task's id added to ``ran``)."""
     app = Celery("round-trips", broker="pgq://" + pg_url.split("://", 1)[1], set_as_current=False)
     app.conf.broker_transport_options = {"schema": schema}
     app.conf.pgq_atomic_connection = lambda: conn
@@ -132,6 +137,8 @@ def bump_task(pg_url: str, schema: str, conn: psycopg.Connection[Any]) -> Any:
         on = self.transaction.connection
         on.execute(sql.SQL("UPDATE {}.counter SET n = n + 1 WHERE id = 1").format(s))
         on.execute(sql.SQL("INSERT INTO {}.audit VALUES (%s)").format(s), [self.request.id])
+        if ran is not None:
+            ran.append(self.request.id)
 
     return bump
 
@@ -213,3 +220,105 @@ def test_a_stale_run_is_refused_at_its_commit_and_keeps_nothing(
     # The delivery that holds the message now still completes it.
     deliver(task, token)
     assert counted(pg_url, schema) == (1, 1, 0)
+
+
+@pytest.fixture
+def roles(pg_url: str, schema: str, tables: None) -> Iterator[tuple[str, str]]:
+    """A role with a worker's rights to end a delivery (and the body's tables), and one
+    without any, which the first may ``SET ROLE`` to."""
+    suffix = uuid.uuid4().hex[:10]
+    able, unable = f"pgq_t_able_{suffix}", f"pgq_t_unable_{suffix}"
+    s = sql.Identifier(schema)
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(able)))
+        admin.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(unable)))
+        admin.execute(sql.SQL("GRANT {} TO {}").format(*map(sql.Identifier, (unable, able))))
+        for grant in (
+            "GRANT USAGE ON SCHEMA {0} TO {1}",
+            "GRANT SELECT, DELETE ON {0}.message TO {1}",
+            "GRANT SELECT, UPDATE ON {0}.counter TO {1}",
+            "GRANT INSERT ON {0}.audit TO {1}",
+        ):
+            admin.execute(sql.SQL(grant).format(s, sql.Identifier(able)))
+    yield able, unable
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        for role in (able, unable):
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def published(store: PublishingStore, task_id: str) -> Lease:
+    store.declare_queue("q")
+    store.publisher.publish("q", {"body": "b", "headers": {"id": task_id}}, priority=0)
+    (row,) = store.claim(["q"], [30.0], 1)
+    return Lease(row.id, row.lease, "q", task_id)
+
+
+def test_a_right_revoked_between_two_runs_on_one_connection_refuses_the_second_commit(
+    store: PublishingStore,
+    roles: tuple[str, str],
+    pg_url: str,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The open asks whether the run's role may end a delivery once per connection and
+    role (issue 46: four privilege lookups a run otherwise). A right revoked after the
+    first run is not asked at the second run's open: its body runs, and the fence (the
+    caller's rights) refuses its COMMIT, so nothing of it commits, and the log names the
+    role and what to grant. The next open on that connection asks again, and refuses
+    before the body, as the first run of a role without rights always is."""
+    able, _ = roles
+    conn = psycopg.connect(pg_url, user=able)
+    try:
+        ran: list[str] = []
+        task = bump_task(pg_url, schema, conn, ran)
+        deliver(task, published(store, "t1"))
+        assert counted(pg_url, schema) == (1, 1, 0)
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("REVOKE DELETE ON {}.message FROM {}").format(
+                    sql.Identifier(schema), sql.Identifier(able)
+                )
+            )
+        with caplog.at_level(logging.ERROR, logger="pg_transport.atomic"):
+            deliver(task, published(store, "t2"))
+        # The body ran (its UPDATE and INSERT were sent) and none of it committed.
+        assert ran == ["t1", "t2"]
+        assert counted(pg_url, schema) == (1, 1, 1)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        message = record.getMessage()
+        assert "may no longer end a delivery" in message, message
+        assert repr(able) in message and "commit was refused" in message, message
+        assert "GRANT pgq_worker" in message, message
+        # Asked again at the next open on that connection: refused before any body.
+        with pytest.raises(NotPermitted, match=f"its role '{able}' may not end a delivery"):
+            open_run(task)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        conn.close()
+
+
+def test_a_role_changed_on_a_connection_is_asked_again_before_its_body(
+    store: PublishingStore, roles: tuple[str, str], pg_url: str, schema: str
+) -> None:
+    """The answer kept is the role's, not the connection's: a session whose role changed
+    (SET ROLE) since its last run is asked again, and a role without the rights is named
+    before the body runs."""
+    able, unable = roles
+    conn = psycopg.connect(pg_url, user=able)
+    try:
+        task = bump_task(pg_url, schema, conn)
+        deliver(task, published(store, "t1"))
+        assert counted(pg_url, schema) == (1, 1, 0)
+        conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(unable)))
+        conn.commit()
+        with pytest.raises(NotPermitted, match=f"its role '{unable}' may not end a delivery"):
+            open_run(task)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        conn.execute("RESET ROLE")
+        conn.commit()
+        deliver(task, published(store, "t2"))
+        assert counted(pg_url, schema) == (2, 2, 0)
+    finally:
+        conn.close()
