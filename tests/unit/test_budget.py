@@ -27,6 +27,13 @@ def gate_taken(directory: Path) -> bool:
         return False
 
 
+def waiter_said(directory: Path) -> bool:
+    """Whether a holder is at the gate and has written what it needs (the gate alone may
+    be a holder's look at it, for an instant, before it queues there)."""
+    path = directory / budget.NEED
+    return gate_taken(directory) and path.exists() and path.read_text() != ""
+
+
 def holding(directory: Path, wanted: int, done: threading.Event) -> threading.Thread:
     """A thread whose own Budget holds ``wanted`` tokens, then sets ``done``."""
 
@@ -49,7 +56,7 @@ def test_a_test_that_needs_every_token_waits_until_the_holders_give_theirs_back(
     small.hold(3)
     everything = threading.Event()
     holding(tmp_path, 4, everything)
-    wait_for(lambda: gate_taken(tmp_path), 10, "the big holder to wait at the gate")
+    wait_for(lambda: waiter_said(tmp_path), 10, "the big holder to wait at the gate")
     assert not everything.is_set()
     small.release()
     assert everything.wait(10), "the big holder never got the whole budget"
@@ -121,7 +128,7 @@ def test_a_killed_holder_s_tokens_come_back(tmp_path: Path) -> None:
         assert proc.stdout.readline().strip() == "held"
         got = threading.Event()
         holding(tmp_path, 3, got)
-        wait_for(lambda: gate_taken(tmp_path), 10, "the holder to wait at the gate")
+        wait_for(lambda: waiter_said(tmp_path), 10, "the holder to wait at the gate")
         assert not got.is_set()
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -141,7 +148,7 @@ def test_holders_keeping_their_share_from_test_to_test_let_a_waiting_big_one_in(
     two.hold(2)
     big = threading.Event()
     holding(tmp_path, 4, big)
-    wait_for(lambda: gate_taken(tmp_path), 10, "the big holder to wait at the gate")
+    wait_for(lambda: waiter_said(tmp_path), 10, "the big holder to wait at the gate")
     # Their next tests need no more than before, but someone waits: they give theirs back
     # and queue behind it (each hold below returns only once the big holder got its four
     # and... never gives them back: so they are asked from threads of their own).
@@ -150,12 +157,6 @@ def test_holders_keeping_their_share_from_test_to_test_let_a_waiting_big_one_in(
         threading.Thread(target=lambda m=mine, d=done: (m.hold(2), d.set()), daemon=True).start()
     assert big.wait(10), "the big holder was starved by holders keeping their share"
     assert not any(done.is_set() for done in queued)  # behind it: it holds all four
-
-
-def waiter_said(directory: Path) -> bool:
-    """Whether the holder at the gate has written what it needs."""
-    path = directory / budget.NEED
-    return gate_taken(directory) and path.exists() and path.read_text() != ""
 
 
 def test_a_holder_keeps_its_share_past_a_waiter_that_fits_beside_it(tmp_path: Path) -> None:
