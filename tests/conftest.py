@@ -46,9 +46,10 @@ DEFAULT_WORKERS = 3
 TIER_SESSIONS = {"unit": 7, "integration": 10, "conformance": 8, "acceptance": 14}
 OTHER_SESSIONS = 6
 #: Sessions kept out of the tokens for each process beyond the first: between its tests a
-#: process's pools keep a few idle sessions no test declares (a run that gave out all 30
-#: tokens had 32 sessions at once: 7 of them one process's idle barrier pool).
-IDLE_RESERVE = 3
+#: process keeps a few sessions no test declares (a run that gave out all 30 tokens had 32
+#: at once: 7 of them one process's idle barrier pool; with 3 kept back for each, runs
+#: peaked at 25-28, so 4 leaves room).
+IDLE_RESERVE = 4
 _budget: budget.Budget | None = None
 _run_dir: Path | None = None
 _run_meter: RunMeter | None = None
