@@ -107,5 +107,7 @@ def test_another_superuser_and_database_pass_and_leave_no_database(
     assert re.search(r"\b2 passed\b", out), out
     meter = re.search(r"pgq: at most (\d+) sessions on the test database at once, within", out)
     assert meter, out
-    assert 1 <= int(meter.group(1)) <= 30, out
+    # At most the budget. (Not "at least one": the meter samples every 50 ms, and two tests
+    # done in under a second may open and close their sessions between two samples.)
+    assert int(meter.group(1)) <= 30, out
     assert databases_of(pg_url, name) == []
