@@ -27,8 +27,6 @@ QUICK = {"PGQ_POLLING_INTERVAL": "0.2", "PGQ_VISIBILITY_TIMEOUT": str(VT)}
 
 # Prefork workers whose children each keep a run session (and, for SQLAlchemy and Django, a
 # pool or connection of the application's): 16-21 sessions seen in a parallel run.
-# Each test declares the most its worker processes and clients held in a parallel run
-# (the default run's meter), and 2: the module as a whole no longer runs alone.
 pytestmark = [pytest.mark.timeout(300), pytest.mark.sessions(24)]
 
 
@@ -143,7 +141,6 @@ def stopped() -> Iterator[list[Any]]:
 
 # -- success ------------------------------------------------------------------------
 @pytest.mark.parametrize("provider", ["own", "psycopg", "sqlalchemy", "django"])
-@pytest.mark.sessions(22)  # its most side by side, and 2
 def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     env: Env, pool: str, provider: str
 ) -> None:
@@ -171,7 +168,6 @@ def test_a_run_commits_its_writes_result_follow_up_and_end_once(
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
 
 
-@pytest.mark.sessions(16)  # its most side by side, and 2
 def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(
     env: Env, run: tuple[str, str]
 ) -> None:
@@ -189,7 +185,6 @@ def test_a_raise_rolls_the_writes_back_and_records_the_failure_once(
         )
 
 
-@pytest.mark.sessions(19)  # its most side by side, and 2
 def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
     env: Env, run: tuple[str, str]
 ) -> None:
@@ -204,7 +199,6 @@ def test_retry_rolls_back_the_first_run_and_commits_the_retry_with_its_end(
 
 
 # -- crashes ------------------------------------------------------------------------
-@pytest.mark.sessions(18)  # its most side by side, and 2
 def test_a_kill_before_the_commit_leaves_nothing_and_the_message_comes_back(
     env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
@@ -241,7 +235,6 @@ def test_a_kill_before_the_commit_leaves_nothing_and_the_message_comes_back(
     assert int(env.scalar("SELECT count(*) FROM {schema}.points WHERE point LIKE 'note:%%'")) == 1
 
 
-@pytest.mark.sessions(15)  # its most side by side, and 2
 def test_a_kill_after_the_commit_never_delivers_the_message_again(
     env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
@@ -264,7 +257,6 @@ def test_a_kill_after_the_commit_never_delivers_the_message_again(
     assert counts(env) == (1, 1)
 
 
-@pytest.mark.sessions(16)  # its most side by side, and 2
 def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     env: Env, run: tuple[str, str], stopped: list[Any]
 ) -> None:
@@ -289,7 +281,6 @@ def test_a_terminated_task_session_rolls_back_and_the_message_comes_back(
     assert "connection was lost" in worker.output()
 
 
-@pytest.mark.sessions(21)  # its most side by side, and 2
 def test_a_stale_delivery_cannot_commit(env: Env, stopped: list[Any]) -> None:
     """Worker A's lease lapses while its body runs (its parent process stopped: no
     renewal lands); B runs the message and commits; A's commit is then refused
@@ -345,7 +336,6 @@ def os_kill(pid: int, sig: int) -> None:
         ("serializable", "must be READ COMMITTED"),
     ],
 )
-@pytest.mark.sessions(12)  # its most side by side, and 2
 def test_a_connection_it_cannot_run_on_dead_letters_with_the_reason(
     env: Env, provider: str, reason: str
 ) -> None:
@@ -361,7 +351,6 @@ def test_a_connection_it_cannot_run_on_dead_letters_with_the_reason(
     assert points(env, tid, "written") == 0
 
 
-@pytest.mark.sessions(20)  # its most side by side, and 2
 def test_an_atomic_worker_on_gevent_runs_each_greenlet_in_a_transaction_of_its_own(
     env: Env,
 ) -> None:
@@ -394,7 +383,6 @@ def test_an_atomic_worker_on_gevent_runs_each_greenlet_in_a_transaction_of_its_o
 
 
 # -- chords and ordering ------------------------------------------------------------
-@pytest.mark.sessions(21)  # its most side by side, and 2
 def test_a_chord_of_atomic_parts_counts_each_part_once_through_a_kill(
     env: Env, stopped: list[Any]
 ) -> None:
@@ -435,7 +423,6 @@ def test_a_chord_of_atomic_parts_counts_each_part_once_through_a_kill(
     app.close()
 
 
-@pytest.mark.sessions(16)  # its most side by side, and 2
 def test_an_ordering_key_is_released_by_the_commit_and_kept_through_a_kill(
     env: Env, stopped: list[Any]
 ) -> None:
@@ -468,7 +455,6 @@ def test_an_ordering_key_is_released_by_the_commit_and_kept_through_a_kill(
         ({"PGQ_BROKER_URL": "memory://"}, "needs a pgq:// broker"),
     ],
 )
-@pytest.mark.sessions(7)  # its most side by side, and 2
 def test_a_worker_whose_atomic_tasks_cannot_hold_does_not_start(
     env: Env, environ: dict[str, str], says: str
 ) -> None:
@@ -480,7 +466,6 @@ def test_a_worker_whose_atomic_tasks_cannot_hold_does_not_start(
     assert "pgq: atomic task" in worker.output() and says in worker.output()
 
 
-@pytest.mark.sessions(8)  # its most side by side, and 2
 def test_a_foreign_result_backend_is_warned_about_at_start(env: Env) -> None:
     with workers(
         env, "w", app=APP, environ={**QUICK, "TEST_RESULT_BACKEND": "cache+memory://"}
@@ -488,7 +473,6 @@ def test_a_foreign_result_backend_is_warned_about_at_start(env: Env) -> None:
         assert "results are stored at least once" in worker.output()
 
 
-@pytest.mark.sessions(11)  # its most side by side, and 2
 def test_a_connection_to_another_database_is_refused_naming_both(env: Env, pg_url: str) -> None:
     name = f"{env.schema}_other"
     with psycopg.connect(pg_url, autocommit=True) as admin:
@@ -518,7 +502,6 @@ def test_a_connection_to_another_database_is_refused_naming_both(env: Env, pg_ur
             )
 
 
-@pytest.mark.sessions(15)  # its most side by side, and 2
 def test_leases_are_renewed_while_a_run_keeps_its_transaction_open(
     env: Env, stopped: list[Any]
 ) -> None:
@@ -539,7 +522,6 @@ def test_leases_are_renewed_while_a_run_keeps_its_transaction_open(
     assert points(env, tid, "written") == 1
 
 
-@pytest.mark.sessions(14)  # its most side by side, and 2
 def test_a_kept_connection_reaped_while_idle_is_replaced_not_refused(env: Env) -> None:
     with workers(env, "a", pool="threads", concurrency=1, app=APP, environ=QUICK):
         first = send(env, label="one")
@@ -558,7 +540,6 @@ def test_a_kept_connection_reaped_while_idle_is_replaced_not_refused(env: Env) -
     assert env.scalar("SELECT count(*) FROM {schema}.dead_letter") == 0
 
 
-@pytest.mark.sessions(13)  # its most side by side, and 2
 def test_a_run_whose_role_may_not_end_its_delivery_is_dead_lettered_naming_the_grant(
     pg_url: str,
 ) -> None:
