@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import IO
 
 GATE = "gate"
-#: What the gate's holder needs in all (written under the gate; 0 or absent: nobody).
+#: The gate's holder and what it needs in all (``<name>\t<n>``, written under the gate;
+#: empty when it has left, absent before anyone queued there).
 NEED = "need"
 
 
