@@ -80,7 +80,7 @@ def read_elsewhere(env: Env, task_id: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.sessions(10)  # side by side, the run's meter
+@pytest.mark.sessions(12)  # side by side, the run's meter: 11
 def test_a_plain_duplicate_delay_resolves_to_the_holders_result(env: Env) -> None:
     app = client(env)
     first = app.send_task(T + "echo", args=["first"], unique_key="report-2")
@@ -97,7 +97,7 @@ def test_a_plain_duplicate_delay_resolves_to_the_holders_result(env: Env) -> Non
     assert [task_id for task_id, label, _ in env.runs() if label == "echo"] == [first.id]
 
 
-@pytest.mark.sessions(16)
+@pytest.mark.sessions(20)  # side by side, the run's meter: 19
 def test_concurrent_duplicates_each_resolve_to_the_one_that_ran(env: Env) -> None:
     app = client(env)
     n = 6
@@ -127,7 +127,7 @@ def test_concurrent_duplicates_each_resolve_to_the_one_that_ran(env: Env) -> Non
     assert ran in values  # the holder is one of the racers; the others are its duplicates
 
 
-@pytest.mark.sessions(8)
+@pytest.mark.sessions(11)  # side by side, the run's meter: 10
 def test_a_duplicate_published_in_an_application_transaction_resolves(env: Env) -> None:
     app = client(env)
     with psycopg.connect(env.pg_url) as conn:
@@ -154,7 +154,7 @@ def roles(pg_url: str) -> Iterator[Roles]:
         yield grant(made)
 
 
-@pytest.mark.sessions(10)
+@pytest.mark.sessions(14)  # side by side, the run's meter: 13
 def test_a_publisher_roles_duplicate_resolves_where_it_was_sent(roles: Roles) -> None:
     """docs/least-privilege.md's publisher, with docs/results.md's one function to wait on
     results: no right to store a result, so the duplicate's alias lives in the process

@@ -4,6 +4,7 @@ be off), and leaves it alone when it does not own it."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -43,8 +44,25 @@ def test_vacuums_once_the_threshold_is_reached(store: Store, peek: Peek) -> None
     dead_rows(peek, 2000)
     assert vacuumer.check() is True
     assert vacuumer.vacuums == 1
-    # Every row was dead: the VACUUM gave the whole heap back.
-    assert heap_pages(peek) == 0
+    # The table's own count of manual VACUUMs (reported when the VACUUM ends). Not its
+    # heap's size: what a VACUUM may remove and give back depends on every other
+    # session's snapshot in the database (a suite's neighbour test once kept 137 pages).
+    assert vacuum_count(peek) == 1
+
+
+def vacuum_count(peek: Peek) -> int:
+    """The message table's manual VACUUMs, once the statistics show one (Postgres 15
+    and later report it as the VACUUM ends; earlier ones within their collector's
+    interval, 0.5 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        ((count,),) = peek(
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = %s::regclass",
+            f"{peek.schema}.message",
+        )
+        if count or time.monotonic() > deadline:
+            return int(count)
+        time.sleep(0.05)
 
 
 @pytest.fixture
