@@ -42,6 +42,18 @@ def make(directory: Path, total: int) -> None:
     (directory / GATE).touch()
 
 
+def gate_held(directory: Path) -> bool:
+    """Whether some holder is at the gate of the budget in ``directory`` now (waiting for
+    tokens, or looking at the gate for an instant)."""
+    with open(directory / GATE, "rb") as gate:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return False
+
+
 class Budget:
     """One process's view of a run's budget: how many tokens it holds, and taking more."""
 
@@ -104,15 +116,7 @@ class Budget:
         """How many tokens the holder at the gate needs in all (0 when nobody is there;
         all of them while it has not said yet: it has just come), and how many the
         other holders that kept theirs past it hold, as each last wrote it."""
-        with open(self.directory / GATE, "rb") as gate:
-            try:
-                fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                waiting = True
-            else:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-                waiting = False
-        if not waiting:
+        if not gate_held(self.directory):
             return 0, 0
         try:
             waiter, _, need = (self.directory / NEED).read_text().partition("\t")

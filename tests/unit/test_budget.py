@@ -3,7 +3,6 @@ processes; a holder that waits is seen waiting (the gate locked) before it is le
 
 from __future__ import annotations
 
-import fcntl
 import signal
 import subprocess
 import sys
@@ -16,22 +15,11 @@ from tests.acceptance.harness import wait_for
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gate_taken(directory: Path) -> bool:
-    """Whether some holder is at the gate now (waiting for tokens)."""
-    with open(directory / budget.GATE, "rb") as gate:
-        try:
-            fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        return False
-
-
 def waiter_said(directory: Path) -> bool:
     """Whether a holder is at the gate and has written what it needs (the gate alone may
     be a holder's look at it, for an instant, before it queues there)."""
     path = directory / budget.NEED
-    return gate_taken(directory) and path.exists() and path.read_text() != ""
+    return budget.gate_held(directory) and path.exists() and path.read_text() != ""
 
 
 def holding(directory: Path, wanted: int, done: threading.Event) -> threading.Thread:
