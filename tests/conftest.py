@@ -13,6 +13,7 @@ import pytest
 
 from tests import budget
 from tests.pg import (
+    RUN_DIR_ENV,
     ConnectionMeter,
     RunMeter,
     created_session_database,
@@ -211,6 +212,7 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     if workerinput is not None and "pgq_run_dir" in workerinput:
         _run_dir = Path(workerinput["pgq_run_dir"])
+        os.environ[RUN_DIR_ENV] = str(_run_dir)  # tests.pg.metered_database
         _budget = budget.Budget(_run_dir / "budget")
     elif _parallel(config):
         _run_dir = Path(tempfile.mkdtemp(prefix="pgq-test-run-"))

@@ -45,6 +45,7 @@ __all__ = [
     "drop_schema",
     "drop_session_database",
     "find_postgres",
+    "metered_database",
     "new_database_name",
     "new_schema_name",
     "pgq_url",
@@ -138,6 +139,27 @@ def new_database_name(prefix: str | None = None, keeper_pid: int | None = None) 
     return testing.new_database_name(database_prefix() if prefix is None else prefix, keeper_pid)
 
 
+#: Databases a test made for itself on the server (:func:`metered_database`): the meters
+#: count their sessions with the run's, since they share the server's connections.
+_extra_databases: set[str] = set()
+#: (set by tests/conftest.py in each process of a parallel run) where the run's meter
+#: learns each process's databases.
+RUN_DIR_ENV = "PGQ_TEST_RUN_DIR"
+
+
+def metered_database(name: str) -> None:
+    """Count the sessions of database ``name`` (which a test made for itself, beside the
+    run's) against the run's session budget: this process's meter, or the controller's
+    in a parallel run (a ``db-<process>+<name>`` file in the run's directory)."""
+    _extra_databases.add(name)
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw")
+        path = os.path.join(run_dir, f"db-{worker}+{name}")
+        with open(path, "w") as f:
+            f.write(name)
+
+
 class ConnectionMeter:
     """Samples how many sessions are connected to one database, from a thread of its own.
 
@@ -166,12 +188,12 @@ class ConnectionMeter:
     def _run(self) -> None:
         query = (
             "SELECT application_name, pg_catalog.count(*) FROM pg_catalog.pg_stat_activity"
-            " WHERE datname = pg_catalog.current_database()"
+            " WHERE (datname = pg_catalog.current_database() OR datname = ANY(%s))"
             " AND pid <> pg_catalog.pg_backend_pid() GROUP BY 1 ORDER BY 2 DESC, 1"
         )
         with psycopg.connect(self.pg_url, autocommit=True, application_name="pgq-test-meter") as c:
             while not self._stop.wait(self.interval):
-                rows = c.execute(query).fetchall()
+                rows = c.execute(query, [sorted(_extra_databases)]).fetchall()
                 seen = sum(int(n) for _, n in rows)
                 if seen > self.peak:
                     self.peak, self.peak_during = seen, self.label()
@@ -182,7 +204,8 @@ class RunMeter:
     """Samples, from the controlling process of a parallel run (pytest-xdist), how many
     sessions are connected to the run's databases together (one per worker process).
 
-    Each worker names its database in ``<run dir>/db-<worker>`` and what it runs in
+    Each worker names its database in ``<run dir>/db-<worker>`` (and each its tests made
+    for themselves in ``db-<worker>+<name>``: :func:`metered_database`) and what it runs in
     ``<run dir>/running-<worker>`` (``<sessions declared>\\t<test id>``). ``peak`` is the
     most sessions seen at once, ``peak_during`` the tests running then, ``peak_by`` the
     sessions at the peak by application_name; ``by_test`` the most each test's database
@@ -236,11 +259,15 @@ class RunMeter:
                 for datname, name, n in rows:
                     on[str(datname)] = on.get(str(datname), 0) + int(n)
                     by_name[str(name)] = by_name.get(str(name), 0) + int(n)
-                for worker, database in databases.items():
+                # A process's sessions: on its database and on those its tests made.
+                held_by: dict[str, int] = {}
+                for key, database in databases.items():
+                    worker = key.partition("+")[0]
+                    held_by[worker] = held_by.get(worker, 0) + on.get(database, 0)
+                for worker, held in held_by.items():
                     declared, _, test = running.get(worker, "").partition("\t")
                     if not test:
                         continue
-                    held = on.get(database, 0)
                     before = self.by_test.get(test, (0, 0))[0]
                     self.by_test[test] = (max(before, held), int(declared or 0))
                 seen = sum(on.values())

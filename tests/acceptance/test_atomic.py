@@ -20,6 +20,7 @@ from psycopg import sql
 
 from tests.acceptance.harness import Env, start_worker, wait_for, workers
 from tests.integration.test_privileges import grant, page_roles, publisher_app
+from tests.pg import metered_database
 
 APP = "tests.acceptance.atomic_app"
 VT = 2.0
@@ -477,6 +478,7 @@ def test_a_connection_to_another_database_is_refused_naming_both(env: Env, pg_ur
     name = f"{env.schema}_other"
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    metered_database(name)
     try:
         other = psycopg.conninfo.make_conninfo(pg_url, dbname=name)
         with workers(

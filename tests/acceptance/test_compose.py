@@ -335,6 +335,7 @@ def sessions_by_role(env: Env) -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.sessions(23)  # 20 seen on its own database, -n 0
 def test_the_fleet_runs_scales_and_reports_stuck_workers(
     local: Local, env: Env, fleet_client: Any, running: list[Worker], tmp_path: Path
 ) -> None:
@@ -493,6 +494,7 @@ def test_the_fleet_runs_scales_and_reports_stuck_workers(
         monitor.execute("SELECT payload FROM pgq.message")
 
 
+@pytest.mark.sessions(12)  # 9 seen on its own database, -n 0
 def test_the_beat_service_runs_two_replicas_as_the_worker_role(
     local: Local, env: Env, running: list[Worker], tmp_path: Path
 ) -> None:

@@ -18,7 +18,7 @@ from pg_transport.db.pool import mask_url
 from pg_transport.store import Store
 from tests.integration.conftest import Peek
 from tests.integration.test_cli import UNREACHABLE, invoke, run_pgq
-from tests.pg import to_broker_url
+from tests.pg import metered_database, to_broker_url
 
 
 def message(n: int) -> dict[str, Any]:
@@ -158,6 +158,7 @@ def lonely_database(pg_url: str) -> Iterator[str]:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         except psycopg.errors.InsufficientPrivilege:
             pytest.skip("the test role cannot create databases")
+    metered_database(name)
     yield urlsplit(pg_url)._replace(path=f"/{name}").geturl()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))

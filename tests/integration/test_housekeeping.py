@@ -13,7 +13,13 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Queue
 
-from tests.pg import create_database, drop_database, new_database_name, to_broker_url
+from tests.pg import (
+    create_database,
+    drop_database,
+    metered_database,
+    new_database_name,
+    to_broker_url,
+)
 
 
 @pytest.fixture
@@ -25,6 +31,7 @@ def own_database(pg_url: str) -> Iterator[str]:
     with psycopg.connect(pg_url, autocommit=True) as keeper:
         name = new_database_name(keeper_pid=keeper.info.backend_pid)
         url = create_database(pg_url, name, keeper)
+        metered_database(name)
         try:
             yield url
         finally:

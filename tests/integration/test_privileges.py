@@ -45,6 +45,7 @@ from pg_transport.store import Lease, Store
 from tests.acceptance.harness import Worker, wait_for
 from tests.integration.test_cli import clean_env, invoke
 from tests.integration.test_docs import DOCS, autoscaling_queries, for_queue, sql_blocks
+from tests.pg import metered_database
 from tests.unit.test_compose import EXAMPLES
 
 PAGE = DOCS / "least-privilege.md"
@@ -263,6 +264,7 @@ def throwaway_database(pg_url: str) -> Iterator[str]:
     name = f"pgq_t_db_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(pg_url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    metered_database(name)
     try:
         yield url_of(pg_url, dbname=name)
     finally:

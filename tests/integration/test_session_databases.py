@@ -23,11 +23,14 @@ import pytest
 from tests.acceptance.harness import wait_for
 from tests.pg import (
     DEFAULT_DB_PREFIX,
+    RUN_DIR_ENV,
+    RunMeter,
     create_database,
     database_prefix,
     drop_abandoned_databases,
     drop_database,
     find_postgres,
+    metered_database,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,3 +163,36 @@ def test_the_session_database_is_named_with_the_chosen_prefix(
     monkeypatch.setenv("PGQ_TEST_DB_PREFIX", "x" * 41)
     with pytest.raises(ValueError, match=r"PGQ_TEST_DB_PREFIX .* is too long"):
         database_prefix()
+
+
+@pytest.mark.sessions(8)
+def test_a_parallel_runs_meter_counts_the_databases_its_tests_make(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions on a database a test made for itself share the server's connections with
+    the run's: the run's meter counts them, against the process whose test made it."""
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+    # The process's own database, where nobody is connected: what the meter sees is
+    # the made one's.
+    quiet = f"{database_prefix()}quiet_{uuid.uuid4().hex[:8]}"
+    create_database(find_postgres(), quiet)
+    (tmp_path / "db-gw7").write_text(quiet)
+    (tmp_path / "running-gw7").write_text("3\tsome/test.py::made_a_database")
+    name = f"{database_prefix()}made_{uuid.uuid4().hex[:8]}"
+    url = create_database(find_postgres(), name)
+    meter = RunMeter(find_postgres(), tmp_path, interval=0.02)
+    meter.start()
+    try:
+        metered_database(name)
+        assert (tmp_path / f"db-gw7+{name}").read_text() == name
+        with psycopg.connect(url) as a, psycopg.connect(url) as b:
+            assert a.execute("SELECT 1").fetchone() == b.execute("SELECT 1").fetchone()
+            # Both sessions stay open until the meter has seen them (its own bound).
+            wait_for(lambda: meter.peak >= 2, 30, "the meter to see the made database")
+    finally:
+        meter.stop()
+        drop_database(find_postgres(), name)
+        drop_database(find_postgres(), quiet)
+    assert meter.peak == 2
+    assert meter.by_test["some/test.py::made_a_database"] == (2, 3)
