@@ -56,6 +56,12 @@ class CuttingProxy:
         with self._lock:
             self._cuts_left = n
 
+    @property
+    def cuts_left(self) -> int:
+        """How many of the cuts :meth:`cut` asked for are still to come."""
+        with self._lock:
+            return self._cuts_left
+
     def pause(self) -> None:
         """Hold every byte from now on, both ways (connections stay open)."""
         self._flowing.clear()
