@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from time import monotonic
 from typing import Any
@@ -68,13 +69,23 @@ from pg_transport.publish.publisher import Publisher
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "interrupt_drains"]
 
 logger = logging.getLogger("pg_transport.transport")
 
 # Longest a close waits for a housekeeping thread's cycle under way (a statement or two;
 # through an outage an ack's retries may take longer: that thread then ends on its own).
 HOUSEKEEPING_STOP_WAIT = 5.0
+
+# Every transport of this process, for interrupt_drains (a signal handler: no lock).
+_live: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def interrupt_drains() -> None:
+    """The worker is shutting down: every blocking drain of this process ends now
+    (:meth:`pg_transport.consume.blocking.BlockingDriver.interrupt`)."""
+    for transport in list(_live):
+        transport.blocking.interrupt()
 
 
 class Transport(virtual.Transport):
@@ -211,6 +222,7 @@ class Transport(virtual.Transport):
         )
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
+        _live.add(self)
 
     # kombu's Connection drops ``client`` from a transport it collects after a lost
     # connection, but a publish retry (kombu's, Celery's ``task_publish_retry``) then
