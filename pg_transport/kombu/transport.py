@@ -393,6 +393,10 @@ class Transport(virtual.Transport):
     def _ensure_renewer(self) -> None:
         """Start the consumer's background threads: lease renewal and maintenance,
         and (unless ``vacuum_threshold`` is 0) vacuuming of the message table."""
+        threshold = self.options.vacuum_threshold
+        if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
+            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
+            self._vacuumer.start()
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = Housekeeper(
                 flush_acks=self.engine.flush_acks,
@@ -400,12 +404,9 @@ class Transport(virtual.Transport):
                 renew=self.renew if self.options.lease_renewal else None,
                 maintain=self.maintain,
                 default_vt=self.options.visibility_timeout,
+                look=self._look_for_vacuum if threshold else None,
             )
             self._renewer.start()
-        threshold = self.options.vacuum_threshold
-        if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
-            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
-            self._vacuumer.start()
 
     def _stop_housekeeping(self, wait: float = 0.0) -> None:
         """Stop the background threads; with ``wait`` (a close), wait that long at most
@@ -416,6 +417,11 @@ class Transport(virtual.Transport):
         for thread in (self._renewer, self._vacuumer):
             if thread is not None:
                 thread.stop(wait)
+
+    def _look_for_vacuum(self) -> None:
+        vacuumer = self._vacuumer
+        if vacuumer is not None and vacuumer.is_alive():
+            vacuumer.look()
 
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())
