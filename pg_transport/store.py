@@ -504,7 +504,6 @@ class Store:
 
         def work(conn: psycopg.Connection[Any]) -> tuple[int, int]:
             with conn.transaction():
-                conn.execute(self.q["custom_plans"])
                 row = conn.execute(
                     self.q["maintain"],
                     {"queues": list(queues), "follows_retention": self.follows_retention},
@@ -514,11 +513,8 @@ class Store:
                     conn.execute(self.q["drop_messages"], {"queues": gone})
             return len(gone), expired
 
-        # On the consumer's housekeeping session, where renewals and acks go (one session
-        # for all of a consumer's housekeeping), planned for the values it gets in this
-        # transaction (custom_plans; see drop_messages). A commit lost in a crash is
-        # done again by the next run, here or in another consumer.
-        return self.relaxed.run(work, idempotent=True)
+        # On a session that plans for the values it gets (see drop_messages).
+        return self.connector.run(work, idempotent=True)
 
 
 def claim_params(

@@ -6,8 +6,9 @@ claim to ride on. Every few seconds it marks the consumed queues as in use and r
 queues past their expiry and messages past their TTL, so a SIGKILLed worker's control
 queue disappears after its expiry, and looks whether the message table needs a VACUUM
 (:meth:`pg_transport.consume.vacuum.Vacuumer.look`; the VACUUM runs on a thread of its
-own). One after the other, on one pooled session: a worker's main process holds one
-session for all of it.
+own). The maintenance and the look, one after the other on the same pool, share one
+session; renewals and acks go through the consumer's pool (its commits relaxed), so an
+idle consumer (nothing held) keeps one session for its housekeeping.
 
 Lease renewal is timely although it shares this thread: what runs beside it is the
 acks' DELETE, the maintenance statement (it skips locked messages) and the look (one row

@@ -395,8 +395,8 @@ class Transport(virtual.Transport):
         and (unless ``vacuum_threshold`` is 0) vacuuming of the message table."""
         threshold = self.options.vacuum_threshold
         if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
-            # On the housekeeping's pool: its look shares the maintenance's session.
-            self._vacuumer = Vacuumer(self.relaxed, self.options.schema, threshold)
+            # The maintenance's pool: the housekeeping's look shares its session.
+            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
             self._vacuumer.start()
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = Housekeeper(

@@ -1635,12 +1635,6 @@ DROP SCHEMA {schema} CASCADE
 -- plan (tests/integration/test_plans.py); planning a claim costs more than running it.
 SET plan_cache_mode TO force_generic_plan
 
--- name: custom_plans
--- For one transaction of a consumer's session (generic_plans): plan each statement for
--- the values it gets (queue maintenance: a generic plan of drop_messages could scan every
--- message).
-SET LOCAL plan_cache_mode TO force_custom_plan
-
 -- name: no_jit
 -- For pgq's own sessions: every statement touches a handful of rows, and compiling one
 -- with JIT (which a prepared claim's cost estimate at a deep backlog triggers) takes

@@ -33,7 +33,7 @@ sys.stdin.readline()  # stay alive, idle, until told
 
 # The documented footprint (docs/configuration.md, "Connections").
 PARENT_MOST = 4  # the idle ones and a publish's for a moment (3 seen), or a VACUUM's
-PARENT_IDLE = 2  # the consumer's session, and its housekeeping's (renewal, maintenance, ...)
+PARENT_IDLE = 2  # the consumer's session, queue maintenance and vacuum check
 CHILD_MOST = 1  # a child publishing: one session, closed once idle
 PRODUCER_MOST = 1  # one publishing thread: one session, closed once idle
 
