@@ -6,6 +6,11 @@ for it. This driver runs the same engine Celery's event loop runs, so they claim
 wake and dead-letter alike: it kicks the engine, then waits (``poll``) on the
 engine's descriptors and on its own timers (the poll, a refill's short wait) until a
 message has been handed to kombu or the timeout is up.
+
+A worker shutting down (:meth:`BlockingDriver.interrupt`) must not wait for that timeout:
+Celery's gevent and eventlet loops look for a shutdown between two drains (of up to 2 s,
+and run one more after they saw it), so the drain under way ends at once, and every
+later one waits :data:`STOPPING_WAIT` at most.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from time import monotonic
 from pg_transport.consume.engine import Engine
 from pg_transport.db import waits
 
-__all__ = ["BlockingDriver"]
+__all__ = ["STOPPING_WAIT", "BlockingDriver"]
+
+#: The longest a drain waits once its worker is shutting down: short, but a wait all the
+#: same (a green thread draining in a loop must let the others run).
+STOPPING_WAIT = 0.05
 
 
 class _Timer:
@@ -37,6 +46,14 @@ class BlockingDriver:
         self._order = itertools.count()
         self._fds: list[int] = []
         self._next_poll = 0.0
+        self._stopping = False
+
+    def interrupt(self) -> None:
+        """The worker is shutting down: end the drain under way, and wait no longer than
+        :data:`STOPPING_WAIT` in the next ones. Safe in a signal handler (a write to the
+        wake-up pipe)."""
+        self._stopping = True
+        self.engine.poke()
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
         timer = _Timer(monotonic() + delay, fn)
@@ -64,6 +81,8 @@ class BlockingDriver:
         start = monotonic()
         seen = engine.delivered
         while True:
+            if self._stopping:
+                timeout = STOPPING_WAIT if timeout is None else min(timeout, STOPPING_WAIT)
             now = monotonic()
             if now >= self._next_poll:
                 self._next_poll = now + self.polling_interval

@@ -4,7 +4,16 @@ Every vt/3 it extends the vt of every message the consumer holds (renewal stops 
 the process dies: that is the point). Every cycle it lands acks still waiting for a
 claim to ride on. Every few seconds it marks the consumed queues as in use and reaps
 queues past their expiry and messages past their TTL, so a SIGKILLed worker's control
-queue disappears after its expiry.
+queue disappears after its expiry, and looks whether the message table needs a VACUUM
+(:meth:`pg_transport.consume.vacuum.Vacuumer.look`; the VACUUM runs on a thread of its
+own). The maintenance and the look, one after the other on the same pool, share one
+session; renewals and acks go through the consumer's pool (its commits relaxed), so an
+idle consumer (nothing held) keeps one session for its housekeeping.
+
+Lease renewal is timely although it shares this thread: what runs beside it is the
+acks' DELETE, the maintenance statement (it skips locked messages) and the look (one row
+of the statistics views), each milliseconds; nothing here waits for a VACUUM
+(tests/integration/test_housekeeping.py times renewals while one runs).
 
 Closing the transport stops the thread and waits for a cycle under way to end
 (:meth:`Housekeeper.stop`): once the close returns, the thread sends nothing more to a
@@ -41,11 +50,13 @@ class Housekeeper(threading.Thread):
         renew: Callable[[Sequence[tuple[Lease, float]]], object] | None,
         maintain: Callable[[], None],
         default_vt: float,
+        look: Callable[[], object] | None = None,
     ) -> None:
-        """``renew``: None when lease renewal is off."""
+        """``renew``: None when lease renewal is off. ``look``: after each maintenance,
+        whether the table needs a VACUUM (None: vacuuming is off)."""
         super().__init__(name="pgq-housekeeping", daemon=True)
         self._flush_acks, self._held, self._renew = flush_acks, held, renew
-        self._maintain, self._default_vt = maintain, default_vt
+        self._maintain, self._default_vt, self._look = maintain, default_vt, look
         self._stop_event = threading.Event()
 
     def stop(self, wait: float = 0.0) -> None:
@@ -69,6 +80,8 @@ class Housekeeper(threading.Thread):
                 renew_due = now + min((vt for _, vt in held), default=self._default_vt) / 3
             if now >= maintain_due and not self._stop_event.is_set():
                 self._guard("queue maintenance", self._maintain)
+                if self._look is not None:
+                    self._guard("vacuum check", self._look)
                 maintain_due = now + MAINTAIN_INTERVAL
             if self._stop_event.wait(max(min(renew_due, maintain_due) - monotonic(), 0.05)):
                 return

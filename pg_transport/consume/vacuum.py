@@ -8,6 +8,12 @@ be off altogether, so each consuming process also looks every few seconds and va
 the table itself once ``vacuum_threshold`` dead rows have piled up. Only a table's owner may
 vacuum it; other roles leave it to autovacuum (said once in the log).
 ``VACUUM (SKIP_LOCKED)`` lets one process vacuum while the others skip.
+
+The look (:meth:`Vacuumer.look`, one row of the statistics views) is the housekeeping
+thread's, on the session its queue maintenance uses every few seconds anyway: no
+session of its own. The VACUUM, which may take seconds, runs on this thread, woken by
+a look that found it due, on a pooled session taken for it (closed once idle past
+``pool_idle_timeout``): lease renewal never waits for it.
 """
 
 from __future__ import annotations
@@ -22,12 +28,9 @@ from pg_transport.db.pool import Connector
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.sql import load_queries
 
-__all__ = ["CHECK_INTERVAL", "Vacuumer"]
+__all__ = ["Vacuumer"]
 
 logger = logging.getLogger("pg_transport.vacuum")
-
-# Seconds between two looks at the table's dead rows.
-CHECK_INTERVAL = 2.0
 
 
 class Vacuumer(threading.Thread):
@@ -38,27 +41,35 @@ class Vacuumer(threading.Thread):
         self.threshold = threshold
         self._queries = load_queries(schema)
         self._stop_event = threading.Event()
+        self._due = threading.Event()
+        self._allowed = True
         #: How many VACUUMs this process ran (for tests and the curious).
         self.vacuums = 0
 
     def stop(self, wait: float = 0.0) -> None:
-        """Stop; with ``wait``, wait that long at most for a look under way to end."""
+        """Stop; with ``wait``, wait that long at most for a VACUUM under way to end."""
         self._stop_event.set()
+        self._due.set()
         if wait > 0 and self.is_alive() and self is not threading.current_thread():
             self.join(wait)
 
     def run(self) -> None:
-        allowed = True
-        while not self._stop_event.wait(CHECK_INTERVAL):
-            if not allowed:
-                continue  # not ours to vacuum: autovacuum's job (alive, so not restarted)
+        while True:
+            self._due.wait()
+            if self._stop_event.is_set():
+                return
+            self._due.clear()
             try:
-                allowed = self.check()
+                self.vacuum()
             except (psycopg.Error, BrokerUnavailable) as exc:
                 logger.warning("vacuuming failed: %s", exc)
 
-    def check(self) -> bool:
-        """Vacuum what has enough dead rows; False when this role may not."""
+    def look(self) -> bool:
+        """Whether the table has enough dead rows to vacuum; when it has, wake this thread
+        to vacuum it. False, and never again a look, when this role may not vacuum it
+        (not ours: autovacuum's job)."""
+        if not self._allowed:
+            return False
 
         def work(conn: psycopg.Connection[Any]) -> bool:
             found = conn.execute(self._queries["dead_rows"], {"schema": self.schema}).fetchall()
@@ -71,11 +82,30 @@ class Vacuumer(threading.Thread):
                         self.schema,
                         table,
                     )
+                    self._allowed = False
                     return False
                 if int(dead) >= self.threshold:
-                    conn.execute(self._queries["vacuum"], prepare=False)
-                    self.vacuums += 1
-                    logger.debug("vacuumed %s.%s (%d dead rows)", self.schema, table, dead)
-            return True
+                    logger.debug("%s.%s has %d dead rows", self.schema, table, dead)
+                    return True
+            return False
 
-        return self.connector.run(work, idempotent=True)
+        due = self.connector.run(work, idempotent=True)
+        if due:
+            self._due.set()
+        return due
+
+    def vacuum(self) -> None:
+        def work(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(self._queries["vacuum"], prepare=False)
+
+        self.connector.run(work, idempotent=True)
+        self.vacuums += 1
+        logger.debug("vacuumed %s.message", self.schema)
+
+    def check(self) -> bool:
+        """Look, and vacuum now (on the caller's thread) what is due; False when this
+        role may not vacuum the table."""
+        if self.look():
+            self._due.clear()
+            self.vacuum()
+        return self._allowed

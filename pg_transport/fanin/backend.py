@@ -96,6 +96,7 @@ def _build(app: Any, environ: Mapping[str, str]) -> Backend:
         application_name="pgq-barrier",
         prepare_threshold=5 if own else None,
         pin_search_path=own,
+        idle_timeout=options.pool_idle_timeout,  # (as the transport's pools)
     )
     ensure_schema(connector, options.schema, auto_migrate=options.auto_migrate)
     return Backend(

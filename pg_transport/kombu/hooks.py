@@ -12,12 +12,15 @@ is imported; each receiver once, whatever the number of calls).
 - ``import_modules``: the same check for a worker or beat, before beat's banner.
 - ``worker_init``: a worker whose broker is pgq gets the delivery guard
   (:mod:`pg_transport.kombu.guard`) and backs off when the broker refuses it.
+- ``worker_shutting_down``: the blocking drains of a gevent or eventlet worker end at
+  once instead of at their timeout (:func:`pg_transport.kombu.transport.interrupt_drains`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from celery import signals
@@ -127,6 +130,14 @@ def _guard_worker(sender: Any = None, **_: Any) -> None:
         backoff.enable()
 
 
+def _end_drains(**_: Any) -> None:
+    """Sent from Celery's SIGTERM/SIGINT handler: no import here (the import lock may be
+    held by the code the signal interrupted); no transport module, no transport."""
+    transport = sys.modules.get("pg_transport.kombu.transport")
+    if transport is not None:
+        transport.interrupt_drains()
+
+
 def connect() -> None:
     """Connect every receiver (idempotent: each has a dispatch uid)."""
     signals.before_task_publish.connect(
@@ -136,3 +147,4 @@ def connect() -> None:
     signals.import_modules.connect(_check_modules, weak=False, dispatch_uid="pgq-preflight-modules")
     signals.celeryd_init.connect(_name_sessions, weak=False, dispatch_uid="pgq-process-node")
     signals.worker_init.connect(_guard_worker, weak=False, dispatch_uid="pgq-delivery-guard")
+    signals.worker_shutting_down.connect(_end_drains, weak=False, dispatch_uid="pgq-end-drains")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from time import monotonic
 from typing import Any
@@ -68,13 +69,23 @@ from pg_transport.publish.publisher import Publisher
 from pg_transport.sql import load_queries
 from pg_transport.store import Claimed, Lease, Store
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "interrupt_drains"]
 
 logger = logging.getLogger("pg_transport.transport")
 
 # Longest a close waits for a housekeeping thread's cycle under way (a statement or two;
 # through an outage an ack's retries may take longer: that thread then ends on its own).
 HOUSEKEEPING_STOP_WAIT = 5.0
+
+# Every transport of this process, for interrupt_drains (a signal handler: no lock).
+_live: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def interrupt_drains() -> None:
+    """The worker is shutting down: every blocking drain of this process ends now
+    (:meth:`pg_transport.consume.blocking.BlockingDriver.interrupt`)."""
+    for transport in list(_live):
+        transport.blocking.interrupt()
 
 
 class Transport(virtual.Transport):
@@ -211,6 +222,7 @@ class Transport(virtual.Transport):
         )
         self.hub = HubDriver(self.engine, self.polling_interval)
         self.blocking = BlockingDriver(self.engine, self.polling_interval)
+        _live.add(self)
 
     # kombu's Connection drops ``client`` from a transport it collects after a lost
     # connection, but a publish retry (kombu's, Celery's ``task_publish_retry``) then
@@ -381,6 +393,11 @@ class Transport(virtual.Transport):
     def _ensure_renewer(self) -> None:
         """Start the consumer's background threads: lease renewal and maintenance,
         and (unless ``vacuum_threshold`` is 0) vacuuming of the message table."""
+        threshold = self.options.vacuum_threshold
+        if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
+            # The maintenance's pool: the housekeeping's look shares its session.
+            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
+            self._vacuumer.start()
         if self._renewer is None or not self._renewer.is_alive():
             self._renewer = Housekeeper(
                 flush_acks=self.engine.flush_acks,
@@ -388,12 +405,9 @@ class Transport(virtual.Transport):
                 renew=self.renew if self.options.lease_renewal else None,
                 maintain=self.maintain,
                 default_vt=self.options.visibility_timeout,
+                look=self._look_for_vacuum if threshold else None,
             )
             self._renewer.start()
-        threshold = self.options.vacuum_threshold
-        if threshold and (self._vacuumer is None or not self._vacuumer.is_alive()):
-            self._vacuumer = Vacuumer(self.connector, self.options.schema, threshold)
-            self._vacuumer.start()
 
     def _stop_housekeeping(self, wait: float = 0.0) -> None:
         """Stop the background threads; with ``wait`` (a close), wait that long at most
@@ -404,6 +418,11 @@ class Transport(virtual.Transport):
         for thread in (self._renewer, self._vacuumer):
             if thread is not None:
                 thread.stop(wait)
+
+    def _look_for_vacuum(self) -> None:
+        vacuumer = self._vacuumer
+        if vacuumer is not None and vacuumer.is_alive():
+            vacuumer.look()
 
     def maintain(self) -> None:
         queues = sorted(self._consumed_queues())

@@ -28,6 +28,7 @@ from barrier import (
     sweep,
 )
 from barrier.callback import skipped
+from barrier.sweep import Sweeper
 from pg_transport.db.locks import advisory_key
 from pg_transport.fanin import state as st
 from pg_transport.fanin.backend import Backend, backend_for, forget
@@ -407,6 +408,28 @@ def test_worker_ready_starts_a_sweeper_and_shutdown_stops_it(
     hooks.on_worker_shutdown()
     sweepers[0].join(10)
     assert not sweepers[0].is_alive()
+
+
+def test_a_sweeper_whose_rounds_are_rarer_than_its_pool_keeps_a_session_holds_none(
+    app: Celery, db: Backend, peek: Peek
+) -> None:
+    """Between two rounds 30 s apart (the default), a worker's main process keeps no
+    barrier session: each round opens one and closes it."""
+    Barrier(app).dispatch("b1", sigs(app, 1), app.signature("t.collect"))
+    peek("UPDATE {schema}.barrier SET expires_at = now() - interval '1 s'")
+    db.connector.discard_idle()
+    sweeper = Sweeper(app, db.connector.idle_timeout)
+    assert sweeper.round() == ["b1"]
+    assert status(peek, "b1")[0] == "expired"
+    assert db.connector.idle_count == 0
+    sessions = (
+        "SELECT count(*) FROM pg_stat_activity WHERE split_part(application_name, ':', 1)"
+        " = 'pgq-barrier' AND split_part(application_name, ':', 2) = %s"
+    )
+    assert peek(sessions, str(os.getpid())) == [(0,)]
+    # Rounds closer together than that keep theirs in the pool.
+    Sweeper(app, db.connector.idle_timeout / 2).round()
+    assert db.connector.idle_count == 1
 
 
 # -- the callback's dedup -----------------------------------------------------------
