@@ -249,6 +249,28 @@ class Chords:
             why = f"task {task_id} was added to it already"
         raise ChordError(f"cannot add task {task_id} to chord {group_id}: {why}")
 
+    # -- a part refused as it was sent --------------------------------------------------
+    def refused(self, group_id: str, task_id: str, exc: BaseException) -> bool:
+        """A part of the chord's header was refused by the transport as it was sent
+        (``exc``, which its caller gets): it will never run, so the chord fails now, as
+        a failed part fails it (the body's ``ChordError``, its errbacks), once. The parts
+        sent before it run and count against a failed chord: nothing fires. Returns
+        whether this call failed it (False: not an armed chord of this backend)."""
+        db = self.db
+        after: list[Any] = []
+        reason = f"Dependency {task_id} was refused as it was sent: {exc!r}"
+
+        def work(conn: psycopg.Connection[Any]) -> PartOutcome:
+            after.clear()
+            with conn.transaction():
+                return self._fail_chord(db, conn, group_id, reason, after, cause=exc)
+
+        outcome: PartOutcome = db.run(work)
+        _unsized_here.discard(group_id)
+        for call in after:
+            call()
+        return outcome.failed
+
     # -- a part's end ---------------------------------------------------------------------
     def part_returned(
         self,

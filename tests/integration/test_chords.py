@@ -15,6 +15,7 @@ from celery.exceptions import ChordError
 from celery.utils.functional import regen
 
 import pg_transport.fanin.backend
+from pg_transport.message.unique import UniqueError
 from pg_transport.results.chords import CHORD_PREFIX
 from tests.integration.test_results import make_app, q
 
@@ -355,3 +356,99 @@ def test_a_failed_chord_fails_its_group_body_as_celery_does(
         # As Celery fails a group body: with the part's own error, the ChordError's cause.
         assert isinstance(meta["result"], ValueError) and str(meta["result"]) == "no"
     assert messages(pg_url, schema, "celery.chord_unlock") == []
+
+
+# -- a header part refused as it is sent (issue 47) -----------------------------------
+
+
+def refused_chord(app: Celery, refused: int, n: int = 3) -> tuple[Any, Any]:
+    """A chord of ``n`` echo parts, part ``refused`` with a unique key (refused as it is
+    sent), an errback on its body: applied, its UniqueError raised. Returns the frozen
+    chord's result (the body's) and its group id."""
+    header = [
+        app.signature("t.echo", args=[i], options={"unique_key": "k"} if i == refused else {})
+        for i in range(n)
+    ]
+    canvas = chord(header, app.signature("t.collect"), app=app)
+    canvas.link_error(app.signature("t.on_error"))
+    result = canvas.freeze()
+    with pytest.raises(UniqueError, match=r"unique_key='k'.*part of chord"):
+        canvas.apply_async()
+    return result, result.parent.id
+
+
+@pytest.mark.parametrize("refused", [0, 1])
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_chord_whose_header_part_is_refused_fails_once(
+    app: Celery, pg_url: str, schema: str, refused: int
+) -> None:
+    """Celery arms the chord before it sends the header: a part refused as it is sent
+    (a unique key on it) fails the chord as a failed part does (its body's ChordError,
+    its errback sent once), whether or not parts were sent before it; none after it is."""
+    result, group_id = refused_chord(app, refused)
+    rows = q(pg_url, schema, "SELECT id, status, reason FROM {schema}.barrier")
+    assert [(r[0], r[1]) for r in rows] == [(CHORD_PREFIX + group_id, "failed")]
+    assert "refused" in rows[0][2]
+    sent = messages(pg_url, schema, "t.echo")
+    assert [json.loads(m["body"])[0] for m in sent] == [[i] for i in range(refused)]
+    errbacks = messages(pg_url, schema, "t.on_error")
+    assert len(errbacks) == 1
+    assert json.loads(errbacks[0]["body"])[0] == [result.id]
+    meta = app.backend.get_task_meta(result.id, cache=False)
+    assert meta["status"] == states.FAILURE
+    assert isinstance(meta["result"], ChordError)
+    assert "refused" in str(meta["result"])
+    # The parts sent before the refused one end: they count against a failed chord,
+    # fire nothing, fail nothing again.
+    body = app.signature("t.collect")
+    for m in sent:
+        finish(app, group_id, body, m["headers"]["id"], states.SUCCESS, 1)
+    assert messages(pg_url, schema, "t.collect") == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+
+
+def test_a_refused_part_outside_a_chord_fails_no_chord(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Only a chord's header part fails its chord: a refused plain publish (here a
+    unique key pgq cannot store) leaves an armed chord of this thread alone."""
+    arm(app, "g-alone", 2)
+    with pytest.raises(UniqueError):
+        app.send_task("t.echo", args=[1], unique_key="x" * 10_000)
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("armed",)]
+
+
+def test_a_refused_part_and_a_failing_part_fail_the_chord_once(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """A part refused as it is sent while a part sent before it fails on a worker: two
+    connections flip the chord at once, one wins; its errback is sent once."""
+    ids, body = arm(app, "g-refused-race", 2, errback=True)
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def refused() -> None:
+        try:
+            start.wait(10)
+            app.backend.chords.refused("g-refused-race", ids[1], UniqueError("refused"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def failing() -> None:
+        try:
+            start.wait(10)
+            finish(app, "g-refused-race", body, ids[0], states.FAILURE, ValueError("no"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=refused), threading.Thread(target=failing)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+    meta = app.backend.get_task_meta(body.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
