@@ -39,8 +39,9 @@ listed header, another broker) takes Celery's own way (``chord_unlock``).
 
 from __future__ import annotations
 
+import contextvars
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ import psycopg
 from celery import states
 from celery.canvas import Signature, maybe_signature
 from celery.exceptions import ChordError
-from celery.result import AsyncResult, GroupResult
+from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
@@ -255,7 +256,17 @@ class Chords:
         (``exc``, which its caller gets): it will never run, so the chord fails now, as
         a failed part fails it (the body's ``ChordError``, its errbacks), once. The parts
         sent before it run and count against a failed chord: nothing fires. Returns
-        whether this call failed it (False: not an armed chord of this backend)."""
+        whether this call failed it (False: not an armed chord of this backend).
+
+        Apart from whatever the refused publish was part of. The chord was armed on a
+        session of pgq's own (``arm``), committed there: the flip, the body's result
+        and the errbacks' messages are one transaction on such a session too, never
+        the caller's (``pg_transport.transaction()``, ``pg_transport.batch()``, an
+        atomic task's run), which holds no lock of the chord's and may still roll
+        back. What Celery sends once it committed (a canvas body's failure, errbacks
+        called in process) is sent from a context of its own (:func:`_apart`): in the
+        caller's, it would join the caller's transaction or batch and vanish with it
+        while the chord stays failed."""
         db = self.db
         after: list[Any] = []
         reason = f"Dependency {task_id} was refused as it was sent: {exc!r}"
@@ -268,7 +279,7 @@ class Chords:
         outcome: PartOutcome = db.run(work)
         _unsized_here.discard(group_id)
         for call in after:
-            call()
+            _apart(call)
         return outcome.failed
 
     # -- a part's end ---------------------------------------------------------------------
@@ -442,9 +453,12 @@ class Chords:
             meta = self.backend.failure_meta(body_id, error)
             if sent:
                 # As Celery records it: the errbacks sent as tasks are one group, the
-                # failed body's child.
-                children = GroupResult(uuid(), [self.app.AsyncResult(i) for i in sent])
-                meta["children"] = [children.as_tuple()]
+                # failed body's child (GroupResult.as_tuple's shape). Written as tuples,
+                # not built as result objects: an AsyncResult subscribes its task to this
+                # process's result listener (a session, a LISTEN, a thread to start, this
+                # thread's backend to build), under the chord's row lock, for an errback
+                # nobody here waits for.
+                meta["children"] = [((uuid(), None), [((i, None), None) for i in sent])]
             self.backend.store_state_row(conn, body_id, meta)
         return PartOutcome(recorded=True, failed=True)
 
@@ -482,6 +496,13 @@ class Chords:
             publish_outgoing(db, conn, out, "pgq-chord", group_id, run, f"errback-{n}")
             sent.append(out.task_id)
         return sent
+
+
+def _apart(call: Callable[[], Any]) -> None:
+    """Run ``call`` in an empty context: no ``pg_transport.transaction()`` block, batch
+    or atomic run of the caller's (context variables, all of them) is open in it, so
+    what it publishes or stores commits on pgq's own sessions."""
+    contextvars.Context().run(call)
 
 
 class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped

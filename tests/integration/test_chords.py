@@ -8,12 +8,15 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery, chord, group, states
 from celery.app.task import Context
 from celery.exceptions import ChordError
+from celery.result import result_from_tuple
 from celery.utils.functional import regen
 
+import pg_transport
 import pg_transport.fanin.backend
 from pg_transport.message.unique import UniqueError
 from pg_transport.results.chords import CHORD_PREFIX
@@ -35,6 +38,12 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
     @made.task(name="t.on_error", shared=False)
     def on_error(task_id: str) -> None:
         return None
+
+    @made.task(name="t.on_error_here", shared=False)
+    def on_error_here(request: Any, exc: BaseException, traceback: Any) -> None:
+        # Called in process (it takes request, exc, traceback): what it sends is sent
+        # from the process that failed the chord.
+        made.send_task("t.echo", args=["sent by the errback"])
 
     yield made
     pg_transport.fanin.backend.forget(made)
@@ -361,16 +370,24 @@ def test_a_failed_chord_fails_its_group_body_as_celery_does(
 # -- a header part refused as it is sent (issue 47) -----------------------------------
 
 
-def refused_chord(app: Celery, refused: int, n: int = 3) -> tuple[Any, Any]:
+def refusing_chord(app: Celery, refused: int, n: int = 3, *errbacks: str) -> Any:
     """A chord of ``n`` echo parts, part ``refused`` with a unique key (refused as it is
-    sent), an errback on its body: applied, its UniqueError raised. Returns the frozen
-    chord's result (the body's) and its group id."""
+    sent), errbacks on its body (``t.on_error`` unless named), frozen."""
     header = [
         app.signature("t.echo", args=[i], options={"unique_key": "k"} if i == refused else {})
         for i in range(n)
     ]
     canvas = chord(header, app.signature("t.collect"), app=app)
-    canvas.link_error(app.signature("t.on_error"))
+    for name in errbacks or ("t.on_error",):
+        canvas.link_error(app.signature(name))
+    canvas.freeze()
+    return canvas
+
+
+def refused_chord(app: Celery, refused: int, n: int = 3, *errbacks: str) -> tuple[Any, Any]:
+    """:func:`refusing_chord` applied, its UniqueError raised. Returns the frozen chord's
+    result (the body's) and its group id."""
+    canvas = refusing_chord(app, refused, n, *errbacks)
     result = canvas.freeze()
     with pytest.raises(UniqueError, match=r"unique_key='k'.*part of chord"):
         canvas.apply_async()
@@ -452,3 +469,114 @@ def test_a_refused_part_and_a_failing_part_fail_the_chord_once(
     assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
     meta = app.backend.get_task_meta(body.id, cache=False)
     assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
+
+
+# -- ... inside a transaction or batch of the caller's --------------------------------
+
+ERRBACKS = ("t.on_error", "t.on_error_here")
+
+
+def ours_idle_in_transaction(pg_url: str) -> list[Any]:
+    """pgq's sessions on the test database left in an open transaction (none may be: a
+    chord's row held there would hold up every part of it)."""
+    return q(
+        pg_url,
+        "",
+        "SELECT application_name, query FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name LIKE 'pgq%%'"
+        " AND state LIKE 'idle in transaction%%'",
+    )
+
+
+def failed_apart(app: Celery, pg_url: str, schema: str, result: Any, group_id: str) -> None:
+    """The chord failed once, committed on pgq's own sessions: its row, the body's
+    ChordError, one errback message, and what the in-process errback sent."""
+    rows = q(pg_url, schema, "SELECT id, status FROM {schema}.barrier")
+    assert rows == [(CHORD_PREFIX + group_id, "failed")]
+    meta = app.backend.get_task_meta(result.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    from_errback = [
+        m
+        for m in messages(pg_url, schema, "t.echo")
+        if json.loads(m["body"])[0] == ["sent by the errback"]
+    ]
+    assert len(from_errback) == 1
+
+
+def header_parts(pg_url: str, schema: str) -> list[Any]:
+    return sorted(
+        json.loads(m["body"])[0][0]
+        for m in messages(pg_url, schema, "t.echo")
+        if json.loads(m["body"])[0] != ["sent by the errback"]
+    )
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_part_refused_in_the_applications_transaction_fails_its_chord_apart(
+    app: Celery, pg_url: str, schema: str, end: str
+) -> None:
+    """Inside ``pg_transport.transaction(conn)`` the parts join the application's
+    transaction, but the chord is armed on pgq's own session: the refusal fails it there,
+    committed before the application ends its transaction (which holds no lock of the
+    chord's: nothing waits), and what the in-process errback sends is not the
+    application's to roll back. Part 0 commits or rolls back with the application."""
+    with psycopg.connect(pg_url) as conn:
+        with pg_transport.transaction(conn):
+            result, group_id = refused_chord(app, 1, 3, *ERRBACKS)
+        # The application's transaction is still open: the chord's end is not in it.
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        failed_apart(app, pg_url, schema, result, group_id)
+        assert header_parts(pg_url, schema) == []  # part 0: not committed yet
+        assert ours_idle_in_transaction(pg_url) == []
+        conn.commit() if end == "commit" else conn.rollback()
+    failed_apart(app, pg_url, schema, result, group_id)
+    assert header_parts(pg_url, schema) == ([0] if end == "commit" else [])
+
+
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_part_refused_in_a_batch_fails_its_chord_apart(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Inside ``pg_transport.batch()``: the chord fails at once, apart from the batch
+    (which is still open, its part 0 unsent); the batch left by the refusal's error
+    publishes nothing of its own, and takes nothing of the chord's failure with it."""
+    canvas = refusing_chord(app, 1, 3, *ERRBACKS)
+    result = canvas.freeze()
+    group_id = result.parent.id
+    with pytest.raises(UniqueError), pg_transport.batch():
+        try:
+            canvas.apply_async()
+        finally:
+            failed_apart(app, pg_url, schema, result, group_id)
+            assert ours_idle_in_transaction(pg_url) == []
+    failed_apart(app, pg_url, schema, result, group_id)
+    assert header_parts(pg_url, schema) == []
+    # Caught inside the block, the batch goes on and commits part 0.
+    canvas = refusing_chord(app, 1, 3, *ERRBACKS)
+    result = canvas.freeze()
+    with pg_transport.batch(), pytest.raises(UniqueError):
+        canvas.apply_async()
+    assert header_parts(pg_url, schema) == [0]
+    assert q(pg_url, schema, "SELECT count(*) FROM {schema}.barrier WHERE status = 'failed'") == [
+        (2,)
+    ]
+
+
+def test_a_failed_chord_leaves_nobody_waiting_for_its_errbacks(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Failing a chord stores its body's result with its errbacks as children, but builds
+    no result objects for them: nothing in this process subscribes to their results (a
+    LISTEN, a listener thread, taken under the chord's row lock and kept until an
+    errback that may ignore its result stores one)."""
+    ids, body = arm(app, "g-nobody", 2, errback=True)
+    listener = app.backend.listener
+    assert listener.waiting() == 0
+    app.backend.chords.refused("g-nobody", ids[1], UniqueError("refused"))
+    assert listener.waiting() == 0
+    (errback,) = messages(pg_url, schema, "t.on_error")
+    # As Celery records them: one group, the failed body's child.
+    (children,) = app.backend.get_task_meta(body.id, cache=False)["children"]
+    assert [r.id for r in result_from_tuple(children, app).results] == [errback["headers"]["id"]]
