@@ -4,7 +4,9 @@ body once, a redelivered part counts once, concurrent failures fail the chord on
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,7 @@ from celery.app.task import Context
 from celery.exceptions import ChordError
 from celery.result import result_from_tuple
 from celery.utils.functional import regen
+from psycopg.types.json import Jsonb
 
 import pg_transport
 import pg_transport.fanin.backend
@@ -580,3 +583,65 @@ def test_a_failed_chord_leaves_nobody_waiting_for_its_errbacks(
     # As Celery records them: one group, the failed body's child.
     (children,) = app.backend.get_task_meta(body.id, cache=False)["children"]
     assert [r.id for r in result_from_tuple(children, app).results] == [errback["headers"]["id"]]
+
+
+def test_a_chord_armed_again_while_its_failure_was_made_ready_fails_its_new_run(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """A failure is made ready from the chord's row read unlocked, before its flip. Here
+    the chord is applied again (a new run, another body and errback) between that read
+    and the flip, which waits meanwhile on a session holding the row: the flip fails the
+    new run, with the new run's errback, not the one read before."""
+    ids, _ = arm(app, "g-again", 2, errback=True)  # run 1: errback t.on_error
+    chord_id = CHORD_PREFIX + "g-again"
+    new_body = app.signature("t.collect")
+    new_body.freeze(group_id="g-again")
+    new_body.link_error(app.signature("t.echo", args=["run 2"]))
+    holder = psycopg.connect(pg_url)
+    locking = f"SELECT 1 FROM {schema}.barrier WHERE id = %s FOR UPDATE"
+    holder.execute(locking.replace(f"{schema}.", f'"{schema}".'), [chord_id])
+    errors: list[BaseException] = []
+
+    def refused() -> None:
+        try:
+            app.backend.chords.refused("g-again", ids[1], UniqueError("refused"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=refused)
+    thread.start()
+    try:
+        # The flip waits on the holder's lock: its failure was made ready already.
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = %s AND wait_event_type = 'Lock'"
+        )
+        deadline = time.monotonic() + 30
+        while q(pg_url, schema, waiting, f"pgq-barrier:{os.getpid()}") != [(1,)]:
+            assert thread.is_alive() and time.monotonic() < deadline, errors
+            time.sleep(0.01)
+        # Applied again, in the holder's transaction: run 2, another body.
+        holder.execute(
+            app.backend.q["chord_arm"],
+            {
+                "id": chord_id,
+                "total": 2,
+                "callback": json.dumps(dict(new_body)),
+                "metadata": Jsonb({"kind": "celery-chord", "ids": ids}),
+                "ttl": 3600,
+                "stuck_timeout": 3600,
+            },
+        )
+        holder.commit()
+    finally:
+        holder.close()
+        thread.join(30)
+    assert errors == []
+    assert q(pg_url, schema, "SELECT status, metadata ->> 'run' FROM {schema}.barrier") == [
+        ("failed", "2")
+    ]
+    assert messages(pg_url, schema, "t.on_error") == []
+    (errback,) = messages(pg_url, schema, "t.echo")
+    assert json.loads(errback["body"])[0] == [new_body.id, "run 2"]
+    meta = app.backend.get_task_meta(new_body.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
