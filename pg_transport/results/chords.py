@@ -434,7 +434,9 @@ class Chords:
         process) is made ready before the flip, which every other part of the chord then
         waits on until this transaction ends: under the row lock only SQL runs. Read
         before the lock, the chord may be armed again meanwhile (a frozen chord applied
-        again: a new run); then it is made ready again, under the lock."""
+        again: a new run); then it is made ready again, under the lock. (The chord's last
+        part returning without its result stored, or a streamed chord sized after such a
+        part, took the row with its count: that rare failure is made ready under it.)"""
         chord_id = CHORD_PREFIX + group_id
         ready = self._failure(conn, group_id, reason, cause)
         row = conn.execute(db.q["barrier_fail"], {"id": chord_id, "reason": reason}).fetchone()
