@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["follows_missing", "message_dead_lettered", "message_poisoned"]
+__all__ = [
+    "chord_part_refused",
+    "follows_missing",
+    "message_dead_lettered",
+    "message_poisoned",
+]
 
 #: Sent when a message is dead-lettered for exceeding max_attempts (or by
 #: ``pgq dead rehook``). ``sender`` is the task name, or the queue when unknown.
@@ -41,4 +46,15 @@ message_dead_lettered = Signal(
 follows_missing = Signal(
     name="follows_missing",
     providing_args={"queue", "task_id", "follows", "payload"},
+)
+
+#: Sent by the transport as it refuses to publish a part of a chord's header (a unique
+#: key on it, a header it cannot honour): the message is not queued and the publish
+#: raises ``exc``. Celery armed the chord before sending its header, so the chord's
+#: result backend is to fail it (pgq's does: the body's errbacks run, its result is a
+#: ``ChordError``). ``sender`` is the task name; ``task_id`` the part's id, ``group_id``
+#: its chord's group id, ``payload`` the message as it was to be published.
+chord_part_refused = Signal(
+    name="chord_part_refused",
+    providing_args={"task_id", "group_id", "exc", "payload"},
 )

@@ -23,7 +23,8 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from pg_transport import poisoned
 from pg_transport.config import MAX_SECONDS, Options
-from pg_transport.errors import InvalidMessage, LimitError
+from pg_transport.errors import BrokerUnavailable, InvalidMessage, LimitError, PgqError
+from pg_transport.kombu import chord_parts
 from pg_transport.kombu.producer_batch import PublishBatch
 from pg_transport.kombu.qos import Message, QoS, lease_of
 from pg_transport.message import envelope, fair, identity, limits, ordering, poison, topic, unique
@@ -177,14 +178,21 @@ class Channel(virtual.Channel):
         tag = publish_id(props)
         # The same key the routed publish computes in SQL: md5(id || queue).
         key = md5(f"{tag}{queue}".encode()).hexdigest()
-        self.publisher.publish(
-            queue,
-            message,
-            priority=self._get_message_priority(message),
-            delay=self._delay(message),
-            publish_key=key,
-            ttl=_expiration(props.get("expiration")),
-        )
+        try:
+            self.publisher.publish(
+                queue,
+                message,
+                priority=self._get_message_priority(message),
+                delay=self._delay(message),
+                publish_key=key,
+                ttl=_expiration(props.get("expiration")),
+            )
+        except PgqError as exc:
+            # Refused, not published (an unreachable database is another matter: the
+            # chord cannot be failed there either). A chord header part's chord fails.
+            if not isinstance(exc, BrokerUnavailable):
+                chord_parts.refused(message, exc)
+            raise
 
     # -- routing: exchanges and bindings live in Postgres ----------------------
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,8 @@ is imported; each receiver once, whatever the number of calls).
 
 - ``before_task_publish``: a task's ordering and unique defaults become headers
   (:func:`pg_transport.message.ordering.task_defaults`,
-  :func:`pg_transport.message.unique.task_defaults`).
+  :func:`pg_transport.message.unique.task_defaults`), and a chord's header part is
+  noted, so that its refusal fails its chord (:mod:`pg_transport.kombu.chord_parts`).
 - ``celeryd_init``: a worker with a bad pgq setting stops with one line
   (:mod:`pg_transport.preflight`), and its sessions carry its node name
   (``application_name pgq:<pid>:worker:<node>``, from Celery's ``celeryd_init``, not
@@ -28,6 +29,7 @@ from celery import signals
 from pg_transport import backoff, preflight
 from pg_transport.config import Options
 from pg_transport.db.pool import set_process_role
+from pg_transport.kombu import chord_parts
 from pg_transport.message import fair, limits, ordering, unique
 
 __all__ = ["apply_task_defaults", "connect"]
@@ -72,6 +74,7 @@ def apply_task_defaults(
         unique.task_defaults(task, body, headers, properties)
         fair.task_defaults(task, body, headers, properties)
     unique.refuse_in_chord(body, headers, properties)
+    chord_parts.note(body, headers, properties)
 
 
 def _check_worker(sender: Any = None, instance: Any = None, **_: Any) -> None:

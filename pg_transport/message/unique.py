@@ -40,6 +40,7 @@ __all__ = [
     "UNIQUE_WHILE",
     "UniqueError",
     "Uniqueness",
+    "chord_of",
     "holder_of",
     "move_options",
     "note_holder",
@@ -258,18 +259,22 @@ CHORD_REFUSAL = (
 )
 
 
+def chord_of(body: Any) -> Any:
+    """The chord (its body) a task message's decoded ``body`` is a header part of, as
+    Celery embeds it; ``None`` for a task outside a chord's header."""
+    if isinstance(body, (list, tuple)) and len(body) > 2 and isinstance(body[2], Mapping):
+        return body[2].get("chord") or None  # protocol 2: the embed
+    if isinstance(body, Mapping):
+        return body.get("chord") or None  # protocol 1
+    return None
+
+
 def refuse_in_chord(
     body: Any, headers: dict[str, Any], properties: Mapping[str, Any] | None
 ) -> None:
     """A part of a chord's header that asks for a unique key (a header, an option, or
     the task's default) is refused when published (:data:`DEFAULT_REFUSED`)."""
-    if isinstance(body, (list, tuple)) and len(body) > 2 and isinstance(body[2], Mapping):
-        chord = body[2].get("chord")  # protocol 2: the embed
-    elif isinstance(body, Mapping):
-        chord = body.get("chord")  # protocol 1
-    else:
-        chord = None
-    if not chord:
+    if not chord_of(body):
         return
     key = headers.get(UNIQUE_KEY)
     if key is None:

@@ -39,16 +39,17 @@ listed header, another broker) takes Celery's own way (``chord_unlock``).
 
 from __future__ import annotations
 
+import contextvars
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import psycopg
 from celery import states
 from celery.canvas import Signature, maybe_signature
 from celery.exceptions import ChordError
-from celery.result import AsyncResult, GroupResult
+from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.functional import _regen
 from psycopg.types.json import Jsonb
@@ -61,7 +62,7 @@ from pg_transport.fanin.backend import Backend as FaninDb
 from pg_transport.fanin.backend import backend_for, broker_url, uses_pgq
 from pg_transport.fanin.codec import dumps as json_dumps
 from pg_transport.fanin.codec import loads as json_loads
-from pg_transport.fanin.messages import task_message
+from pg_transport.fanin.messages import Outgoing, task_message
 from pg_transport.fanin.state import publish_outgoing
 
 __all__ = ["CHORD_PREFIX", "UNSIZED", "ChordHost", "Chords", "PartOutcome"]
@@ -249,6 +250,38 @@ class Chords:
             why = f"task {task_id} was added to it already"
         raise ChordError(f"cannot add task {task_id} to chord {group_id}: {why}")
 
+    # -- a part refused as it was sent --------------------------------------------------
+    def refused(self, group_id: str, task_id: str, exc: BaseException) -> bool:
+        """A part of the chord's header was refused by the transport as it was sent
+        (``exc``, which its caller gets): it will never run, so the chord fails now, as
+        a failed part fails it (the body's ``ChordError``, its errbacks), once. The parts
+        sent before it run and count against a failed chord: nothing fires. Returns
+        whether this call failed it (False: not an armed chord of this backend).
+
+        Apart from whatever the refused publish was part of. The chord was armed on a
+        session of pgq's own (``arm``), committed there: the flip, the body's result
+        and the errbacks' messages are one transaction on such a session too, never
+        the caller's (``pg_transport.transaction()``, ``pg_transport.batch()``, an
+        atomic task's run), which holds no lock of the chord's and may still roll
+        back. What Celery sends once it committed (a canvas body's failure, errbacks
+        called in process) is sent from a context of its own (:func:`_apart`): in the
+        caller's, it would join the caller's transaction or batch and vanish with it
+        while the chord stays failed."""
+        db = self.db
+        after: list[Any] = []
+        reason = f"Dependency {task_id} was refused as it was sent: {exc!r}"
+
+        def work(conn: psycopg.Connection[Any]) -> PartOutcome:
+            after.clear()
+            with conn.transaction():
+                return self._fail_chord(db, conn, group_id, reason, after, cause=exc)
+
+        outcome: PartOutcome = db.run(work)
+        _unsized_here.discard(group_id)
+        for call in after:
+            _apart(call)
+        return outcome.failed
+
     # -- a part's end ---------------------------------------------------------------------
     def part_returned(
         self,
@@ -394,61 +427,89 @@ class Chords:
     ) -> PartOutcome:
         """Flip the chord failed (once), store its body's ChordError, send its errbacks.
         The part's exception is the error's ``__cause__``, as Celery sets it (a group body's
-        tasks fail with it)."""
-        row = conn.execute(
-            db.q["barrier_fail"], {"id": CHORD_PREFIX + group_id, "reason": reason}
-        ).fetchone()
+        tasks fail with it).
+
+        What that takes in Python (the body, its errbacks' messages, its result: Celery's
+        routing, serializers and clock, some of them looked at for the first time in this
+        process) is made ready before the flip, which every other part of the chord then
+        waits on until this transaction ends: under the row lock only SQL runs. Read
+        before the lock, the chord may be armed again meanwhile (a frozen chord applied
+        again: a new run); then it is made ready again, under the lock. (The chord's last
+        part returning without its result stored, or a streamed chord sized after such a
+        part, took the row with its count: that rare failure is made ready under it.)"""
+        chord_id = CHORD_PREFIX + group_id
+        ready = self._failure(conn, group_id, reason, cause)
+        row = conn.execute(db.q["barrier_fail"], {"id": chord_id, "reason": reason}).fetchone()
         if row is None:  # failed by another part already, or fired
             return PartOutcome(recorded=True)
-        found = conn.execute(
-            self.backend.q["chord_callback"], {"id": CHORD_PREFIX + group_id}
-        ).fetchone()
-        if found is None:  # unreachable: the flip above returned the row
-            raise ChordError(f"chord {group_id} failed but is gone")
-        body = Signature.from_dict(json_loads(found[0]), app=self.app)
-        error = ChordError(reason)
-        if isinstance(cause, Exception):
-            error.__cause__ = cause
-        if not _plain_task(body):
+        if ready is None or ready.run != _run_of(row[1]):
+            ready = self._failure(conn, group_id, reason, cause, armed=False)
+            if ready is None:  # unreachable: the flip above returned the row
+                raise ChordError(f"chord {group_id} failed but is gone")
+        body, error = ready.body, ready.error
+        if ready.canvas:
             # Celery's own failure of a canvas body (each task of a group failed, a chain's
             # rest failed, their errbacks called), once the flip has committed.
             after.append(lambda: _fail_canvas_body(self.backend, body, error))
             return PartOutcome(recorded=True, failed=True)
-        sent = self._errbacks(db, conn, group_id, str(found[1]), body, error, after)
-        body_id = body.id
-        if body_id:
-            meta = self.backend.failure_meta(body_id, error)
-            if sent:
+        request = _fake_request(body)
+        after.extend(lambda s=sig: _call_quietly(s, request, error) for sig in ready.calls)
+        for suffix, out in ready.sends:
+            publish_outgoing(db, conn, out, "pgq-chord", group_id, ready.run, suffix)
+        if ready.meta is not None:
+            meta = dict(ready.meta)
+            if ready.sends:
                 # As Celery records it: the errbacks sent as tasks are one group, the
-                # failed body's child.
-                children = GroupResult(uuid(), [self.app.AsyncResult(i) for i in sent])
-                meta["children"] = [children.as_tuple()]
-            self.backend.store_state_row(conn, body_id, meta)
+                # failed body's child (GroupResult.as_tuple's shape). Written as tuples,
+                # not built as result objects: an AsyncResult subscribes its task to this
+                # process's result listener (a session, a LISTEN, a thread to start, this
+                # thread's backend to build), for an errback nobody here waits for.
+                ids = [((out.task_id, None), None) for _, out in ready.sends]
+                meta["children"] = [((uuid(), None), ids)]
+            self.backend.store_state_row(conn, str(body.id), meta)
         return PartOutcome(recorded=True, failed=True)
 
-    def _errbacks(
+    def _failure(
         self,
-        db: FaninDb,
         conn: psycopg.Connection[Any],
         group_id: str,
-        run: str,
-        body: Signature,
-        error: ChordError,
-        after: list[Any],
-    ) -> list[str]:
+        reason: str,
+        cause: Any,
+        *,
+        armed: bool = True,
+    ) -> _Failure | None:
+        """The chord's failure made ready from its row (read, not locked): None if there
+        is no row, or (``armed``) if it is not armed (fired or failed: nothing to do)."""
+        found = conn.execute(
+            self.backend.q["chord_callback"], {"id": CHORD_PREFIX + group_id}
+        ).fetchone()
+        if found is None or (armed and found[2] != "armed"):
+            return None
+        body = Signature.from_dict(json_loads(found[0]), app=self.app)
+        error = ChordError(reason)
+        if isinstance(cause, Exception):
+            error.__cause__ = cause
+        run = str(found[1])
+        if not _plain_task(body):
+            return _Failure(run, body, error, canvas=True)
+        sends, calls = self._errbacks(body)
+        meta = self.backend.failure_meta(str(body.id), error) if body.id else None
+        return _Failure(run, body, error, sends=sends, calls=calls, meta=meta)
+
+    def _errbacks(self, body: Signature) -> tuple[list[tuple[str, Outgoing]], list[Signature]]:
         """The body's errbacks, as Celery's chord_error_from_stack calls them: those
-        taking (request, exc, traceback) in process, after commit; the others as task
-        messages with the body's id (unless immutable), sent as from the body (their
-        parent and root), inserted now. Returns the ids of those sent."""
-        backend = self.backend
-        request = _fake_request(body)
-        sent: list[str] = []
+        taking (request, exc, traceback) are called in process, after commit (returned
+        second); the others are sent as task messages with the body's id (unless
+        immutable), as from the body (their parent and root), under the publish key's
+        suffix each is given (returned first)."""
+        sends: list[tuple[str, Outgoing]] = []
+        calls: list[Signature] = []
         for n, errback in enumerate(body.options.get("link_error") or []):
             sig = maybe_signature(errback, app=self.app)
             if sig is None:
                 continue
-            if backend.errback_is_in_process(sig):
-                after.append(lambda s=sig: _call_quietly(s, request, error))
+            if self.backend.errback_is_in_process(sig):
+                calls.append(sig)
                 continue
             out = task_message(
                 self.app,
@@ -457,9 +518,39 @@ class Chords:
                 parent_id=body.id,
                 root_id=body.id,
             )
-            publish_outgoing(db, conn, out, "pgq-chord", group_id, run, f"errback-{n}")
-            sent.append(out.task_id)
-        return sent
+            sends.append((f"errback-{n}", out))
+        return sends, calls
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A chord's failure, ready to be written: its run (the errbacks' publish keys name
+    it), its body and the body's ChordError; a canvas body is failed by Celery after the
+    commit; else the errbacks' messages (with their key suffixes), those called in
+    process, and the body's FAILURE meta (None: the body has no id)."""
+
+    run: str
+    body: Signature
+    error: ChordError
+    canvas: bool = False
+    sends: list[tuple[str, Outgoing]] = field(default_factory=list)
+    calls: list[Signature] = field(default_factory=list)
+    meta: dict[str, Any] | None = None
+
+
+def _run_of(metadata: Any) -> str:
+    """A chord's run as ``chord_callback`` reads it, from the metadata a flip returns."""
+    if isinstance(metadata, str):
+        metadata = json_loads(metadata)
+    run = metadata.get("run", 1) if isinstance(metadata, Mapping) else 1
+    return str(run)
+
+
+def _apart(call: Callable[[], Any]) -> None:
+    """Run ``call`` in an empty context: no ``pg_transport.transaction()`` block, batch
+    or atomic run of the caller's (context variables, all of them) is open in it, so
+    what it publishes or stores commits on pgq's own sessions."""
+    contextvars.Context().run(call)
 
 
 class _Unstored(ChordError):  # type: ignore[misc]  # Celery is untyped

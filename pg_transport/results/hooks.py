@@ -4,6 +4,8 @@
   (:mod:`pg_transport.results.deadletters`; Redis, a database or pgq's);
 * a duplicate unique task's publish stores its alias to the task holding its key
   (:func:`alias_duplicate`: its ``AsyncResult`` resolves to the holder's);
+* a chord whose header part the transport refused as it was sent fails
+  (:func:`fail_refused_chord`, on pgq's ``chord_part_refused``);
 * a worker whose result backend is pgq's reaps expired results in that backend's
   database and schema while it runs (:class:`pg_transport.results.expiry.Reaper`).
 
@@ -22,8 +24,9 @@ from pg_transport.errors import NotPermitted
 from pg_transport.message import unique
 from pg_transport.results import deadletters
 from pg_transport.results.expiry import Reaper
+from pg_transport.signals import chord_part_refused
 
-__all__ = ["alias_duplicate", "connect"]
+__all__ = ["alias_duplicate", "connect", "fail_refused_chord"]
 
 logger = logging.getLogger("pg_transport.results")
 
@@ -66,6 +69,33 @@ def alias_duplicate(
         )
 
 
+def fail_refused_chord(
+    task_id: str | None = None,
+    group_id: str | None = None,
+    exc: BaseException | None = None,
+    **_: Any,
+) -> None:
+    """pgq's ``chord_part_refused``: the transport refused a part of a chord's header as
+    it was sent; the pgq result backend that armed the chord (the sending app's) fails
+    it, as a failed part would, so that it neither waits for good nor leaves the parts
+    sent before it counting toward nothing."""
+    if not task_id or not group_id or exc is None:
+        return
+    from celery import current_app
+
+    from pg_transport.results.backend import PgqBackend, calling  # a sending app's
+
+    backend = calling(task_id)
+    if backend is None:  # a part whose result is ignored: Celery did not say which app
+        found = current_app.backend
+        if not isinstance(found, PgqBackend):
+            return
+        backend = found
+    if not backend.chords.usable():
+        return  # Celery's own chord (chord_unlock): it fails on its own
+    backend.chords.refused(group_id, task_id, exc)
+
+
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
@@ -95,6 +125,9 @@ def connect() -> None:
     deadletters.connect()
     signals.after_task_publish.connect(
         alias_duplicate, weak=False, dispatch_uid="pgq.results.alias_duplicate"
+    )
+    chord_part_refused.connect(
+        fail_refused_chord, weak=False, dispatch_uid="pgq.results.fail_refused_chord"
     )
     signals.worker_ready.connect(
         _on_worker_ready, weak=False, dispatch_uid="pgq.results.reaper_start"

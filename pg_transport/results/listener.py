@@ -83,7 +83,13 @@ class Listener(ListenThread):
         self.use_notify = use_notify
         self.polling_interval = polling_interval
         self._q = load_named("results.sql", schema, "pg_transport.results")
-        self._lock = threading.Lock()
+        # Reentrant: Celery's AsyncResult.__del__ unsubscribes its task (cancel_for), and
+        # the garbage collector runs it at any allocation, on any thread, so also inside
+        # this lock on a thread that holds it (a plain Lock hung that thread for good).
+        # What runs there is an unsubscribe of a task nobody waits for any more: another
+        # task than the one the section is about (a subscribe is for a task with a
+        # waiter), so each section's own state holds.
+        self._lock = threading.RLock()
         # task id -> its subscribers (by identity: a consumer per thread's backend).
         self._subs: dict[str, dict[int, Subscriber]] = {}
         self._channels: dict[str, str] = {}  # channel -> task id
@@ -266,7 +272,9 @@ class Listener(ListenThread):
 
 
 _listeners: dict[tuple[str, str, bool, float, int], Listener] = {}
-_listeners_lock = threading.Lock()
+# Reentrant, as Listener._lock: an AsyncResult finalized by the garbage collector while
+# this thread holds it asks for its listener too (cancel_for), here.
+_listeners_lock = threading.RLock()
 
 
 def listener_for(
@@ -276,21 +284,25 @@ def listener_for(
     key = (connector.conninfo, schema, use_notify, polling_interval, os.getpid())
     with _listeners_lock:
         found = _listeners.get(key)
-        if found is None:
-            found = _listeners[key] = Listener(
-                Connector(
-                    connector.conninfo,
-                    display_url=connector.display_url,
-                    application_name="pgq-results",
-                    max_size=1,
-                    prepare_threshold=connector.prepare_threshold,
-                    pin_search_path=connector.pin_search_path,
-                ),
-                schema,
-                use_notify=use_notify,
-                polling_interval=polling_interval,
-            )
+    if found is not None:
         return found
+    # Made outside the lock (a finalizer run while it is made may ask for it, and make
+    # one): the first one registered is everyone's.
+    made = Listener(
+        Connector(
+            connector.conninfo,
+            display_url=connector.display_url,
+            application_name="pgq-results",
+            max_size=1,
+            prepare_threshold=connector.prepare_threshold,
+            pin_search_path=connector.pin_search_path,
+        ),
+        schema,
+        use_notify=use_notify,
+        polling_interval=polling_interval,
+    )
+    with _listeners_lock:
+        return _listeners.setdefault(key, made)
 
 
 def stop_listeners() -> None:

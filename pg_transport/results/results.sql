@@ -215,5 +215,7 @@ WHERE id = %(id)s AND status = 'armed' AND remaining = 0
 RETURNING callback::text, total, COALESCE(metadata ->> 'run', '1')
 
 -- name: chord_callback
--- A chord's body (a Celery signature as JSON text) and its run.
-SELECT callback::text, COALESCE(metadata ->> 'run', '1') FROM {schema}.barrier WHERE id = %(id)s
+-- A chord's body (a Celery signature as JSON text), its run and its status (read before
+-- its failure's flip, to make that failure ready without holding the row).
+SELECT callback::text, COALESCE(metadata ->> 'run', '1'), status
+FROM {schema}.barrier WHERE id = %(id)s

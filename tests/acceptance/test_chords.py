@@ -13,6 +13,7 @@ from celery import Celery, chord, group, states
 from celery.exceptions import ChordError
 
 from pg_transport.fanin.backend import forget
+from pg_transport.message.unique import UniqueError
 from tests.acceptance.harness import (
     QUICK_STOP,
     Env,
@@ -166,6 +167,46 @@ def test_a_failing_part_fails_over_to_the_errbacks_once(
     time.sleep(0.5)
     assert labels(env, "callback:") == []
     assert len(labels(env, "errback:")) == expected
+
+
+def test_a_chord_whose_second_part_is_refused_fails_over_to_the_errback_once(
+    shared: Env,
+) -> None:
+    """Celery arms the chord before it sends its header: the second part, refused as it
+    is sent (a unique key on a chord's part), raises to the caller and fails the chord
+    there. The first part, sent already, runs on the worker and fires nothing; the
+    body's errback runs once; no part after the refused one is sent; no chord waits."""
+    env = shared
+    app = client(env)
+    header = [
+        app.signature(T + "part", args=[0]),
+        app.signature(T + "part", args=[1], options={"unique_key": "refused"}),
+        app.signature(T + "part", args=[2]),
+    ]
+    canvas = chord(header, app.signature(T + "collect", kwargs={"label": "refused"}), app=app)
+    canvas.link_error(app.signature(T + "on_error", kwargs={"label": "refused"}))
+    result = canvas.freeze()
+    with pytest.raises(UniqueError, match=r"unique_key='refused'.*part of chord"):
+        canvas.apply_async()
+    with pytest.raises(ChordError, match=r"Dependency .* was refused"):
+        result.get(timeout=60, follow_parents=False)
+    assert result.state == states.FAILURE
+    wait_for(lambda: labels(env, "errback:") and labels(env, "part:"), 30, "part 0, errback")
+    wait_for(lambda: env.scalar("SELECT count(*) FROM {schema}.message") == 0, 30, "acks")
+    # Part 0 ended on the worker: recorded against the failed chord, nothing fired.
+    chord_id = "celery-chord:" + result.parent.id
+    wait_for(
+        lambda: (
+            env.scalar("SELECT count(*) FROM {schema}.barrier_part WHERE barrier_id = %s", chord_id)
+            == 1
+        ),
+        30,
+        "part 0 counted",
+    )
+    assert env.scalar("SELECT status FROM {schema}.barrier WHERE id = %s", chord_id) == "failed"
+    assert labels(env, "part:") == ["part:0"]
+    assert labels(env, "callback:") == []
+    assert labels(env, "errback:") == ["errback:refused"]
 
 
 @pytest.mark.sessions(17)  # the most of two runs, -n 0

@@ -4,17 +4,24 @@ body once, a redelivered part counts once, concurrent failures fail the chord on
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery, chord, group, states
 from celery.app.task import Context
 from celery.exceptions import ChordError
+from celery.result import result_from_tuple
 from celery.utils.functional import regen
+from psycopg.types.json import Jsonb
 
+import pg_transport
 import pg_transport.fanin.backend
+from pg_transport.message.unique import UniqueError
 from pg_transport.results.chords import CHORD_PREFIX
 from tests.integration.test_results import make_app, q
 
@@ -34,6 +41,12 @@ def app(pg_url: str, schema: str) -> Iterator[Celery]:
     @made.task(name="t.on_error", shared=False)
     def on_error(task_id: str) -> None:
         return None
+
+    @made.task(name="t.on_error_here", shared=False)
+    def on_error_here(request: Any, exc: BaseException, traceback: Any) -> None:
+        # Called in process (it takes request, exc, traceback): what it sends is sent
+        # from the process that failed the chord.
+        made.send_task("t.echo", args=["sent by the errback"])
 
     yield made
     pg_transport.fanin.backend.forget(made)
@@ -355,3 +368,280 @@ def test_a_failed_chord_fails_its_group_body_as_celery_does(
         # As Celery fails a group body: with the part's own error, the ChordError's cause.
         assert isinstance(meta["result"], ValueError) and str(meta["result"]) == "no"
     assert messages(pg_url, schema, "celery.chord_unlock") == []
+
+
+# -- a header part refused as it is sent (issue 47) -----------------------------------
+
+
+def refusing_chord(app: Celery, refused: int, n: int = 3, *errbacks: str) -> Any:
+    """A chord of ``n`` echo parts, part ``refused`` with a unique key (refused as it is
+    sent), errbacks on its body (``t.on_error`` unless named), frozen."""
+    header = [
+        app.signature("t.echo", args=[i], options={"unique_key": "k"} if i == refused else {})
+        for i in range(n)
+    ]
+    canvas = chord(header, app.signature("t.collect"), app=app)
+    for name in errbacks or ("t.on_error",):
+        canvas.link_error(app.signature(name))
+    canvas.freeze()
+    return canvas
+
+
+def refused_chord(app: Celery, refused: int, n: int = 3, *errbacks: str) -> tuple[Any, Any]:
+    """:func:`refusing_chord` applied, its UniqueError raised. Returns the frozen chord's
+    result (the body's) and its group id."""
+    canvas = refusing_chord(app, refused, n, *errbacks)
+    result = canvas.freeze()
+    with pytest.raises(UniqueError, match=r"unique_key='k'.*part of chord"):
+        canvas.apply_async()
+    return result, result.parent.id
+
+
+@pytest.mark.parametrize("refused", [0, 1])
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_chord_whose_header_part_is_refused_fails_once(
+    app: Celery, pg_url: str, schema: str, refused: int
+) -> None:
+    """Celery arms the chord before it sends the header: a part refused as it is sent
+    (a unique key on it) fails the chord as a failed part does (its body's ChordError,
+    its errback sent once), whether or not parts were sent before it; none after it is."""
+    result, group_id = refused_chord(app, refused)
+    rows = q(pg_url, schema, "SELECT id, status, reason FROM {schema}.barrier")
+    assert [(r[0], r[1]) for r in rows] == [(CHORD_PREFIX + group_id, "failed")]
+    assert "refused" in rows[0][2]
+    sent = messages(pg_url, schema, "t.echo")
+    assert [json.loads(m["body"])[0] for m in sent] == [[i] for i in range(refused)]
+    errbacks = messages(pg_url, schema, "t.on_error")
+    assert len(errbacks) == 1
+    assert json.loads(errbacks[0]["body"])[0] == [result.id]
+    meta = app.backend.get_task_meta(result.id, cache=False)
+    assert meta["status"] == states.FAILURE
+    assert isinstance(meta["result"], ChordError)
+    assert "refused" in str(meta["result"])
+    # The parts sent before the refused one end: they count against a failed chord,
+    # fire nothing, fail nothing again.
+    body = app.signature("t.collect")
+    for m in sent:
+        finish(app, group_id, body, m["headers"]["id"], states.SUCCESS, 1)
+    assert messages(pg_url, schema, "t.collect") == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+
+
+def test_a_refused_part_outside_a_chord_fails_no_chord(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Only a chord's header part fails its chord: a refused plain publish (here a
+    unique key pgq cannot store) leaves an armed chord of this thread alone."""
+    arm(app, "g-alone", 2)
+    with pytest.raises(UniqueError):
+        app.send_task("t.echo", args=[1], unique_key="x" * 10_000)
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("armed",)]
+
+
+def test_a_refused_part_and_a_failing_part_fail_the_chord_once(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """A part refused as it is sent while a part sent before it fails on a worker: two
+    connections flip the chord at once, one wins; its errback is sent once."""
+    ids, body = arm(app, "g-refused-race", 2, errback=True)
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def refused() -> None:
+        try:
+            start.wait(10)
+            app.backend.chords.refused("g-refused-race", ids[1], UniqueError("refused"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def failing() -> None:
+        try:
+            start.wait(10)
+            finish(app, "g-refused-race", body, ids[0], states.FAILURE, ValueError("no"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=refused), threading.Thread(target=failing)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    assert q(pg_url, schema, "SELECT status FROM {schema}.barrier") == [("failed",)]
+    meta = app.backend.get_task_meta(body.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
+
+
+# -- ... inside a transaction or batch of the caller's --------------------------------
+
+ERRBACKS = ("t.on_error", "t.on_error_here")
+
+
+def ours_idle_in_transaction(pg_url: str) -> list[Any]:
+    """pgq's sessions on the test database left in an open transaction (none may be: a
+    chord's row held there would hold up every part of it)."""
+    return q(
+        pg_url,
+        "",
+        "SELECT application_name, query FROM pg_stat_activity"
+        " WHERE datname = current_database() AND application_name LIKE 'pgq%%'"
+        " AND state LIKE 'idle in transaction%%'",
+    )
+
+
+def failed_apart(app: Celery, pg_url: str, schema: str, result: Any, group_id: str) -> None:
+    """The chord failed once, committed on pgq's own sessions: its row, the body's
+    ChordError, one errback message, and what the in-process errback sent."""
+    rows = q(pg_url, schema, "SELECT id, status FROM {schema}.barrier")
+    assert rows == [(CHORD_PREFIX + group_id, "failed")]
+    meta = app.backend.get_task_meta(result.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)
+    assert len(messages(pg_url, schema, "t.on_error")) == 1
+    from_errback = [
+        m
+        for m in messages(pg_url, schema, "t.echo")
+        if json.loads(m["body"])[0] == ["sent by the errback"]
+    ]
+    assert len(from_errback) == 1
+
+
+def header_parts(pg_url: str, schema: str) -> list[Any]:
+    return sorted(
+        json.loads(m["body"])[0][0]
+        for m in messages(pg_url, schema, "t.echo")
+        if json.loads(m["body"])[0] != ["sent by the errback"]
+    )
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_part_refused_in_the_applications_transaction_fails_its_chord_apart(
+    app: Celery, pg_url: str, schema: str, end: str
+) -> None:
+    """Inside ``pg_transport.transaction(conn)`` the parts join the application's
+    transaction, but the chord is armed on pgq's own session: the refusal fails it there,
+    committed before the application ends its transaction (which holds no lock of the
+    chord's: nothing waits), and what the in-process errback sends is not the
+    application's to roll back. Part 0 commits or rolls back with the application."""
+    with psycopg.connect(pg_url) as conn:
+        with pg_transport.transaction(conn):
+            result, group_id = refused_chord(app, 1, 3, *ERRBACKS)
+        # The application's transaction is still open: the chord's end is not in it.
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        failed_apart(app, pg_url, schema, result, group_id)
+        assert header_parts(pg_url, schema) == []  # part 0: not committed yet
+        assert ours_idle_in_transaction(pg_url) == []
+        conn.commit() if end == "commit" else conn.rollback()
+    failed_apart(app, pg_url, schema, result, group_id)
+    assert header_parts(pg_url, schema) == ([0] if end == "commit" else [])
+
+
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_part_refused_in_a_batch_fails_its_chord_apart(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Inside ``pg_transport.batch()``: the chord fails at once, apart from the batch
+    (which is still open, its part 0 unsent); the batch left by the refusal's error
+    publishes nothing of its own, and takes nothing of the chord's failure with it."""
+    canvas = refusing_chord(app, 1, 3, *ERRBACKS)
+    result = canvas.freeze()
+    group_id = result.parent.id
+    with pytest.raises(UniqueError), pg_transport.batch():
+        try:
+            canvas.apply_async()
+        finally:
+            failed_apart(app, pg_url, schema, result, group_id)
+            assert ours_idle_in_transaction(pg_url) == []
+    failed_apart(app, pg_url, schema, result, group_id)
+    assert header_parts(pg_url, schema) == []
+    # Caught inside the block, the batch goes on and commits part 0.
+    canvas = refusing_chord(app, 1, 3, *ERRBACKS)
+    result = canvas.freeze()
+    with pg_transport.batch(), pytest.raises(UniqueError):
+        canvas.apply_async()
+    assert header_parts(pg_url, schema) == [0]
+    assert q(pg_url, schema, "SELECT count(*) FROM {schema}.barrier WHERE status = 'failed'") == [
+        (2,)
+    ]
+
+
+def test_a_failed_chord_leaves_nobody_waiting_for_its_errbacks(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """Failing a chord stores its body's result with its errbacks as children, but builds
+    no result objects for them: nothing in this process subscribes to their results (a
+    LISTEN, a listener thread, taken under the chord's row lock and kept until an
+    errback that may ignore its result stores one)."""
+    ids, body = arm(app, "g-nobody", 2, errback=True)
+    listener = app.backend.listener
+    assert listener.waiting() == 0
+    app.backend.chords.refused("g-nobody", ids[1], UniqueError("refused"))
+    assert listener.waiting() == 0
+    (errback,) = messages(pg_url, schema, "t.on_error")
+    # As Celery records them: one group, the failed body's child.
+    (children,) = app.backend.get_task_meta(body.id, cache=False)["children"]
+    assert [r.id for r in result_from_tuple(children, app).results] == [errback["headers"]["id"]]
+
+
+def test_a_chord_armed_again_while_its_failure_was_made_ready_fails_its_new_run(
+    app: Celery, pg_url: str, schema: str
+) -> None:
+    """A failure is made ready from the chord's row read unlocked, before its flip. Here
+    the chord is applied again (a new run, another body and errback) between that read
+    and the flip, which waits meanwhile on a session holding the row: the flip fails the
+    new run, with the new run's errback, not the one read before."""
+    ids, _ = arm(app, "g-again", 2, errback=True)  # run 1: errback t.on_error
+    chord_id = CHORD_PREFIX + "g-again"
+    new_body = app.signature("t.collect")
+    new_body.freeze(group_id="g-again")
+    new_body.link_error(app.signature("t.echo", args=["run 2"]))
+    holder = psycopg.connect(pg_url)
+    locking = f"SELECT 1 FROM {schema}.barrier WHERE id = %s FOR UPDATE"
+    holder.execute(locking.replace(f"{schema}.", f'"{schema}".'), [chord_id])
+    errors: list[BaseException] = []
+
+    def refused() -> None:
+        try:
+            app.backend.chords.refused("g-again", ids[1], UniqueError("refused"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=refused)
+    thread.start()
+    try:
+        # The flip waits on the holder's lock: its failure was made ready already.
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = %s AND wait_event_type = 'Lock'"
+        )
+        deadline = time.monotonic() + 30
+        while q(pg_url, schema, waiting, f"pgq-barrier:{os.getpid()}") != [(1,)]:
+            assert thread.is_alive() and time.monotonic() < deadline, errors
+            time.sleep(0.01)
+        # Applied again, in the holder's transaction: run 2, another body.
+        holder.execute(
+            app.backend.q["chord_arm"],
+            {
+                "id": chord_id,
+                "total": 2,
+                "callback": json.dumps(dict(new_body)),
+                "metadata": Jsonb({"kind": "celery-chord", "ids": ids}),
+                "ttl": 3600,
+                "stuck_timeout": 3600,
+            },
+        )
+        holder.commit()
+    finally:
+        holder.close()
+        thread.join(30)
+    assert errors == []
+    assert q(pg_url, schema, "SELECT status, metadata ->> 'run' FROM {schema}.barrier") == [
+        ("failed", "2")
+    ]
+    assert messages(pg_url, schema, "t.on_error") == []
+    (errback,) = messages(pg_url, schema, "t.echo")
+    assert json.loads(errback["body"])[0] == [new_body.id, "run 2"]
+    meta = app.backend.get_task_meta(new_body.id, cache=False)
+    assert meta["status"] == states.FAILURE and isinstance(meta["result"], ChordError)

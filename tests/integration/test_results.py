@@ -6,6 +6,7 @@ own connections, as in production; waits are real LISTEN sessions.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import threading
@@ -549,3 +550,47 @@ def test_a_dead_lettered_task_with_a_hostile_message_still_fails_its_result(
         previous.set_current()
     with pytest.raises(DeadLettered, match="dead letter 7"):
         client.AsyncResult(task_id).get(timeout=30)
+
+
+def test_a_result_collected_while_this_thread_subscribes_stops_nothing(
+    pg_url: str, schema: str
+) -> None:
+    """Celery's ``AsyncResult.__del__`` stops waiting for its task (``cancel_for``: the
+    process's listener, its locks) wherever the garbage collector finalizes it: on any
+    thread, at any allocation, so also inside the listener's own locked sections, on a
+    thread that holds them (a chord's failure building its errbacks' results hung so,
+    holding the chord's row: the collector ran inside ``listener_for``). Here a waiter
+    dropped in a reference cycle is collected after k more allocations, for every k up
+    to well past the end of a new waiter's subscription (its listener made anew): the
+    subscribing thread must never stop."""
+    app = make_app(pg_url, schema)
+    backend = app.backend
+    errors: list[BaseException] = []
+
+    def subscribe() -> None:
+        try:
+            for k in range(1, 120):
+                gc.disable()
+                dropped = app.AsyncResult(f"dropped-{k}", backend=backend)
+                backend.add_pending_result(dropped, weak=True)
+                dropped.cycle = [dropped]  # garbage only the collector finds
+                del dropped
+                backend.listener.stop()  # the next waiter's listener is made anew
+                kept = app.AsyncResult(f"kept-{k}", backend=backend)
+                gc.set_threshold(gc.get_count()[0] + k, 1, 1)
+                gc.enable()
+                backend.add_pending_result(kept)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thresholds = gc.get_threshold()
+    try:
+        thread = threading.Thread(target=subscribe, daemon=True)
+        thread.start()
+        thread.join(60)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.enable()
+    assert not thread.is_alive(), "the subscribing thread is stuck"
+    assert errors == []
+    backend.listener.stop()
