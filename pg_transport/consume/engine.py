@@ -113,7 +113,7 @@ class Engine:
         self.max_message_bytes = max_message_bytes
         self._acks = AckBuffer()
         self._undeliverable = Undeliverable(store)
-        self._settles = Settles(store.settle)
+        self._settles = Settles(self._send_settles)
         self._pipe = WakePipe()
         #: Queues whose last claim (or pop) came back short.
         self.exhausted: set[str] = set()
@@ -644,6 +644,11 @@ class Engine:
         """Settle an atomic delivery soon, gathered with others into one statement
         (consume/settles.py). False when the consumer stopped: the caller settles it."""
         return self._settles.add(token)
+
+    def _send_settles(self, tokens: list[Lease]) -> None:
+        self.store.settle(tokens)
+        self.statements.settle += 1  # (counted once landed)
+        self.statements.settled += len(tokens)
 
     def later(self, what: str, work: Callable[[], object]) -> None:
         """Run ``work`` (a fenced statement: a requeue, a reject) off the driver's thread,

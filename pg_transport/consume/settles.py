@@ -67,8 +67,6 @@ class Settles:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        #: Statements sent (a test reads it: how the settles were gathered).
-        self.sent = 0
 
     def add(self, token: Lease) -> bool:
         """Settle ``token`` soon (with whatever else is pending). False once closed: the
@@ -114,7 +112,6 @@ class Settles:
             self._land(tokens)
 
     def _land(self, tokens: list[Lease]) -> None:
-        self.sent += 1
         # A settle that fails releases nothing early: the leases lapse, the messages
         # not completed come back then (a settle is an optimisation of that).
         try:
