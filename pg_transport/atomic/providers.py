@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import psycopg
 
+from pg_transport.config import Options
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.errors import ConfigurationError, TransactionRefused
 from pg_transport.publish.callers import ACCEPTED
@@ -242,16 +243,24 @@ class _RolledBack(Exception):
 
 
 class OwnConnection:
-    """pgq's own connection of this thread (greenlet, child) for atomic runs."""
+    """pgq's own connection of this thread (greenlet, child) for atomic runs.
 
-    def __init__(self, url: str) -> None:
+    ``prepare``: whether the statements run on it are prepared after a few runs
+    (psycopg's ``prepare_threshold``, 5, as on any psycopg connection by default): the
+    task's SQL, like a plain task's on its own connection, is then parsed and planned
+    once per session instead of on every run. Only where pgq has sessions of its own on
+    that server (the broker's URL with ``use_notify`` on: no transaction pooler in
+    between, the rule of the result backend's sessions); behind a pooler nothing is
+    prepared."""
+
+    def __init__(self, url: str, *, prepare: bool = False) -> None:
         self.connector = Connector(
             url_to_conninfo(url),
             application_name="pgq-atomic",
             # The task's own SQL runs here: its role's search_path, not pgq's pinned one
             # (pgq's statements name every object by schema).
             pin_search_path=False,
-            prepare_threshold=None,
+            prepare_threshold=5 if prepare else None,
         )
         self._local = threading.local()
 
@@ -270,12 +279,21 @@ _own: dict[str, OwnConnection] = {}
 _own_lock = threading.Lock()
 
 
-def _own_for(url: str) -> OwnConnection:
+def _own_for(url: str, prepare: Callable[[], bool]) -> OwnConnection:
     with _own_lock:
         found = _own.get(url)
         if found is None:
-            found = _own[url] = OwnConnection(url)
+            found = _own[url] = OwnConnection(url, prepare=prepare())
         return found
+
+
+def _prepares(conf: Any) -> bool:
+    """Whether pgq's own atomic connection may prepare (:class:`OwnConnection`): it is
+    on the broker's URL (not a ``pgq_atomic_url`` of its own, whatever is behind that)
+    and the broker has sessions of its own there (``use_notify``)."""
+    if conf.get(URL_SETTING):
+        return False
+    return Options.from_sources(conf.broker_transport_options, os.environ).use_notify
 
 
 def provider_of(task: Any) -> Any:
@@ -298,7 +316,7 @@ def handle_for(task: Any) -> Handle:
         url = conf.get(URL_SETTING) or conf.broker_write_url or conf.broker_url
         if not isinstance(url, str):
             raise ConfigurationError(f"{URL_SETTING} or broker_url must be a pgq:// URL")
-        return _own_for(url.split(";")[0]).handle()
+        return _own_for(url.split(";")[0], lambda: _prepares(conf)).handle()
     if isinstance(value, str) and (value == "django" or value.startswith("django:")):
         return DjangoHandle(value.partition(":")[2] or "default")
     if isinstance(value, str):
