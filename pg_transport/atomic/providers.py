@@ -296,27 +296,62 @@ def _prepares(conf: Any) -> bool:
     return Options.from_sources(conf.broker_transport_options, os.environ).use_notify
 
 
+#: Where an app's atomic runs find their transaction (its ``pgq_atomic_connection`` or
+#: the environment's, and pgq's own connection on its URL), kept on the app object per
+#: process: read at the app's first atomic run there, as the broker's own settings are
+#: (run.py ``_broker_of``). Celery's settings cost microseconds a read, four a run; like
+#: the rest of a worker's configuration, they are set before the worker starts.
+_APP_ATTR = "_pgq_atomic_provider"
+
+
+class _AppProvider:
+    def __init__(self, app: Any) -> None:
+        self.pid = os.getpid()
+        self.conf = app.conf
+        value = self.conf.get(SETTING)
+        if value is None:
+            value = os.environ.get(ENV) or None
+        if isinstance(value, str) and not (value == "django" or value.startswith("django:")):
+            value = _import(value)
+        self.value: Any = value
+        self._own: OwnConnection | None = None
+
+    def own(self) -> OwnConnection:
+        if self._own is None:
+            conf = self.conf
+            url = conf.get(URL_SETTING) or conf.broker_write_url or conf.broker_url
+            if not isinstance(url, str):
+                raise ConfigurationError(f"{URL_SETTING} or broker_url must be a pgq:// URL")
+            self._own = _own_for(url.split(";")[0], lambda: _prepares(conf))
+        return self._own
+
+
+def _app_provider(app: Any) -> _AppProvider:
+    kept: _AppProvider | None = getattr(app, _APP_ATTR, None)
+    if kept is None or kept.pid != os.getpid():
+        kept = _AppProvider(app)
+        setattr(app, _APP_ATTR, kept)
+    return kept
+
+
 def provider_of(task: Any) -> Any:
     """What names ``task``'s transaction: its ``atomic_connection``, else the app's
     setting, else the environment (None: pgq's own connection)."""
     value = getattr(task, "atomic_connection", None)
     if value is None:
-        value = task.app.conf.get(SETTING)
-    if value is None:
-        value = os.environ.get(ENV) or None
+        value = _app_provider(task.app).value
     return value
 
 
 def handle_for(task: Any) -> Handle:
     """The run's :class:`Handle` for ``task``. A bad provider is a ConfigurationError;
     a connection pgq cannot run on, TransactionRefused."""
-    value = provider_of(task)
+    value = getattr(task, "atomic_connection", None)
     if value is None:
-        conf = task.app.conf
-        url = conf.get(URL_SETTING) or conf.broker_write_url or conf.broker_url
-        if not isinstance(url, str):
-            raise ConfigurationError(f"{URL_SETTING} or broker_url must be a pgq:// URL")
-        return _own_for(url.split(";")[0], lambda: _prepares(conf)).handle()
+        provider = _app_provider(task.app)
+        value = provider.value
+        if value is None:
+            return provider.own().handle()
     if isinstance(value, str) and (value == "django" or value.startswith("django:")):
         return DjangoHandle(value.partition(":")[2] or "default")
     if isinstance(value, str):

@@ -398,3 +398,28 @@ def test_pgq_s_own_atomic_connection_prepares_unless_a_pooler_may_be_in_between(
         conn.rollback()
     finally:
         conn.close()
+
+
+def test_an_app_s_atomic_settings_are_read_once_per_process(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pgq_atomic_connection`` (and the URL of pgq's own connection) are read at the
+    app's first atomic run in a process, not on every run (four settings reads a run),
+    as the broker's settings are: a value changed later is seen by a process started
+    after it (here: another pid, as in a prefork child), not by this one."""
+    from pg_transport.atomic import providers
+
+    with psycopg.connect(pg_url) as first, psycopg.connect(pg_url) as second:
+        app = Celery("settings-once", broker="pgq://" + pg_url.split("://", 1)[1])
+        app.conf.pgq_atomic_connection = lambda: first
+
+        @app.task(bind=True, base=pg_transport.AtomicTask)
+        def noop(self: Any) -> None:
+            pass
+
+        assert providers.handle_for(noop).target is first
+        app.conf.pgq_atomic_connection = lambda: second
+        assert providers.handle_for(noop).target is first
+        real = os.getpid()
+        monkeypatch.setattr(providers.os, "getpid", lambda: real + 1)
+        assert providers.handle_for(noop).target is second
