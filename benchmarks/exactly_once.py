@@ -16,10 +16,10 @@ terminations, the drain's tasks a second, and pgq-atomic's tasks a second ÷ pgq
 
 ``--cpu`` (Linux, Postgres on this host) adds what a task costs in CPU, the measure that
 holds on a loaded machine where rates do not: ``/proc`` utime+stime of the worker (its
-main process and pool children) and of the database's client backends (the worker's
-sessions; the benchmark's own polls open and close between samples and are not
-counted), from the tenth of the tasks done to the last, divided by the tasks done in
-between; and the atomic way's total ÷ the plain way's when both ran.
+main process and pool children) and of the backends serving it (the sessions its
+processes name by pid: two ways run at the same time on one database each count their
+own), from the tenth of the tasks done to the last, divided by the tasks done in
+between; and plain's total ÷ the atomic way's when both ran.
 """
 
 from __future__ import annotations
@@ -185,16 +185,23 @@ def _terminate_one(args: argparse.Namespace, rng: random.Random) -> int:
     return 1 if row and row[0] else 0
 
 
-def _backends(args: argparse.Namespace) -> dict[int, float]:
-    """CPU seconds of the database's client backends now (this session's left out)."""
+def _backends(args: argparse.Namespace, worker: int) -> dict[int, float]:
+    """CPU seconds of the backends serving the worker now: the sessions whose
+    application_name names its main process or one of its children (``pgq:<pid>...``,
+    ``pgq-atomic:<pid>...``, ``bench-plain:<pid>``), so that two ways measured at the
+    same time on one database each count their own."""
+    ours = {worker, *procstat.children_of(worker)}
     with psycopg.connect(args.pg_url, autocommit=True) as conn:
-        pids = [
-            int(r[0])
-            for r in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-                " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
-            ).fetchall()
-        ]
+        rows = conn.execute(
+            "SELECT pid, application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND backend_type = 'client backend'"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall()
+    pids = []
+    for pid, name in rows:
+        owner = str(name or "").split(":")
+        if len(owner) > 1 and owner[1].isdigit() and int(owner[1]) in ours:
+            pids.append(int(pid))
     return procstat.cpu_of(pids)
 
 
@@ -206,7 +213,7 @@ def _cpu_sample(args: argparse.Namespace, worker: int, done: int) -> dict[str, A
     return {
         "done": done,
         "worker_s": found["main"]["cpu_s"] + found["children"]["cpu_s"],
-        "backends": _backends(args),
+        "backends": _backends(args, worker),
     }
 
 

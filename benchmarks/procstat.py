@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-__all__ = ["busy_loops", "cpu_of", "named", "per_task", "pgq_backends", "sample"]
+__all__ = ["busy_loops", "children_of", "cpu_of", "named", "per_task", "pgq_backends", "sample"]
 
 PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -93,6 +93,11 @@ def _children(pid: int) -> list[int]:
         if text:
             kids.extend(int(k) for k in text.split())
     return kids
+
+
+def children_of(pid: int) -> list[int]:
+    """The child processes of ``pid`` (its pool's, for a worker)."""
+    return _children(pid)
 
 
 def sample(pid: int, server: Sequence[int] = ()) -> dict[str, Any] | None:
