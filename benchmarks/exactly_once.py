@@ -13,6 +13,13 @@ in one commit), ``pgq`` and ``redis`` (the writes committed by the task, then Ce
 late ack). Reported per way: the counter and audit rows against the tasks (atomic must
 be exact; the others over-count by the runs whose ack was lost), the kills and
 terminations, the drain's tasks a second, and pgq-atomic's tasks a second ÷ pgq's.
+
+``--cpu`` (Linux, Postgres on this host) adds what a task costs in CPU, the measure that
+holds on a loaded machine where rates do not: ``/proc`` utime+stime of the worker (its
+main process and pool children) and of the backends serving it (the sessions its
+processes name by pid: two ways run at the same time on one database each count their
+own), from the tenth of the tasks done to the last, divided by the tasks done in
+between; and plain's total ÷ the atomic way's when both ran.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from benchmarks import procstat
 
 __all__ = ["WAYS", "main", "parse_args"]
 
@@ -61,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=46)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per way at most")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="report CPU ms a task (/proc)")
     args = p.parse_args(argv)
     args.ways = [w for w in args.ways.split(",") if w]
     unknown = [w for w in args.ways if w not in WAYS]
@@ -175,6 +185,53 @@ def _terminate_one(args: argparse.Namespace, rng: random.Random) -> int:
     return 1 if row and row[0] else 0
 
 
+def _backends(args: argparse.Namespace, worker: int) -> dict[int, float]:
+    """CPU seconds of the backends serving the worker now: the sessions whose
+    application_name names its main process or one of its children (``pgq:<pid>...``,
+    ``pgq-atomic:<pid>...``, ``bench-plain:<pid>``), so that two ways measured at the
+    same time on one database each count their own."""
+    ours = {worker, *procstat.children_of(worker)}
+    with psycopg.connect(args.pg_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid, application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND backend_type = 'client backend'"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall()
+    pids = []
+    for pid, name in rows:
+        owner = str(name or "").split(":")
+        if len(owner) > 1 and owner[1].isdigit() and int(owner[1]) in ours:
+            pids.append(int(pid))
+    return procstat.cpu_of(pids)
+
+
+def _cpu_sample(args: argparse.Namespace, worker: int, done: int) -> dict[str, Any] | None:
+    """The worker's CPU seconds (main + children), its backends', and ``done``."""
+    found = procstat.sample(worker)
+    if found is None:
+        return None
+    return {
+        "done": done,
+        "worker_s": found["main"]["cpu_s"] + found["children"]["cpu_s"],
+        "backends": _backends(args, worker),
+    }
+
+
+def _cpu_per_task(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    n = max(last["done"] - first["done"], 1)
+    # Backends present at both samples (one that ended in between is not counted).
+    both = first["backends"].keys() & last["backends"].keys()
+    backend = sum(last["backends"][p] - first["backends"][p] for p in both)
+    worker = last["worker_s"] - first["worker_s"]
+    return {
+        "tasks": n,
+        "worker_ms": round(worker * 1e3 / n, 3),
+        "backend_ms": round(backend * 1e3 / n, 3),
+        "total_ms": round((worker + backend) * 1e3 / n, 3),
+        "backends": len(both),
+    }
+
+
 def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str, Any]:
     env = _prepare(args, way)
     if WAYS[way][0] == "pgq":
@@ -191,6 +248,8 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
     worker = _start(args, env, log)
     next_kill = started + args.kill_every
     last_distinct, stalled_since, last_kill = -1, started, started
+    cpu_first: dict[str, Any] | None = None
+    cpu_last: dict[str, Any] | None = None
     try:
         while True:
             now = time.monotonic()
@@ -198,7 +257,11 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
                 raise SystemExit(f"{way}: not done in {args.timeout}s (log {log})")
             counter, audit, distinct = _counts(args, env)
             empty = _queue_empty(args, way, env)
+            if args.cpu and cpu_first is None and distinct >= max(args.tasks // 10, 1):
+                cpu_first = _cpu_sample(args, worker.pid, distinct)
             if distinct == args.tasks and empty:
+                if args.cpu and cpu_first is not None:
+                    cpu_last = _cpu_sample(args, worker.pid, distinct)
                 break
             # Nothing left to deliver and no progress for three visibility timeouts after
             # the last kill: the missing tasks are lost (a broker that lost a message).
@@ -222,7 +285,7 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
     counter, audit, distinct = _counts(args, env)
-    return {
+    row: dict[str, Any] = {
         "way": way,
         "tasks": args.tasks,
         "counter": counter,
@@ -235,6 +298,9 @@ def run_way(args: argparse.Namespace, way: str, rng: random.Random) -> dict[str,
         "seconds": round(elapsed, 2),
         "tasks_per_s": round(args.tasks / elapsed, 1),
     }
+    if cpu_first is not None and cpu_last is not None and not kills:
+        row["cpu"] = _cpu_per_task(cpu_first, cpu_last)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -253,6 +319,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["atomic_over_plain_pgq"] = round(
             by["pgq-atomic"]["tasks_per_s"] / by["pgq"]["tasks_per_s"], 3
         )
+        if "cpu" in by["pgq-atomic"] and "cpu" in by["pgq"]:
+            # (plain's CPU a task ÷ atomic's: the throughput ratio where CPU is the limit)
+            report["atomic_over_plain_pgq_cpu"] = round(
+                by["pgq"]["cpu"]["total_ms"] / by["pgq-atomic"]["cpu"]["total_ms"], 3
+            )
     if args.json:
         print(json.dumps(report))
     else:
@@ -264,6 +335,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         if "atomic_over_plain_pgq" in report:
             print(f"pgq-atomic / pgq throughput: {report['atomic_over_plain_pgq']}")
+        for r in rows:
+            if "cpu" in r:
+                c = r["cpu"]
+                print(
+                    f"{r['way']:>11}: CPU a task {c['total_ms']} ms (worker {c['worker_ms']},"
+                    f" backends {c['backend_ms']}) over {c['tasks']} tasks"
+                )
     return report
 
 

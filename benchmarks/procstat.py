@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-__all__ = ["busy_loops", "named", "per_task", "pgq_backends", "sample"]
+__all__ = ["busy_loops", "children_of", "cpu_of", "named", "per_task", "pgq_backends", "sample"]
 
 PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -44,6 +44,16 @@ def _cpu_seconds(stat: str) -> float:
     # Fields after the command name (which may hold spaces) in parentheses.
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+def cpu_of(pids: Sequence[int]) -> dict[int, float]:
+    """CPU seconds (utime + stime) of each of ``pids`` still running."""
+    found: dict[int, float] = {}
+    for pid in pids:
+        stat = _read(PROC / str(pid) / "stat")
+        if stat is not None:
+            found[pid] = _cpu_seconds(stat)
+    return found
 
 
 def _switches(status: str) -> tuple[int, int]:
@@ -83,6 +93,11 @@ def _children(pid: int) -> list[int]:
         if text:
             kids.extend(int(k) for k in text.split())
     return kids
+
+
+def children_of(pid: int) -> list[int]:
+    """The child processes of ``pid`` (its pool's, for a worker)."""
+    return _children(pid)
 
 
 def sample(pid: int, server: Sequence[int] = ()) -> dict[str, Any] | None:

@@ -24,6 +24,16 @@ SELECT pg_catalog.pg_current_xact_id()::text, pg_catalog.current_setting('transa
            pg_catalog.quote_ident(%(schema)s::text)
            || '.atomic_complete(bigint, integer, text, text)', 'EXECUTE') END
 
+-- name: open_known
+-- The open of a run on a connection whose earlier run found its role permitted (the
+-- role is %(known)s): the same first three values, and whether the role is still that
+-- one. The open above asks its four rights in a CASE that skips them for that role, but
+-- the server parses, analyses and plans the whole statement on every run (it is sent
+-- unprepared): most of what an atomic task cost its backend over a plain one. A role
+-- changed since is asked the open above, in the same transaction.
+SELECT pg_catalog.pg_current_xact_id()::text, pg_catalog.current_setting('transaction_isolation'),
+       current_user::text, current_user::text = %(known)s::text
+
 -- name: complete
 -- End one delivery in the run's transaction, fenced as an ack is (row id, lease, queue),
 -- and only in the transaction the run began (xid, the open's answer): the function

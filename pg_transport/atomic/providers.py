@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import psycopg
 
+from pg_transport.config import Options
 from pg_transport.db.pool import Connector, url_to_conninfo
 from pg_transport.errors import ConfigurationError, TransactionRefused
 from pg_transport.publish.callers import ACCEPTED
@@ -242,16 +243,24 @@ class _RolledBack(Exception):
 
 
 class OwnConnection:
-    """pgq's own connection of this thread (greenlet, child) for atomic runs."""
+    """pgq's own connection of this thread (greenlet, child) for atomic runs.
 
-    def __init__(self, url: str) -> None:
+    ``prepare``: whether the statements run on it are prepared after a few runs
+    (psycopg's ``prepare_threshold``, 5, as on any psycopg connection by default): the
+    task's SQL, like a plain task's on its own connection, is then parsed and planned
+    once per session instead of on every run. Only where pgq has sessions of its own on
+    that server (the broker's URL with ``use_notify`` on: no transaction pooler in
+    between, the rule of the result backend's sessions); behind a pooler nothing is
+    prepared."""
+
+    def __init__(self, url: str, *, prepare: bool = False) -> None:
         self.connector = Connector(
             url_to_conninfo(url),
             application_name="pgq-atomic",
             # The task's own SQL runs here: its role's search_path, not pgq's pinned one
             # (pgq's statements name every object by schema).
             pin_search_path=False,
-            prepare_threshold=None,
+            prepare_threshold=5 if prepare else None,
         )
         self._local = threading.local()
 
@@ -270,12 +279,59 @@ _own: dict[str, OwnConnection] = {}
 _own_lock = threading.Lock()
 
 
-def _own_for(url: str) -> OwnConnection:
+def _own_for(url: str, prepare: Callable[[], bool]) -> OwnConnection:
     with _own_lock:
         found = _own.get(url)
         if found is None:
-            found = _own[url] = OwnConnection(url)
+            found = _own[url] = OwnConnection(url, prepare=prepare())
         return found
+
+
+def _prepares(conf: Any) -> bool:
+    """Whether pgq's own atomic connection may prepare (:class:`OwnConnection`): it is
+    on the broker's URL (not a ``pgq_atomic_url`` of its own, whatever is behind that)
+    and the broker has sessions of its own there (``use_notify``)."""
+    if conf.get(URL_SETTING):
+        return False
+    return Options.from_sources(conf.broker_transport_options, os.environ).use_notify
+
+
+#: Where an app's atomic runs find their transaction (its ``pgq_atomic_connection`` or
+#: the environment's, and pgq's own connection on its URL), kept on the app object per
+#: process: read at the app's first atomic run there, as the broker's own settings are
+#: (run.py ``_broker_of``). Celery's settings cost microseconds a read, four a run; like
+#: the rest of a worker's configuration, they are set before the worker starts.
+_APP_ATTR = "_pgq_atomic_provider"
+
+
+class _AppProvider:
+    def __init__(self, app: Any) -> None:
+        self.pid = os.getpid()
+        self.conf = app.conf
+        value = self.conf.get(SETTING)
+        if value is None:
+            value = os.environ.get(ENV) or None
+        if isinstance(value, str) and not (value == "django" or value.startswith("django:")):
+            value = _import(value)
+        self.value: Any = value
+        self._own: OwnConnection | None = None
+
+    def own(self) -> OwnConnection:
+        if self._own is None:
+            conf = self.conf
+            url = conf.get(URL_SETTING) or conf.broker_write_url or conf.broker_url
+            if not isinstance(url, str):
+                raise ConfigurationError(f"{URL_SETTING} or broker_url must be a pgq:// URL")
+            self._own = _own_for(url.split(";")[0], lambda: _prepares(conf))
+        return self._own
+
+
+def _app_provider(app: Any) -> _AppProvider:
+    kept: _AppProvider | None = getattr(app, _APP_ATTR, None)
+    if kept is None or kept.pid != os.getpid():
+        kept = _AppProvider(app)
+        setattr(app, _APP_ATTR, kept)
+    return kept
 
 
 def provider_of(task: Any) -> Any:
@@ -283,22 +339,19 @@ def provider_of(task: Any) -> Any:
     setting, else the environment (None: pgq's own connection)."""
     value = getattr(task, "atomic_connection", None)
     if value is None:
-        value = task.app.conf.get(SETTING)
-    if value is None:
-        value = os.environ.get(ENV) or None
+        value = _app_provider(task.app).value
     return value
 
 
 def handle_for(task: Any) -> Handle:
     """The run's :class:`Handle` for ``task``. A bad provider is a ConfigurationError;
     a connection pgq cannot run on, TransactionRefused."""
-    value = provider_of(task)
+    value = getattr(task, "atomic_connection", None)
     if value is None:
-        conf = task.app.conf
-        url = conf.get(URL_SETTING) or conf.broker_write_url or conf.broker_url
-        if not isinstance(url, str):
-            raise ConfigurationError(f"{URL_SETTING} or broker_url must be a pgq:// URL")
-        return _own_for(url.split(";")[0]).handle()
+        provider = _app_provider(task.app)
+        value = provider.value
+        if value is None:
+            return provider.own().handle()
     if isinstance(value, str) and (value == "django" or value.startswith("django:")):
         return DjangoHandle(value.partition(":")[2] or "default")
     if isinstance(value, str):

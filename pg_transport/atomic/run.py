@@ -164,7 +164,11 @@ class Run:
 
         caller = caller_for(handle.target)
         known = _permitted.get(self.conn)
-        params = {"schema": self.schema, "known": known.get(self.schema) if known else None}
+        role = known.get(self.schema) if known else None
+        params = {"schema": self.schema, "known": role}
+        # The role found permitted before: only whether it is still the role (the short
+        # open); otherwise the open that asks the rights.
+        query = q["open"] if role is None else q["open_known"]
         # On a psycopg connection pgq drives itself, the BEGIN, this query and the body's
         # savepoint go in one pipeline flight (one round trip instead of three); a
         # framework's (SQLAlchemy, Django) begins and marks through its own API.
@@ -174,10 +178,15 @@ class Run:
             connector,
             self.schema,
             q["server_identity"],
-            (lambda conn: _open_pipelined(conn, q["open"], params))
+            (lambda conn: _open_pipelined(conn, query, params))
             if pipelined
-            else (lambda conn: _one(conn, q["open"], params)),
+            else (lambda conn: _one(conn, query, params)),
         )
+        if role is not None and not row[3]:
+            # Another role than the one found permitted: its rights are asked now, in
+            # the same transaction, before the body (a read: whether the savepoint went
+            # with the open or goes below changes nothing).
+            row = _one(self.conn, q["open"], {"schema": self.schema, "known": None})
         self._xid, isolation, self._role = str(row[0]), str(row[1]), str(row[2])
         if row[3]:
             if known is None:

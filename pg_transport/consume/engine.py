@@ -53,6 +53,7 @@ from pg_transport.consume import follows
 from pg_transport.consume.acks import AckBuffer
 from pg_transport.consume.listener import Listener
 from pg_transport.consume.session import Row, Session
+from pg_transport.consume.settles import Settles
 from pg_transport.consume.source import Handle, Source, Statements, Timers, Want
 from pg_transport.consume.undeliverable import Undeliverable
 from pg_transport.consume.wakeup import WakePipe
@@ -112,6 +113,7 @@ class Engine:
         self.max_message_bytes = max_message_bytes
         self._acks = AckBuffer()
         self._undeliverable = Undeliverable(store)
+        self._settles = Settles(self._send_settles)
         self._pipe = WakePipe()
         #: Queues whose last claim (or pop) came back short.
         self.exhausted: set[str] = set()
@@ -204,6 +206,7 @@ class Engine:
         # Off this thread (Celery's, reconnecting): through a failover these acks keep
         # trying for the fenced window; the close below waits for them a moment only.
         self.land_acks(self._acks.close(), background=True)
+        self._settles.close()
         self._undeliverable.close()
         self._pipe.close()
 
@@ -636,6 +639,16 @@ class Engine:
         """Buffer the ack of a delivery: it rides on the next claim. False when the buffer
         is closed (the consumer stopped): the caller acks it now, itself."""
         return self._acks.add(token)
+
+    def settle(self, token: Lease) -> bool:
+        """Settle an atomic delivery soon, gathered with others into one statement
+        (consume/settles.py). False when the consumer stopped: the caller settles it."""
+        return self._settles.add(token)
+
+    def _send_settles(self, tokens: list[Lease]) -> None:
+        self.store.settle(tokens)
+        self.statements.settle += 1  # (counted once landed)
+        self.statements.settled += len(tokens)
 
     def later(self, what: str, work: Callable[[], object]) -> None:
         """Run ``work`` (a fenced statement: a requeue, a reject) off the driver's thread,

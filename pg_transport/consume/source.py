@@ -67,6 +67,9 @@ class Statements:
     ack: int = 0
     acks_riding: int = 0
     acks_alone: int = 0
+    #: Settle statements (atomic deliveries' acks, gathered) and the deliveries in them.
+    settle: int = 0
+    settled: int = 0
     next_due: int = 0
     #: Rows claims held back (ordered messages parked or waiting: not delivered).
     held: int = 0

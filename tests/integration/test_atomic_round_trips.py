@@ -50,6 +50,15 @@ class Traced:
         self._file.truncate()
         return ENDS.findall(text)
 
+    def sent(self) -> str:
+        """What the client sent since the last call (libpq's trace), as text."""
+        self._file.flush()
+        self._file.seek(0)
+        text = self._file.read()
+        self._file.seek(0)
+        self._file.truncate()
+        return text
+
     def close(self) -> None:
         self.conn.pgconn.untrace()
         self.conn.close()
@@ -322,3 +331,95 @@ def test_a_role_changed_on_a_connection_is_asked_again_before_its_body(
         assert counted(pg_url, schema) == (2, 2, 0)
     finally:
         conn.close()
+
+
+def test_a_connection_whose_role_was_found_permitted_opens_without_its_rights_lookups(
+    store: PublishingStore, traced: Traced, pg_url: str, schema: str
+) -> None:
+    """The open's four rights lookups are parsed and planned by the server on every run
+    even when skipped: once a connection's role was found permitted, its runs send the
+    short open (still one round trip), which asks only whether the role is that one."""
+    task = atomic_task(pg_url, schema, traced.conn)
+    traced.sent()
+    open_run(task).finish(commit=False)
+    assert "has_table_privilege" in traced.sent()
+    run = open_run(task)
+    text = traced.sent()
+    assert "has_table_privilege" not in text and "pg_current_xact_id" in text
+    assert len(ENDS.findall(text)) == 1
+    assert run.finish(commit=True) is True
+
+
+@pytest.mark.parametrize(
+    ("conf", "prepares"),
+    [
+        ({}, True),
+        ({"broker_transport_options": {"use_notify": False}}, False),
+        ({"pgq_atomic_url": "same"}, False),
+    ],
+    ids=["broker-url", "use-notify-off", "atomic-url"],
+)
+def test_pgq_s_own_atomic_connection_prepares_unless_a_pooler_may_be_in_between(
+    store: PublishingStore,
+    pg_url: str,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    conf: dict[str, Any],
+    prepares: bool,
+) -> None:
+    """Like a plain task's psycopg connection, pgq's own one prepares what runs on it
+    often (the task's SQL: parsed and planned once, not each run), but only on the
+    broker's URL with use_notify on (pgq's sessions are its own: no transaction pooler);
+    behind ``use_notify=False``, or on a ``pgq_atomic_url`` of its own, nothing is."""
+    from pg_transport.atomic import providers
+
+    monkeypatch.setattr(providers, "_own", {})
+    broker = "pgq://" + pg_url.split("://", 1)[1]
+    app = Celery("prepares", broker=broker, set_as_current=False)
+    app.conf.broker_transport_options = {
+        "schema": schema,
+        **conf.get("broker_transport_options", {}),
+    }
+    if "pgq_atomic_url" in conf:
+        app.conf.pgq_atomic_url = broker
+
+    @app.task(bind=True, base=pg_transport.AtomicTask)
+    def noop(self: Any) -> None:
+        pass
+
+    handle = providers.handle_for(noop)
+    conn = handle.target
+    try:
+        assert conn.prepare_threshold == (5 if prepares else None)
+        for _ in range(6):
+            conn.execute("SELECT 1 WHERE %s", [True])
+        found = conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+        assert found is not None and (found[0] > 0) is prepares
+        conn.rollback()
+    finally:
+        conn.close()
+
+
+def test_an_app_s_atomic_settings_are_read_once_per_process(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pgq_atomic_connection`` (and the URL of pgq's own connection) are read at the
+    app's first atomic run in a process, not on every run (four settings reads a run),
+    as the broker's settings are: a value changed later is seen by a process started
+    after it (here: another pid, as in a prefork child), not by this one."""
+    from pg_transport.atomic import providers
+
+    with psycopg.connect(pg_url) as first, psycopg.connect(pg_url) as second:
+        app = Celery("settings-once", broker="pgq://" + pg_url.split("://", 1)[1])
+        app.conf.pgq_atomic_connection = lambda: first
+
+        @app.task(bind=True, base=pg_transport.AtomicTask)
+        def noop(self: Any) -> None:
+            pass
+
+        assert providers.handle_for(noop).target is first
+        app.conf.pgq_atomic_connection = lambda: second
+        assert providers.handle_for(noop).target is first
+        real = os.getpid()
+        monkeypatch.setattr(providers.os, "getpid", lambda: real + 1)
+        assert providers.handle_for(noop).target is second
