@@ -60,7 +60,7 @@ from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.message import envelope, ordering
 from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease
-from pg_transport.store import Store, claim_limits, claim_params, read_claim
+from pg_transport.store import Store, claim_featured, claim_limits, claim_params, read_claim
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
 
@@ -90,7 +90,7 @@ class _InFlight:
     sent: float = 0.0
     #: Most candidates a claim took of each queue (a queue that gave fewer is empty).
     per_queue: int = 0
-    #: The claim statement sent (claim, flow_claim or fair_claim).
+    #: The claim statement sent (lean_claim, claim, flow_claim or fair_claim).
     statement: str = ""
 
 
@@ -118,6 +118,10 @@ class Engine:
         #: Whether the last claim's answer said a flow limit exists: claims are then sent
         #: as flow_claim, and as claim again once an answer says none is left.
         self.flow = False
+        #: Whether the last claim's answer said it met a message the gates judge (an
+        #: ordering key, a follows link): claims are then sent as claim, and as
+        #: lean_claim again once an answer does not say so.
+        self.featured = False
         #: Messages handed to kombu so far (a blocking driver returns once this grows).
         self.delivered = 0
         self.statements = Statements()
@@ -392,6 +396,8 @@ class Engine:
             want = next((w for w in wants if w.room != 0 and ended.intersection(w.acked)), None)
             if want is not None:
                 queues = [q for q in want.acked if q in ended]
+        # An ack of a keyed message rides on claim, whose hand-off takes the key's next.
+        hands_on = any(token.id in self._keyed for token in acks)
         for token in acks:
             self._keyed.discard(token.id)
         if want is not None:
@@ -400,8 +406,10 @@ class Engine:
             per_queue = -(-limit // max(len(queues), 1))
             if any(self.source.fair_share(q) for q in queues):
                 statement = "fair_claim"
+            elif self.flow:
+                statement = "flow_claim"
             else:
-                statement = "flow_claim" if self.flow else "claim"
+                statement = "claim" if self.featured or hands_on else "lean_claim"
             self._in_flight = _InFlight(
                 "claim",
                 acks,
@@ -537,7 +545,9 @@ class Engine:
             self.statements.claim_seconds += monotonic() - flight.sent
             self._looked = flight.sent
             self.flow = claim_limits(rows)
-            if self.flow and flight.statement == "claim":
+            if rows:  # (an empty answer met nothing: it says nothing either way)
+                self.featured = claim_featured(rows)
+            if self.flow and flight.statement in ("claim", "lean_claim"):
                 # A flow limit exists: the plain claim picked nothing (its acks landed).
                 # Not a short claim: the kick that follows sends flow_claim.
                 self.statements.flow_switch += 1

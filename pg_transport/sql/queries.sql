@@ -243,6 +243,64 @@ WITH wanted AS (
 )
 {part:claim_answer}
 
+-- name: lean_claim
+-- The claim of the plain case (docs/design/claim.md, "The lean claim"): claim, but the
+-- gates, the hold's parking and the hand-off are left out. It delivers only candidates
+-- that carry no ordering key and no follows link (claim_plain), the ones every gate of
+-- claim lets through without reading anything; any other candidate comes back held
+-- (not parked, not delivered: its lock ends with the statement) and the answer ends with
+-- the row claim_featured, so the caller sends claim next, which gates it as always. Acks
+-- ride on it as on claim; an acked message of a key hands nothing on here, the trigger
+-- message_leave promotes its key's next. Doom, the lease, unique keys and the flow-limit
+-- guard are claim's own parts. A separate statement so that a plain queue's claim
+-- carries none of the gates' plan (the executor starts every node of a cached plan,
+-- whether it runs or not).
+WITH wanted AS (
+    SELECT w.name, w.vt, w.max_attempts, false AS fair
+    FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
+                    pg_catalog.unnest(%(vts)s::float8[]),
+                    pg_catalog.unnest(%(max_attempts)s::integer[]))
+        AS w(name, vt, max_attempts)
+    WHERE {part:claim_relax} AND {part:claim_flow_on} IS NULL
+), acked AS (
+    {part:claim_ack}
+), levels AS (
+    {part:claim_levels}
+), candidates AS MATERIALIZED (
+    {part:claim_pick}
+), lean AS MATERIALIZED (
+    {part:claim_lean_cut}
+), gated AS MATERIALIZED (
+    SELECT c.*, NULL::text AS key_gate, NULL::text AS follow_gate
+    FROM lean AS c
+    WHERE NOT c.cut
+), held AS MATERIALIZED (
+    SELECT c.id, c.queue, c.priority, c.read_ct, c.visible_at
+    FROM lean AS c
+    WHERE c.cut
+), handed AS MATERIALIZED (
+    SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind, c.vt, c.max_attempts
+    FROM candidates AS c
+    WHERE false
+), picked AS MATERIALIZED (
+    {part:claim_budget}
+), poisoned AS (
+    {part:claim_dead}
+), dead AS (
+    INSERT INTO {schema}.dead_letter
+        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
+    FROM poisoned AS p JOIN picked ON picked.id = p.id
+    RETURNING id, message_id
+), claimed AS (
+    {part:claim_update}
+), stopped AS (
+    SELECT id, queue, priority, read_ct, visible_at FROM held
+), delivered AS (
+    {part:claim_delivered}
+)
+{part:claim_answer}
+
 -- name: flow_claim
 -- The claim when flow limits exist (flow_limit has a row; docs/flow-control.md): claim,
 -- and after the budget the flow gates, in this outline:
@@ -1038,10 +1096,11 @@ SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
 FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
 
 -- part: claim_answer
--- The answer, in four parts: delivered in claim order (an oversized payload not sent),
+-- The answer, in five parts: delivered in claim order (an oversized payload not sent),
 -- held (stopped: what the statement's gates held back), then the acks that deleted
 -- nothing: refused by the fencing (the lease lapsed and the message was claimed again,
--- or released), and last the row claim_limits when a flow limit exists.
+-- or released), the row claim_limits when a flow limit exists, and last the row
+-- claim_featured when the claim met a message the gates judge.
 SELECT r.id, r.queue, r.priority, r.read_ct, r.lease, r.payload, r.dead_letter_id, r.doom,
        r.note
 FROM (
@@ -1062,6 +1121,8 @@ FROM (
     WHERE a.id <> ALL(ARRAY(SELECT id FROM acked))
     UNION ALL
     {part:claim_limits}
+    UNION ALL
+    {part:claim_featured}
 ) AS r
 ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 
@@ -1073,6 +1134,33 @@ ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'limits', 3,
        NULL::timestamptz
 WHERE {part:claim_flow_on}
+
+-- part: claim_plain
+-- Candidate c is plain: no ordering key, no follows link. claim_gate_key and
+-- claim_gate_follows let such a candidate through on their first branch, reading
+-- nothing; both columns are set when the message is published and never change, and
+-- they are read from the row as locked. So lean_claim delivering a plain candidate is
+-- what claim would do, whatever is published beside it at the same moment.
+c.okey IS NULL AND c.follows IS NULL
+
+-- part: claim_lean_cut
+-- The candidates of lean_claim, each with cut: whether it or one before it in claim order
+-- is not plain (claim_plain). lean_claim delivers only those before the cut, so what it
+-- delivers is a prefix of what claim would deliver, in the same order (no plain message
+-- of a lower priority overtakes a keyed one); the rest is held for claim.
+SELECT c.*, pg_catalog.bool_or(NOT ({part:claim_plain})) OVER (
+           ORDER BY c.priority DESC, c.visible_at, c.id) AS cut
+FROM candidates AS c
+
+-- part: claim_featured
+-- The answer's very last row, note featured, when this claim met a message the gates
+-- must judge: a candidate that is not plain (claim_plain), or an ack of a message of an
+-- ordering key (claim hands its key's next on). The caller sends claim next; without the
+-- row, lean_claim. Not a message: id 0, no payload.
+SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'featured', 4,
+       NULL::timestamptz
+WHERE (SELECT true FROM candidates AS c WHERE NOT ({part:claim_plain}) LIMIT 1)
+   OR (SELECT true FROM acked AS a WHERE a.okey IS NOT NULL LIMIT 1)
 
 -- name: next_due
 -- Seconds from now until the first message of the given queues that is not visible yet
