@@ -432,6 +432,7 @@ class Engine:
                 ),
             )
             self.statements.claim += 1
+            self.statements.lean += statement == "lean_claim"
             self.statements.acks_riding += len(acks)
             if want.room is not None and (want.window - want.room) * 4 <= want.window:
                 self.statements.claims_low += 1
@@ -557,7 +558,10 @@ class Engine:
         # share has no more (one that gave its share may have).
         if flight.kind == "claim":
             self._deep = len(batch) >= flight.limit
-        if len(batch) < flight.limit:
+        # lean_claim met a keyed or following message: what it held is claim's to judge,
+        # sent next; its queues are not known to be empty.
+        lean_met = flight.statement == "lean_claim" and self.featured
+        if len(batch) < flight.limit and not lean_met:
             if not 0 < flight.per_queue < flight.limit:  # (a pop: no share)
                 self.exhausted.update(flight.queues)
             else:

@@ -15,11 +15,15 @@ from collections import defaultdict
 from typing import Any
 
 import psycopg
+from kombu import Connection, Producer
 
 from pg_transport.db.wire import Statement
 from pg_transport.message.rows import Lease
 from pg_transport.store import Claimed, Store, claim_params
 from tests.integration.conftest import Peek, PublishingStore
+from tests.integration.test_flow_limits import TASK
+from tests.integration.test_flow_switch import Q as FQ
+from tests.integration.test_flow_switch import Worker
 from tests.integration.test_ordering import message
 
 Q = "lean"
@@ -230,3 +234,31 @@ def test_keyed_publishes_racing_lean_claims_never_run_two_of_a_key_at_once(
     assert peek("SELECT count(*) FROM {schema}.message") == [(0,)]
     # Both statements ran: the race was between the lean claim and keyed publishes.
     assert "lean_claim" in statements and "claim" in statements
+
+
+def test_a_worker_claims_a_keyed_message_its_lean_claim_held_at_once(
+    broker_url: str, schema: str
+) -> None:
+    """A consumer that polls every 30 s (only notifications and its own answers move it):
+    its lean claim meets a keyed message and holds it; the queue is not taken for empty,
+    and claim delivers it well before the next poll."""
+    options = {"schema": schema, "polling_interval": 30}
+    with Connection(broker_url, transport_options=options) as conn:
+        conn.connect()
+        worker = Worker(conn)
+        producer = Producer(conn)
+
+        def publish(n: int, **headers: Any) -> None:
+            producer.publish(
+                {"n": n}, routing_key=FQ, headers={"id": f"t{n}", "task": TASK, **headers},
+                serializer="json",
+            )  # fmt: skip
+
+        publish(0)
+        worker.until(lambda: worker.got == [0], "the plain message")
+        worker.spy()
+        publish(1, **{"pgq-ordering-key": "k"})
+        worker.until(lambda: worker.got == [0, 1], "the keyed message, before the poll")
+        claims = [s for s in worker.sent if s.endswith("claim")]
+        assert claims[:2] == ["lean_claim", "claim"], claims
+        assert worker.engine.statements.lean >= 2
