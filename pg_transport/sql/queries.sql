@@ -191,7 +191,8 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 --   budget       claim_budget                    limit and max_bytes over what passed
 --   doom         claim_doom, claim_dead          never delivered, never lost
 --   update       claim_update                    the lease
---   answer       claim_delivered, claim_answer   (claim_limits: a flow limit exists)
+--   answer       claim_delivered, claim_answer   (claim_limits: a flow limit exists;
+--                                                claim_featured: it met a keyed message)
 --   commit       claim_relax                     behind a pooler: how it commits
 -- It carries no flow gate: when any flow limit exists (claim_flow_on, in its snapshot)
 -- it picks nothing, hands nothing on, lands its acks and answers the row claim_limits,
