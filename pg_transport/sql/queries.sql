@@ -248,9 +248,10 @@ WITH wanted AS (
 -- The claim of the plain case (docs/design/claim.md, "The lean claim"): claim, but the
 -- gates, the hold's parking and the hand-off are left out. It delivers only candidates
 -- that carry no ordering key and no follows link (claim_plain), the ones every gate of
--- claim lets through without reading anything; any other candidate comes back held
--- (not parked, not delivered: its lock ends with the statement) and the answer ends with
--- the row claim_featured, so the caller sends claim next, which gates it as always. Acks
+-- claim lets through without reading anything, and only when every candidate is plain
+-- (claim_mixed): otherwise all come back held (not parked, not delivered: their locks
+-- end with the statement) and the answer ends with the row claim_featured, so the caller
+-- sends claim next, which gates them as always (in claim order: nothing overtakes). Acks
 -- ride on it as on claim; an acked message of a key hands nothing on here, the trigger
 -- message_leave promotes its key's next. Doom, the lease, unique keys and the flow-limit
 -- guard are claim's own parts. A separate statement so that a plain queue's claim
@@ -269,16 +270,14 @@ WITH wanted AS (
     {part:claim_levels}
 ), candidates AS MATERIALIZED (
     {part:claim_pick}
-), lean AS MATERIALIZED (
-    {part:claim_lean_cut}
 ), gated AS MATERIALIZED (
     SELECT c.*, NULL::text AS key_gate, NULL::text AS follow_gate
-    FROM lean AS c
-    WHERE NOT c.cut
+    FROM candidates AS c
+    WHERE {part:claim_mixed} IS NULL
 ), held AS MATERIALIZED (
     SELECT c.id, c.queue, c.priority, c.read_ct, c.visible_at
-    FROM lean AS c
-    WHERE c.cut
+    FROM candidates AS c
+    WHERE {part:claim_mixed}
 ), handed AS MATERIALIZED (
     SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind, c.vt, c.max_attempts
     FROM candidates AS c
@@ -1144,14 +1143,12 @@ WHERE {part:claim_flow_on}
 -- what claim would do, whatever is published beside it at the same moment.
 c.okey IS NULL AND c.follows IS NULL
 
--- part: claim_lean_cut
--- The candidates of lean_claim, each with cut: whether it or one before it in claim order
--- is not plain (claim_plain). lean_claim delivers only those before the cut, so what it
--- delivers is a prefix of what claim would deliver, in the same order (no plain message
--- of a lower priority overtakes a keyed one); the rest is held for claim.
-SELECT c.*, pg_catalog.bool_or(NOT ({part:claim_plain})) OVER (
-           ORDER BY c.priority DESC, c.visible_at, c.id) AS cut
-FROM candidates AS c
+-- part: claim_mixed
+-- Whether a candidate is not plain (claim_plain); NULL if none. lean_claim then delivers
+-- none of them, all come back held for claim: what it delivers is what claim would
+-- deliver, in the same order (no plain message overtakes a keyed one of a higher
+-- priority or an earlier place). Uncorrelated, so read once (an InitPlan) wherever used.
+(SELECT true FROM candidates AS c WHERE NOT ({part:claim_plain}) LIMIT 1)
 
 -- part: claim_featured
 -- The answer's very last row, note featured, when this claim met a message the gates
@@ -1160,8 +1157,7 @@ FROM candidates AS c
 -- row, lean_claim. Not a message: id 0, no payload.
 SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'featured', 4,
        NULL::timestamptz
-WHERE (SELECT true FROM candidates AS c WHERE NOT ({part:claim_plain}) LIMIT 1)
-   OR (SELECT true FROM acked AS a WHERE a.okey IS NOT NULL LIMIT 1)
+WHERE {part:claim_mixed} OR (SELECT true FROM acked AS a WHERE a.okey IS NOT NULL LIMIT 1)
 
 -- name: next_due
 -- Seconds from now until the first message of the given queues that is not visible yet

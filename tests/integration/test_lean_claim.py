@@ -65,10 +65,10 @@ def test_a_plain_queue_is_claimed_by_the_lean_claim_alone(store: PublishingStore
 def test_the_lean_claim_holds_a_keyed_message_unparked_and_claim_delivers_it(
     store: PublishingStore, peek: Peek, pg_url: str
 ) -> None:
-    """The lean claim delivers the plain message, holds the keyed and the following one
-    as they are (no park, no lease) and says featured; claim then judges them (the keyed
-    one delivered, the follower parked), and the store goes back to the lean claim once
-    an answer meets none."""
+    """The lean claim meets a keyed and a following message: it holds all it picked as
+    they are (no park, no lease) and says featured; claim then judges them (the plain and
+    the keyed one delivered, the follower parked), and the store goes back to the lean
+    claim once an answer meets none."""
     store.publisher.publish(Q, message(0))
     store.publisher.publish(Q, message(1, key="k"))
     store.publisher.publish(Q, message(2, follows="task-none", wait=3600))
@@ -76,23 +76,18 @@ def test_the_lean_claim_holds_a_keyed_message_unparked_and_claim_delivers_it(
         rows = conn.execute(
             store.q["lean_claim"], claim_params([Q], [30.0], 10, None, [])
         ).fetchall()
-    assert [(r[5] and r[5]["body"], r[8]) for r in rows] == [
-        ("0", None),
-        (None, "held"),
-        (None, "held"),
-        (None, "featured"),
-    ]
+    assert [(r[5], r[8]) for r in rows] == [(None, "held")] * 3 + [(None, "featured")]
     untouched = peek(
         "SELECT payload->>'body', read_ct, visible_at <= now(), due_at IS NULL"
         " FROM {schema}.message ORDER BY id"
     )
-    assert untouched == [("0", 1, False, True), ("1", 0, True, True), ("2", 0, True, True)]
+    assert untouched == [("0", 0, True, True), ("1", 0, True, True), ("2", 0, True, True)]
     sent = sent_by(store)
     batch = store.claim([Q], [30.0], 10)
-    # lean_claim held 1 and 2 (featured); claim delivered 1 and parked the follower
-    # (featured); claim again, behind the held row, found nothing (an empty answer
-    # leaves the store on claim).
-    assert bodies(batch) == [1] and sent == ["lean_claim", "claim", "claim"]
+    # lean_claim held all three (featured); claim delivered 0 and 1 and parked the
+    # follower (featured); claim again, behind the held row, found nothing (an empty
+    # answer leaves the store on claim).
+    assert bodies(batch) == [0, 1] and sent == ["lean_claim", "claim", "claim"]
     assert store.featured is True
     store.ack([c.token for c in batch])
     store.publisher.publish(Q, message(3))
@@ -102,11 +97,12 @@ def test_the_lean_claim_holds_a_keyed_message_unparked_and_claim_delivers_it(
     assert sent[3:] == ["claim", "lean_claim"]
 
 
-def test_the_lean_claim_delivers_only_what_comes_before_a_keyed_message(
+def test_the_lean_claim_delivers_nothing_of_a_pick_with_a_keyed_message(
     store: PublishingStore, pg_url: str
 ) -> None:
-    """Claim order is kept: the plain message before the keyed one is delivered, the
-    keyed one and the plain one after it (in claim order) are held for claim."""
+    """Claim order is kept: a pick holding a keyed message is held whole (the plain one
+    of a higher priority, the plain one before and the one after it), and claim delivers
+    all of it in claim order."""
     store.publisher.publish(Q, message(0))
     store.publisher.publish(Q, message(1, key="k"))
     store.publisher.publish(Q, message(2))
@@ -115,14 +111,8 @@ def test_the_lean_claim_delivers_only_what_comes_before_a_keyed_message(
         rows = conn.execute(
             store.q["lean_claim"], claim_params([Q], [30.0], 10, None, [])
         ).fetchall()
-    assert [(r[5] and r[5]["body"], r[8]) for r in rows] == [
-        ("3", None),
-        ("0", None),
-        (None, "held"),
-        (None, "held"),
-        (None, "featured"),
-    ]
-    assert bodies(store.claim([Q], [30.0], 10)) == [1, 2]
+    assert [(r[5], r[8]) for r in rows] == [(None, "held")] * 4 + [(None, "featured")]
+    assert bodies(store.claim([Q], [30.0], 10)) == [3, 0, 1, 2]
 
 
 def test_an_ack_of_a_keyed_message_hands_on_from_claim_not_from_the_lean_claim(
