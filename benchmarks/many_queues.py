@@ -91,7 +91,7 @@ def drain_kombu(
 
         def counting(name: str, params: dict[str, Any]) -> Any:
             nonlocal named
-            if name == "claim":
+            if name in ("claim", "lean_claim"):
                 named += len(params["queues"])
             return send(name, params)
 

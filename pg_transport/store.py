@@ -36,7 +36,9 @@ from pg_transport.errors import NotPermitted
 from pg_transport.message.limits import Limit
 from pg_transport.message.rows import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    FEATURED,
     LIMITS,
+    MARKERS,
     Claimed,
     Lease,
     decode_claimed,
@@ -53,6 +55,7 @@ __all__ = [
     "Claimed",
     "Lease",
     "Store",
+    "claim_featured",
     "claim_limits",
     "claim_params",
     "decode_claimed",
@@ -96,6 +99,9 @@ class Store:
         self.q = load_queries(schema)
         # The claim, run once per few messages, goes through libpq directly (wire.py).
         self.claim_statement = Statement("claim", self.q["claim"])
+        #: The claim of the plain case (lean_claim): no gates, no hand-off; sent unless
+        #: the last answer said the claim met a featured message.
+        self.lean_claim_statement = Statement("lean_claim", self.q["lean_claim"])
         #: The claim of a consumer of a fair queue (fair_claim in queries.sql).
         self.fair_claim_statement = Statement("fair_claim", self.q["fair_claim"])
         #: The claim with the flow gates (flow_claim), sent while flow limits exist.
@@ -103,6 +109,9 @@ class Store:
         #: Whether the last claim's answer said a flow limit exists: the next claim is
         #: then flow_claim (a plain claim's answer saying so picked nothing).
         self.flow = False
+        #: Whether the last claim's answer said it met a message the gates judge (an
+        #: ordering key, a follows link): the next claim is then claim, else lean_claim.
+        self.featured = False
 
     @property
     def fenced_window(self) -> float:
@@ -162,8 +171,10 @@ class Store:
 
             if fair:
                 statement = self.fair_claim_statement
+            elif self.flow:
+                statement = self.flow_claim_statement
             else:
-                statement = self.flow_claim_statement if self.flow else self.claim_statement
+                statement = self.claim_statement if self.featured else self.lean_claim_statement
 
             def work(
                 conn: psycopg.Connection[Any],
@@ -176,14 +187,19 @@ class Store:
             rows = self.relaxed.run(work, idempotent=False, statement=True)
             batch = read_claim(acks, rows)
             acks = ()
-            plain = statement is self.claim_statement
+            plain = statement is self.claim_statement or statement is self.lean_claim_statement
             self.flow = claim_limits(rows)
+            if rows:  # (an empty answer met nothing: it says nothing either way)
+                self.featured = claim_featured(rows)
             if plain and self.flow:
                 continue  # a flow limit exists: it picked nothing; flow_claim now
             delivered = [c for c in batch if not c.held]
             found += delivered
-            # Rows held back (ordering) took room: what is behind them is claimed too.
-            if len(delivered) == len(batch) or len(found) >= limit:
+            # Rows held back (ordering; by lean_claim, whatever the gates judge) took
+            # room: what is behind them is claimed too (by claim, after lean_claim, which
+            # also takes the key's next that an ack it carried promoted).
+            lean = statement is self.lean_claim_statement and self.featured
+            if len(found) >= limit or (len(delivered) == len(batch) and not lean):
                 break
         return found
 
@@ -554,7 +570,7 @@ def read_claim(acks: Sequence[Lease], rows: Sequence[Row]) -> list[Claimed]:
     that the fencing refused reported and left out; rows held back (ordering) kept, for
     they took room (a claim they filled is not short)."""
     batch = [decode_claimed(row) for row in rows]
-    if batch and batch[-1].note == LIMITS:
+    while batch and batch[-1].note in MARKERS:
         batch.pop()
     if not acks:
         return batch
@@ -564,11 +580,29 @@ def read_claim(acks: Sequence[Lease], rows: Sequence[Row]) -> list[Claimed]:
     return [c for c in batch if not c.refused]
 
 
+def _markers(rows: Sequence[Row]) -> set[bytes]:
+    """The notes of the rows at the end of a claim's answer that are no message."""
+    found: set[bytes] = set()
+    for row in reversed(rows):
+        note = row[8] if len(row) > 8 else None
+        if note is None or note.decode("utf-8", "replace") not in MARKERS:
+            break
+        found.add(note)
+    return found
+
+
 def claim_limits(rows: Sequence[Row]) -> bool:
     """Whether a claim's answer (its rows as they came) ends with the row that says a
     flow limit exists (claim_limits in queries.sql): the next claim is then flow_claim;
     without it, the plain claim."""
-    return bool(rows) and len(rows[-1]) > 8 and rows[-1][8] == LIMITS.encode()
+    return LIMITS.encode() in _markers(rows)
+
+
+def claim_featured(rows: Sequence[Row]) -> bool:
+    """Whether a claim's answer ends with the row that says it met a message the gates
+    judge (claim_featured in queries.sql): the next claim is then claim; without it,
+    lean_claim."""
+    return FEATURED.encode() in _markers(rows)
 
 
 def _lease_params(tokens: Sequence[Lease]) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from pg_transport.db.retry import rolled_back
 from pg_transport.errors import BrokerUnavailable
 from pg_transport.message import envelope, ordering
 from pg_transport.message.rows import FOLLOWS_MISSING, Claimed, Lease
-from pg_transport.store import Store, claim_limits, claim_params, read_claim
+from pg_transport.store import Store, claim_featured, claim_limits, claim_params, read_claim
 
 __all__ = ["UNLIMITED_BATCH", "Engine"]
 
@@ -91,7 +91,7 @@ class _InFlight:
     sent: float = 0.0
     #: Most candidates a claim took of each queue (a queue that gave fewer is empty).
     per_queue: int = 0
-    #: The claim statement sent (claim, flow_claim or fair_claim).
+    #: The claim statement sent (lean_claim, claim, flow_claim or fair_claim).
     statement: str = ""
 
 
@@ -120,6 +120,10 @@ class Engine:
         #: Whether the last claim's answer said a flow limit exists: claims are then sent
         #: as flow_claim, and as claim again once an answer says none is left.
         self.flow = False
+        #: Whether the last claim's answer said it met a message the gates judge (an
+        #: ordering key, a follows link): claims are then sent as claim, and as
+        #: lean_claim again once an answer does not say so.
+        self.featured = False
         #: Messages handed to kombu so far (a blocking driver returns once this grows).
         self.delivered = 0
         self.statements = Statements()
@@ -395,6 +399,8 @@ class Engine:
             want = next((w for w in wants if w.room != 0 and ended.intersection(w.acked)), None)
             if want is not None:
                 queues = [q for q in want.acked if q in ended]
+        # An ack of a keyed message rides on claim, whose hand-off takes the key's next.
+        hands_on = any(token.id in self._keyed for token in acks)
         for token in acks:
             self._keyed.discard(token.id)
         if want is not None:
@@ -403,8 +409,10 @@ class Engine:
             per_queue = -(-limit // max(len(queues), 1))
             if any(self.source.fair_share(q) for q in queues):
                 statement = "fair_claim"
+            elif self.flow:
+                statement = "flow_claim"
             else:
-                statement = "flow_claim" if self.flow else "claim"
+                statement = "claim" if self.featured or hands_on else "lean_claim"
             self._in_flight = _InFlight(
                 "claim",
                 acks,
@@ -427,6 +435,7 @@ class Engine:
                 ),
             )
             self.statements.claim += 1
+            self.statements.lean += statement == "lean_claim"
             self.statements.acks_riding += len(acks)
             if want.room is not None and (want.window - want.room) * 4 <= want.window:
                 self.statements.claims_low += 1
@@ -540,7 +549,9 @@ class Engine:
             self.statements.claim_seconds += monotonic() - flight.sent
             self._looked = flight.sent
             self.flow = claim_limits(rows)
-            if self.flow and flight.statement == "claim":
+            if rows:  # (an empty answer met nothing: it says nothing either way)
+                self.featured = claim_featured(rows)
+            if self.flow and flight.statement in ("claim", "lean_claim"):
                 # A flow limit exists: the plain claim picked nothing (its acks landed).
                 # Not a short claim: the kick that follows sends flow_claim.
                 self.statements.flow_switch += 1
@@ -550,7 +561,10 @@ class Engine:
         # share has no more (one that gave its share may have).
         if flight.kind == "claim":
             self._deep = len(batch) >= flight.limit
-        if len(batch) < flight.limit:
+        # lean_claim met a keyed or following message: what it held is claim's to judge,
+        # sent next; its queues are not known to be empty.
+        lean_met = flight.statement == "lean_claim" and self.featured
+        if len(batch) < flight.limit and not lean_met:
             if not 0 < flight.per_queue < flight.limit:  # (a pop: no share)
                 self.exhausted.update(flight.queues)
             else:

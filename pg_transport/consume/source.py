@@ -75,6 +75,9 @@ class Statements:
     held: int = 0
     #: Plain claims that found a flow limit (picked nothing; flow_claim sent after).
     flow_switch: int = 0
+    #: Claims sent as lean_claim (no gates: the last answer met no keyed or following
+    #: message).
+    lean: int = 0
     #: Seconds claims spent on the wire, from sending to reading their answer.
     claim_seconds: float = 0.0
     #: Claims sent while the consumer held no more than a quarter of its prefetch

@@ -37,6 +37,12 @@ FOLLOWS_MISSING = "follows-missing"
 #: The claim's last row when a flow limit exists (not a message): the plain claim picked
 #: nothing, and the flow claim is the one to send (queries.sql, claim_limits).
 LIMITS = "limits"
+#: The claim's very last row when it met a message the gates must judge (an ordering
+#: key, a follows link; an ack of a keyed message): the next claim is the full claim,
+#: not the lean one (queries.sql, claim_featured).
+FEATURED = "featured"
+#: The notes of rows that are no message, only at the end of a claim's answer.
+MARKERS = frozenset({LIMITS, FEATURED})
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ SELECT pg_catalog.pg_notify(%(channel)s::text, '')
 --   budget       claim_budget                    limit and max_bytes over what passed
 --   doom         claim_doom, claim_dead          never delivered, never lost
 --   update       claim_update                    the lease
---   answer       claim_delivered, claim_answer   (claim_limits: a flow limit exists)
+--   answer       claim_delivered, claim_answer   (claim_limits: a flow limit exists;
+--                                                claim_featured: it met a keyed message)
 --   commit       claim_relax                     behind a pooler: how it commits
 -- It carries no flow gate: when any flow limit exists (claim_flow_on, in its snapshot)
 -- it picks nothing, hands nothing on, lands its acks and answers the row claim_limits,
@@ -224,6 +225,63 @@ WITH wanted AS (
     {part:claim_park}
 ), handed AS MATERIALIZED (
     {part:claim_handoff}
+), picked AS MATERIALIZED (
+    {part:claim_budget}
+), poisoned AS (
+    {part:claim_dead}
+), dead AS (
+    INSERT INTO {schema}.dead_letter
+        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
+    FROM poisoned AS p JOIN picked ON picked.id = p.id
+    RETURNING id, message_id
+), claimed AS (
+    {part:claim_update}
+), stopped AS (
+    SELECT id, queue, priority, read_ct, visible_at FROM held
+), delivered AS (
+    {part:claim_delivered}
+)
+{part:claim_answer}
+
+-- name: lean_claim
+-- The claim of the plain case (docs/design/claim.md, "The lean claim"): claim, but the
+-- gates, the hold's parking and the hand-off are left out. It delivers only candidates
+-- that carry no ordering key and no follows link (claim_plain), the ones every gate of
+-- claim lets through without reading anything, and only when every candidate is plain
+-- (claim_mixed): otherwise all come back held (not parked, not delivered: their locks
+-- end with the statement) and the answer ends with the row claim_featured, so the caller
+-- sends claim next, which gates them as always (in claim order: nothing overtakes). Acks
+-- ride on it as on claim; an acked message of a key hands nothing on here, the trigger
+-- message_leave promotes its key's next. Doom, the lease, unique keys and the flow-limit
+-- guard are claim's own parts. A separate statement so that a plain queue's claim
+-- carries none of the gates' plan (the executor starts every node of a cached plan,
+-- whether it runs or not).
+WITH wanted AS (
+    SELECT w.name, w.vt, w.max_attempts, false AS fair
+    FROM ROWS FROM (pg_catalog.unnest(%(queues)s::text[]),
+                    pg_catalog.unnest(%(vts)s::float8[]),
+                    pg_catalog.unnest(%(max_attempts)s::integer[]))
+        AS w(name, vt, max_attempts)
+    WHERE {part:claim_relax} AND {part:claim_flow_on} IS NULL
+), acked AS (
+    {part:claim_ack}
+), levels AS (
+    {part:claim_levels}
+), candidates AS MATERIALIZED (
+    {part:claim_pick}
+), gated AS MATERIALIZED (
+    SELECT c.*, NULL::text AS key_gate, NULL::text AS follow_gate
+    FROM candidates AS c
+    WHERE {part:claim_mixed} IS NULL
+), held AS MATERIALIZED (
+    SELECT c.id, c.queue, c.priority, c.read_ct, c.visible_at
+    FROM candidates AS c
+    WHERE {part:claim_mixed}
+), handed AS MATERIALIZED (
+    SELECT c.id, c.priority, c.visible_at, c.read_ct, c.bytes, c.kind, c.vt, c.max_attempts
+    FROM candidates AS c
+    WHERE false
 ), picked AS MATERIALIZED (
     {part:claim_budget}
 ), poisoned AS (
@@ -1038,10 +1096,11 @@ SELECT p.id, p.queue, p.priority, p.read_ct, p.lease, p.payload, d.id
 FROM poisoned AS p JOIN dead AS d ON d.message_id = p.id
 
 -- part: claim_answer
--- The answer, in four parts: delivered in claim order (an oversized payload not sent),
+-- The answer, in five parts: delivered in claim order (an oversized payload not sent),
 -- held (stopped: what the statement's gates held back), then the acks that deleted
 -- nothing: refused by the fencing (the lease lapsed and the message was claimed again,
--- or released), and last the row claim_limits when a flow limit exists.
+-- or released), the row claim_limits when a flow limit exists, and last the row
+-- claim_featured when the claim met a message the gates judge.
 SELECT r.id, r.queue, r.priority, r.read_ct, r.lease, r.payload, r.dead_letter_id, r.doom,
        r.note
 FROM (
@@ -1062,6 +1121,8 @@ FROM (
     WHERE a.id <> ALL(ARRAY(SELECT id FROM acked))
     UNION ALL
     {part:claim_limits}
+    UNION ALL
+    {part:claim_featured}
 ) AS r
 ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 
@@ -1073,6 +1134,30 @@ ORDER BY r.part, r.priority DESC, r.visible_at, r.id
 SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'limits', 3,
        NULL::timestamptz
 WHERE {part:claim_flow_on}
+
+-- part: claim_plain
+-- Candidate c is plain: no ordering key, no follows link. claim_gate_key and
+-- claim_gate_follows let such a candidate through on their first branch, reading
+-- nothing; both columns are set when the message is published and never change, and
+-- they are read from the row as locked. So lean_claim delivering a plain candidate is
+-- what claim would do, whatever is published beside it at the same moment.
+c.okey IS NULL AND c.follows IS NULL
+
+-- part: claim_mixed
+-- Whether a candidate is not plain (claim_plain); NULL if none. lean_claim then delivers
+-- none of them, all come back held for claim: what it delivers is what claim would
+-- deliver, in the same order (no plain message overtakes a keyed one of a higher
+-- priority or an earlier place). Uncorrelated, so read once (an InitPlan) wherever used.
+(SELECT true FROM candidates AS c WHERE NOT ({part:claim_plain}) LIMIT 1)
+
+-- part: claim_featured
+-- The answer's very last row, note featured, when this claim met a message the gates
+-- must judge: a candidate that is not plain (claim_plain), or an ack of a message of an
+-- ordering key (claim hands its key's next on). The caller sends claim next; without the
+-- row, lean_claim. Not a message: id 0, no payload.
+SELECT 0::bigint, ''::text, 0, 0, 0, NULL::json, NULL::bigint, NULL::text, 'featured', 4,
+       NULL::timestamptz
+WHERE {part:claim_mixed} OR (SELECT true FROM acked AS a WHERE a.okey IS NOT NULL LIMIT 1)
 
 -- name: next_due
 -- Seconds from now until the first message of the given queues that is not visible yet

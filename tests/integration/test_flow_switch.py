@@ -1,10 +1,11 @@
 """The plain claim carries no flow gate; the flow claim is sent while limits exist.
 
-``claim`` picks nothing when a flow limit exists in its snapshot and says so (its last
-row, note ``limits``); its caller then sends ``flow_claim``, whose answer without that row
-sends it back to ``claim`` (docs/design/claim.md, "Flow limits"). A fair queue's claim
-(``fair_claim``) keeps the flow gates. Real sessions; the order of a limit's commit and a
-claim's snapshot is stepped by holding the limit's transaction open.
+``claim`` and ``lean_claim`` pick nothing when a flow limit exists in their snapshot and
+say so (their last row, note ``limits``); the caller then sends ``flow_claim``, whose
+answer without that row sends it back to ``lean_claim`` (docs/design/claim.md, "Flow
+limits"). A fair queue's claim (``fair_claim``) keeps the flow gates. Real sessions; the
+order of a limit's commit and a claim's snapshot is stepped by holding the limit's
+transaction open.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 from click.testing import CliRunner
 from kombu import Connection, Consumer, Producer, Queue
 
@@ -37,8 +39,9 @@ def ready(peek: Peek) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
+@pytest.mark.parametrize("plain_claim", ["claim", "lean_claim"])
 def test_a_plain_claim_delivers_nothing_past_a_limit_committed_before_it(
-    store: PublishingStore, peek: Peek, pg_url: str, schema: str
+    store: PublishingStore, peek: Peek, pg_url: str, schema: str, plain_claim: str
 ) -> None:
     """A limit written but not committed is not there yet: the plain claim delivers. Once
     committed, the plain claim lands the ack it carries, picks nothing and answers only
@@ -46,7 +49,7 @@ def test_a_plain_claim_delivers_nothing_past_a_limit_committed_before_it(
     deferred)."""
     for n in range(4):
         store.publisher.publish(Q, message(n))
-    plain, flow = store.q["claim"], store.q["flow_claim"]
+    plain, flow = store.q[plain_claim], store.q["flow_claim"]
     with (
         psycopg.connect(pg_url) as setter,
         psycopg.connect(pg_url, autocommit=True) as claimer,
@@ -86,7 +89,7 @@ def test_removing_every_limit_goes_back_to_the_plain_claim(
     assert delivered(store.claim([Q], [30.0], 10)) == [3] and store.flow is False
     store.publisher.publish(Q, message(4))
     sent: list[str] = []
-    plain = store.claim_statement
+    plain = store.lean_claim_statement
     original = plain.execute
 
     def spy(conn: Any, params: Any, *, prepare: bool) -> Any:
@@ -95,7 +98,7 @@ def test_removing_every_limit_goes_back_to_the_plain_claim(
 
     plain.execute = spy  # type: ignore[method-assign]
     assert delivered(store.claim([Q], [30.0], 10)) == [4]
-    assert sent == ["claim"]
+    assert sent == ["lean_claim"]
 
 
 def test_a_fair_queue_keeps_to_its_limits(store: PublishingStore, peek: Peek) -> None:
@@ -188,7 +191,7 @@ def test_a_limit_set_while_a_worker_claims_plainly_takes_effect(
         worker.until(lambda: worker.got == [0, 1], "the one message the rate lets through")
         assert worker.engine.flow is True and worker.engine.statements.flow_switch >= 1
         assert "flow_claim" in worker.sent
-        assert worker.sent[worker.sent.index("flow_claim") - 1] == "claim"
+        assert worker.sent[worker.sent.index("flow_claim") - 1] == "lean_claim"
 
         done = runner.invoke(main, ["limit", "reset", f"task:{TASK}", *args])
         assert done.exit_code == 0, done.output
@@ -199,5 +202,5 @@ def test_a_limit_set_while_a_worker_claims_plainly_takes_effect(
         publish(5)
         worker.until(lambda: 5 in worker.got, "the next message")
         after = [s for s in worker.sent[before:] if s.endswith("claim")]
-        assert after[0] == "flow_claim" and after[-1] == "claim", after
+        assert after[0] == "flow_claim" and after[-1] == "lean_claim", after
         assert worker.engine.flow is False

@@ -26,7 +26,7 @@ class Counting:
         engine.session.send = self.send
 
     def send(self, name: str, params: dict[str, Any]) -> None:
-        if name == "claim":
+        if name in ("claim", "lean_claim"):
             self.claims.append(list(params["queues"]))
         self._send(name, params)
 

@@ -345,7 +345,8 @@ def test_an_ack_waits_for_a_park_behind_it_and_then_promotes(
     failures: list[BaseException] = []
     with session.transaction():
         rows = raw_claim(store, session)
-        assert [r[8] for r in rows] == ["held"]  # parked, under a lock on m0
+        # Parked, under a lock on m0; the answer's last row: the claim met a keyed message.
+        assert [r[8] for r in rows] == ["held", "featured"]
         with store.connector.connection() as acker:
             acker_pid = int(acker.info.backend_pid)
 
