@@ -21,7 +21,7 @@ from pg_transport.store import Store
 from tests.acceptance.harness import Env, wait_for, workers
 
 # The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
-pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(8)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(10)]  # side by side, the run's meter: 9
 
 APP = "tests.acceptance.timing_app"
 COUNTDOWNS = 20

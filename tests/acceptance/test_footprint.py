@@ -88,7 +88,7 @@ class Sampler:
         self._thread.join(10)
 
 
-@pytest.mark.sessions(16)  # 14 seen (5 runs, -n 0, load 5-7)
+@pytest.mark.sessions(19)  # 14 seen (5 runs, -n 0), 17 side by side
 def test_a_prefork_worker_and_a_producer_hold_what_the_docs_say(env: Env) -> None:
     idle = {"PGQ_POOL_IDLE_TIMEOUT": IDLE_TIMEOUT}
     with workers(env, "footprint", pool="prefork", concurrency=8, app=APP, environ=idle) as (

@@ -17,7 +17,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from tests.acceptance.harness import QUICK_STOP, Env, start_worker, workers
 
 # The sessions a test holds at most (the most of two runs, -n 0); a test may say otherwise.
-pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(8)]
+pytestmark = [pytest.mark.acceptance, pytest.mark.sessions(10)]  # side by side, the run's meter: 9
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ print(json.dumps({'before': before, 'backend': type(backend).__module__,
 """
 
 
-@pytest.mark.sessions(2)  # the most of two runs, -n 0
+@pytest.mark.sessions(6)  # side by side, the run's meter: 5
 def test_backend_scheme_resolves_without_importing_the_package(env: Env) -> None:
     out = subprocess.run(
         [sys.executable, "-c", ZERO_IMPORT, env.broker_url, env.schema],
