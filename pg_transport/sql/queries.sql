@@ -230,11 +230,7 @@ WITH wanted AS (
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
-    INSERT INTO {schema}.dead_letter
-        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
-    FROM poisoned AS p JOIN picked ON picked.id = p.id
-    RETURNING id, message_id
+    {part:claim_dead_letter}
 ), claimed AS (
     {part:claim_update}
 ), stopped AS (
@@ -287,11 +283,7 @@ WITH wanted AS (
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
-    INSERT INTO {schema}.dead_letter
-        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
-    FROM poisoned AS p JOIN picked ON picked.id = p.id
-    RETURNING id, message_id
+    {part:claim_dead_letter}
 ), claimed AS (
     {part:claim_update}
 ), stopped AS (
@@ -362,11 +354,7 @@ WITH wanted AS (
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
-    INSERT INTO {schema}.dead_letter
-        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
-    FROM poisoned AS p JOIN picked ON picked.id = p.id
-    RETURNING id, message_id
+    {part:claim_dead_letter}
 ), claimed AS (
     {part:claim_flow_update}
 ), stopped AS (
@@ -445,11 +433,7 @@ WITH wanted AS (
 ), poisoned AS (
     {part:claim_dead}
 ), dead AS (
-    INSERT INTO {schema}.dead_letter
-        (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
-    SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
-    FROM poisoned AS p JOIN picked ON picked.id = p.id
-    RETURNING id, message_id
+    {part:claim_dead_letter}
 ), claimed AS (
     {part:claim_flow_update}
 ), stopped AS (
@@ -1027,6 +1011,15 @@ END
 DELETE FROM {schema}.message AS t
 WHERE t.id = ANY(ARRAY(SELECT id FROM picked WHERE doom IS NOT NULL))
 RETURNING t.id, t.queue, t.priority, t.read_ct, t.lease, t.enqueued_at, t.payload
+
+-- part: claim_dead_letter
+-- The doomed rows' dead letters, each with its doom as the reason (the CTEs poisoned,
+-- claim_dead, and picked beside it).
+INSERT INTO {schema}.dead_letter
+    (message_id, queue, priority, read_ct, enqueued_at, reason, payload)
+SELECT p.id, p.queue, p.priority, p.read_ct, p.enqueued_at, picked.doom, p.payload
+FROM poisoned AS p JOIN picked ON picked.id = p.id
+RETURNING id, message_id
 
 -- part: claim_update
 -- Update: each row picked and not doomed is leased for its queue's vt under a new grant
