@@ -16,28 +16,21 @@ import argparse
 import json
 import os
 import signal
-import threading
 import time
-from collections import Counter
 from typing import Any
 
 import psycopg
 
 from tests.acceptance.harness import QUICK_STOP, prepare, start_worker, wait_for, wake
+from tests.acceptance.test_footprint import Sampler as FootprintSampler
 from tests.pg import drop_session_database, session_database
 
 
-class Sampler:
-    """The most sessions each pid held (application_name ``pgq…:<pid>``), every 20 ms."""
+class Sampler(FootprintSampler):
+    """test_footprint's sampler (the most sessions each pid held, every 20 ms), which
+    also says what each of a pid's sessions is now."""
 
-    def __init__(self, pg_url: str) -> None:
-        self.pg_url = pg_url
-        self.most: Counter[int] = Counter()
-        self.names: dict[int, set[str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def now(self) -> dict[int, list[str]]:
+    def sessions_now(self) -> dict[int, list[str]]:
         with psycopg.connect(self.pg_url, autocommit=True) as conn:
             rows = conn.execute(
                 "SELECT split_part(application_name, ':', 2)::int,"
@@ -50,25 +43,6 @@ class Sampler:
         for pid, what in rows:
             found.setdefault(int(pid), []).append(str(what))
         return found
-
-    def _run(self) -> None:
-        with psycopg.connect(self.pg_url, autocommit=True) as conn:
-            while not self._stop.wait(0.02):
-                rows = conn.execute(
-                    "SELECT split_part(application_name, ':', 2)::int, count(*)"
-                    " FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND application_name ~ '^pgq[a-z-]*:[0-9]+(:|$)' GROUP BY 1"
-                ).fetchall()
-                for pid, n in rows:
-                    self.most[int(pid)] = max(self.most[int(pid)], int(n))
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def one_round(
@@ -97,7 +71,7 @@ def one_round(
             env.close()
             busy = sampler.most[parent]
         time.sleep(idle_wait)  # a measurement: what stays once pool_idle_timeout passed
-        idle = sampler.now().get(parent, [])
+        idle = sampler.sessions_now().get(parent, [])
         began = time.monotonic()
         os.killpg(parent, signal.SIGTERM)
         wake([worker])
