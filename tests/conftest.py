@@ -67,6 +67,7 @@ FILE_SESSIONS: dict[str, int] = {
     "tests/integration/test_publish_visibility.py": 11,
     "tests/integration/test_queue_limits.py": 11,
     "tests/integration/test_cli_status.py": 10,
+    "tests/integration/test_flow_switch.py": 10,
     "tests/integration/test_status_ordering.py": 10,
     "tests/integration/test_trust.py": 10,
     "tests/integration/test_ttl.py": 10,

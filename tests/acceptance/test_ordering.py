@@ -336,7 +336,7 @@ def test_a_failure_rejected_without_requeue_is_dead_lettered_and_releases_its_ke
     assert oenv.scalar("SELECT task_id FROM {schema}.dead_letter") == first.id
 
 
-@pytest.mark.sessions(5)  # the most of two runs, -n 0
+@pytest.mark.sessions(8)  # side by side, the run's meter: 6
 def test_a_message_a_stopping_worker_gives_back_unstarted_keeps_its_place(oenv: Env) -> None:
     """Not a failure: a worker's warm shutdown gives back what it received and never
     started, in a relaxed queue as in a strict one, and its key keeps its order."""
