@@ -137,13 +137,7 @@ def measure_cpu(
         with _sessions(s, [this, that]) as sessions:
             for r in range(rounds):
                 queue = f"cpu_{r}"
-                s.sql(
-                    "INSERT INTO {schema}.message (queue, payload)"
-                    " SELECT %s, %s::json FROM generate_series(1, %s)",
-                    queue,
-                    json.dumps(CELERY_PAYLOAD),
-                    messages,
-                )
+                s.fill(queue, messages)
                 s.sql("ANALYZE {schema}.message")
                 order = sessions if r % 2 == 0 else sessions[::-1]
                 cpu = drain_cpu(s, queue, messages, window, order)

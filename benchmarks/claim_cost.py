@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.brokers import default_pg_url
 from benchmarks.procstat import sample
-from benchmarks.scratch import CELERY_PAYLOAD, Scratch, scratch
+from benchmarks.scratch import Scratch, scratch
 from pg_transport.store import Lease
 
 __all__ = ["main", "measure"]
@@ -70,13 +70,7 @@ def measure(pg_url: str, messages: int, windows: list[int], rounds: int) -> list
             # Every other round the other way round: a drift weighs on all windows.
             for window in windows if r % 2 == 0 else windows[::-1]:
                 queue = f"w{window}_{r}"
-                s.sql(
-                    "INSERT INTO {schema}.message (queue, payload)"
-                    " SELECT %s, %s::json FROM generate_series(1, %s)",
-                    queue,
-                    json.dumps(CELERY_PAYLOAD),
-                    messages,
-                )
+                s.fill(queue, messages)
                 s.sql("ANALYZE {schema}.message")
                 done, claims, cpu, wall = _drain(s, queue, window)
                 rows.append(
