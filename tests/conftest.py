@@ -53,7 +53,6 @@ OTHER_SESSIONS = 6
 #: 14 (acceptance), so that an acceptance test and an integration test fit in the
 #: budget together.
 FILE_SESSIONS: dict[str, int] = {
-    "tests/acceptance/test_atomic_flow.py": 15,
     "tests/acceptance/test_faults.py": 15,
     "tests/acceptance/test_transactional.py": 15,
     "tests/acceptance/test_limits.py": 14,
@@ -66,13 +65,13 @@ FILE_SESSIONS: dict[str, int] = {
     "tests/integration/test_publish_retry.py": 11,
     "tests/integration/test_publish_visibility.py": 11,
     "tests/integration/test_queue_limits.py": 11,
+    "tests/integration/test_wake.py": 13,
     "tests/integration/test_cli_status.py": 10,
     "tests/integration/test_flow_switch.py": 10,
     "tests/integration/test_status_ordering.py": 10,
     "tests/integration/test_trust.py": 10,
     "tests/integration/test_ttl.py": 10,
     "tests/integration/test_unique.py": 10,
-    "tests/integration/test_wake.py": 10,
     "tests/integration/test_web_samples.py": 10,
     "tests/benchmarks/test_batch.py": 9,
     "tests/integration/test_atomic_round_trips.py": 9,
