@@ -67,7 +67,7 @@ def test_results_and_states_round_trip(env: Env, serializer: str) -> None:
         assert "ValueError: no good" in (bad.traceback or "")
 
 
-@pytest.mark.sessions(10)  # side by side, the run's meter
+@pytest.mark.sessions(14)  # side by side, the run's meter: 12
 def test_documented_result_behaviours(env: Env) -> None:
     app = client(env)
     with workers(env, "w-doc", app=APP):
