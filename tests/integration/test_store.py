@@ -190,7 +190,7 @@ def test_claim_past_max_attempts_dead_letters_in_the_same_statement(
     assert store.claim(["q"], [30.0], 10, [3]) == []
 
 
-@pytest.mark.sessions(13)  # side by side, the run's meter
+@pytest.mark.sessions(17)  # side by side, the run's meter: 15
 def test_concurrent_claimers_never_share_a_message(pg_url: str, schema: str, store: Store) -> None:
     total, workers = 600, 6
     for n in range(total):
